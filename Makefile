@@ -1,0 +1,44 @@
+# Every target sets itself up on a fresh machine: system packages, .venv, the project.
+SHELL := /bin/bash
+PY := .venv/bin/python
+PIP := .venv/bin/pip
+STAMP := .venv/.kvstore-installed
+SYS_PACKAGES := libibverbs1 librdmacm1 etcd-server iproute2
+PYTEST_ARGS ?=
+
+.PHONY: all setup sys venv test run bench clean
+
+all: test
+
+setup: sys $(STAMP)
+
+# apt only when something is missing; CI and fresh machines run as root.
+sys:
+	@missing=""; for p in $(SYS_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing system packages:$$missing"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+$(STAMP): pyproject.toml tools/requirements-vllm.txt
+	test -x $(PY) || python3 -m venv .venv
+	$(PIP) install -q --upgrade pip
+	# No CUDA here: take the CPU wheel of torch before anything pulls a CUDA build.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q torch==2.13.0; fi
+	$(PIP) install -q -e '.[test,demo,bench]'
+	# vLLM's Python package only (no CUDA kernels): its connector API for our tests.
+	$(PIP) install -q --no-deps -r tools/requirements-vllm.txt
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+run: setup
+	$(PY) -m tools.demo
+
+bench: setup
+	$(PY) -m tools.bench
+
+clean:
+	rm -rf .venv build *.egg-info .pytest_cache

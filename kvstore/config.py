@@ -1,0 +1,264 @@
+"""One frozen configuration tree.
+
+Loaded from a TOML file, then ``KVSTORE_<SECTION>_<FIELD>`` environment variables,
+then explicit overrides (CLI flags), each layer replacing the one before. Sizes
+accept ``64GiB``-style strings. Every dataclass validates itself in
+``__post_init__``; an invalid value raises ``ConfigError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping, get_type_hints
+
+from kvstore.errors import ConfigError
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30, "tib": 2**40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | str) -> int:
+    """``"64GiB"`` -> 68719476736. Ints pass through; negative sizes are refused."""
+    if isinstance(value, bool):
+        raise ConfigError(f"not a size: {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"size must be >= 0, got {value}")
+        return value
+    match = _SIZE_RE.match(str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ConfigError(f"not a size: {value!r} (use e.g. 512MiB, 64GiB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_size(n: int) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n}B"
+
+
+Size = int  # annotation marker: fields typed Size accept "64GiB" strings
+
+
+@dataclass(frozen=True)
+class TiersConfig:
+    """Capacity of each tier; 0 disables a tier."""
+
+    gpu_bytes: Size = 0
+    gpu_device: str = "cuda:0"
+    dram_bytes: Size = 1 << 30
+    # Back the DRAM arena with a shared-memory file so same-node clients memcpy into it.
+    dram_shared: bool = True
+    nvme_bytes: Size = 4 << 30
+    nvme_path: str = ""  # slab file or block device; default <data_dir>/nvme.slab
+    nvme_direct: str = "auto"  # auto | on | off  (O_DIRECT)
+    nvme_fsync: str = "commit"  # never | commit | always
+
+    def __post_init__(self) -> None:
+        _sizes(self, "gpu_bytes", "dram_bytes", "nvme_bytes")
+        _choice(self, "nvme_direct", ("auto", "on", "off"))
+        _choice(self, "nvme_fsync", ("never", "commit", "always"))
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """When entries move down a tier: above ``high_watermark`` of a tier's capacity,
+    least-recently-used entries demote until usage is under ``low_watermark``."""
+
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    stage_nvme_hits: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 < self.low_watermark <= self.high_watermark <= 1:
+            raise ConfigError("policy: need 0 < low_watermark <= high_watermark <= 1")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    data_dir: str = "kvstore-data"
+    block_tokens: int = 16
+    reservation_lease_s: float = 30.0
+    read_lease_s: float = 30.0
+    index_map_bytes: Size = 8 << 30
+
+    def __post_init__(self) -> None:
+        _sizes(self, "index_map_bytes")
+        _positive(self, "block_tokens", "reservation_lease_s", "read_lease_s")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 7700
+    te_host: str = ""  # address TE binds/advertises; default: host
+    te_metadata: str = "P2PHANDSHAKE"  # or etcd://host:port, http://...
+    max_message_bytes: Size = 16 << 20
+    metrics_port: int = 0  # 0: no Prometheus endpoint
+    curve_secret_key: str = ""  # file written by `kvstore keys`; empty: no CURVE
+    curve_authorized_keys: str = ""  # directory of client public keys
+
+    def __post_init__(self) -> None:
+        _sizes(self, "max_message_bytes")
+        if not 0 < self.port < 65536 or not 0 <= self.metrics_port < 65536:
+            raise ConfigError("server: ports must be in 1..65535")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    etcd: str = ""  # etcd://host:port; empty: single node
+    prefix: str = "/kvstore/nodes/"
+    ttl_s: int = 5
+    node_id: str = ""  # default: host:port
+
+    def __post_init__(self) -> None:
+        _positive(self, "ttl_s")
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    server: str = "tcp://127.0.0.1:7700"
+    timeout_s: float = 10.0
+    te_host: str = "127.0.0.1"
+    staging_bytes: Size = 256 << 20
+    curve_server_public_key: str = ""
+    curve_secret_key: str = ""
+    etcd: str = ""
+
+    def __post_init__(self) -> None:
+        _sizes(self, "staging_bytes")
+        _positive(self, "timeout_s")
+
+
+@dataclass(frozen=True)
+class KVStoreConfig:
+    tiers: TiersConfig = field(default_factory=TiersConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    client: ClientConfig = field(default_factory=ClientConfig)
+
+    def replace(self, **sections: Mapping[str, Any]) -> "KVStoreConfig":
+        """New config with ``section={field: value}`` overrides applied."""
+        return _merge(self, {k: dict(v) for k, v in sections.items()})
+
+
+def load_config(path: str | os.PathLike | None = None,
+                env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Mapping[str, Any]] | None = None) -> KVStoreConfig:
+    """TOML file, then ``KVSTORE_*`` environment, then ``overrides``."""
+    cfg = KVStoreConfig()
+    if path:
+        try:
+            with open(path, "rb") as f:
+                cfg = _merge(cfg, tomllib.load(f))
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config {path}: {exc}") from exc
+    cfg = _merge(cfg, _from_env(os.environ if env is None else env))
+    if overrides:
+        cfg = _merge(cfg, {k: {f: v for f, v in sec.items() if v is not None}
+                           for k, sec in overrides.items()})
+    return cfg
+
+
+def describe_options() -> list[tuple[str, str, str, str]]:
+    """(toml key, env var, type, default) for every option; docs are generated from it."""
+    rows = []
+    for section in fields(KVStoreConfig):
+        cls = section.default_factory  # type: ignore[misc]
+        hints = get_type_hints(cls)
+        for f in fields(cls):
+            default = getattr(cls(), f.name)
+            rows.append((f"{section.name}.{f.name}",
+                         f"KVSTORE_{section.name.upper()}_{f.name.upper()}",
+                         _type_name(hints[f.name]), repr(default)))
+    return rows
+
+
+# ------------------------------------------------------------------ helpers
+def _type_name(t: Any) -> str:
+    return getattr(t, "__name__", str(t))
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    out: dict[str, dict[str, str]] = {}
+    for section in fields(KVStoreConfig):
+        cls = section.default_factory  # type: ignore[misc]
+        for f in fields(cls):
+            name = f"KVSTORE_{section.name.upper()}_{f.name.upper()}"
+            if name in env:
+                out.setdefault(section.name, {})[f.name] = env[name]
+    return out
+
+
+def _merge(cfg: KVStoreConfig, data: Mapping[str, Any]) -> KVStoreConfig:
+    sections = {f.name: f for f in fields(KVStoreConfig)}
+    new = {}
+    for name, values in data.items():
+        if name not in sections:
+            raise ConfigError(f"unknown config section [{name}]; one of {sorted(sections)}")
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"[{name}] must be a table")
+        current = getattr(cfg, name)
+        new[name] = _replace_section(current, name, values)
+    return dataclasses.replace(cfg, **new)
+
+
+def _replace_section(current: Any, section: str, values: Mapping[str, Any]) -> Any:
+    hints = get_type_hints(type(current))
+    known = {f.name for f in fields(current)}
+    changes = {}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"unknown option {section}.{key}; one of {sorted(known)}")
+        changes[key] = _coerce(f"{section}.{key}", hints[key], value)
+    return dataclasses.replace(current, **changes)
+
+
+def _coerce(name: str, typ: Any, value: Any) -> Any:
+    try:
+        if typ is bool:
+            if isinstance(value, str):
+                low = value.strip().lower()
+                if low not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                    raise ValueError(value)
+                return low in ("1", "true", "yes", "on")
+            return bool(value)
+        if typ is int:
+            if isinstance(value, str) and _SIZE_RE.match(value) and not value.strip().isdigit():
+                return parse_size(value)
+            return int(value)
+        if typ is float:
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{name}: cannot use {value!r} as {_type_name(typ)}") from exc
+
+
+def _sizes(obj: Any, *names: str) -> None:
+    for name in names:
+        object.__setattr__(obj, name, parse_size(getattr(obj, name)))
+
+
+def _positive(obj: Any, *names: str) -> None:
+    for name in names:
+        if getattr(obj, name) <= 0:
+            raise ConfigError(f"{type(obj).__name__}.{name} must be > 0")
+
+
+def _choice(obj: Any, name: str, allowed: tuple[str, ...]) -> None:
+    if getattr(obj, name) not in allowed:
+        raise ConfigError(f"{type(obj).__name__}.{name} must be one of {allowed}")
+
+
+def resolve_data_path(data_dir: str, path: str, default_name: str) -> Path:
+    return Path(path) if path else Path(data_dir) / default_name

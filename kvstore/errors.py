@@ -1,0 +1,122 @@
+"""Errors of kvstore, and how a caller must treat each one.
+
+Two families matter to a caller:
+
+* ``MissError`` and its subclasses are *misses*: the KV could not be provided
+  (absent, corrupt, expired, peer gone, timed out). The engine falls back to
+  recomputing those tokens. The connector never lets one of these reach vLLM.
+* Everything else is *fatal* for the request that raised it: a bug, bad
+  configuration or bad input that retrying will not fix.
+
+Every error carries a stable ``code`` string; the wire protocol sends it and the
+client turns it back into the same class with ``error_from_code``.
+"""
+
+from __future__ import annotations
+
+
+class KVStoreError(Exception):
+    """Base of every kvstore error. Fatal unless a subclass says otherwise."""
+
+    code = "internal"
+
+
+# ---------------------------------------------------------------- misses
+class MissError(KVStoreError):
+    """A miss: fall back to recompute. Nothing was changed by the failed call."""
+
+    code = "miss"
+
+
+class NotFoundError(MissError):
+    """A miss: the key (or reservation / lease id) is not stored."""
+
+    code = "not_found"
+
+
+class ChecksumError(MissError):
+    """A miss: stored or transferred bytes failed their xxh3_64 check.
+
+    The bad entry is dropped and counted; the caller recomputes.
+    """
+
+    code = "checksum"
+
+
+class LeaseExpiredError(MissError):
+    """A miss: the reservation or acquisition lease ran out and was reclaimed."""
+
+    code = "lease_expired"
+
+
+class KVTimeoutError(MissError):
+    """A miss: an operation did not finish within its bound."""
+
+    code = "timeout"
+
+
+class PeerUnavailableError(MissError):
+    """A miss: the server or transfer peer is gone or not answering."""
+
+    code = "unavailable"
+
+
+class TransferError(MissError):
+    """A miss: a Transfer Engine transfer returned an error code."""
+
+    code = "transfer"
+
+
+class TierFullError(MissError):
+    """A miss for a writer: no tier has room (pinned/leased data is never evicted
+    to make some). The insert is skipped; readers will recompute those blocks."""
+
+    code = "full"
+
+
+# ---------------------------------------------------------------- fatal
+class ConfigError(KVStoreError):
+    """Fatal: invalid configuration. Fix the config and restart."""
+
+    code = "config"
+
+
+class InvalidRequestError(KVStoreError):
+    """Fatal for the request: malformed, oversized or inconsistent input.
+
+    The server replies with this and changes nothing.
+    """
+
+    code = "invalid"
+
+
+class AuthError(KVStoreError):
+    """Fatal: the control plane refused the client's credentials."""
+
+    code = "auth"
+
+
+class IntegrityError(KVStoreError):
+    """Fatal: an internal invariant is broken (a bug). ``check_integrity`` raises it."""
+
+    code = "integrity"
+
+
+def _all_subclasses(cls: type) -> list[type]:
+    out = []
+    for sub in cls.__subclasses__():
+        out.append(sub)
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+_BY_CODE = {c.code: c for c in [KVStoreError, *_all_subclasses(KVStoreError)]}
+
+
+def error_from_code(code: str, message: str) -> KVStoreError:
+    """Rebuild the error a server sent; unknown codes become ``KVStoreError``."""
+    return _BY_CODE.get(code, KVStoreError)(message)
+
+
+def is_miss(err: BaseException) -> bool:
+    return isinstance(err, MissError)

@@ -1,0 +1,105 @@
+"""Token-prefix keys.
+
+``key[0] = xxh3_128(namespace || tokens[0])``, ``key[i] = xxh3_128(key[i-1] || tokens[i])``
+with each block's tokens as little-endian int32 bytes, so a key names the whole
+prefix up to and including its block. The last, partial block of a prompt is
+hashed with a distinct fixed seed: a partial key can never equal a full key.
+
+Nothing here is seeded randomly: keys agree across processes, machines and restarts.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import numpy as np
+import xxhash
+
+from kvstore.errors import InvalidRequestError
+from kvstore.layout import KVLayout
+
+KEY_BYTES = 16
+_FULL_SEED = 0
+# Fixed, not random: separates partial-block keys from full-block keys.
+_PARTIAL_SEED = 0x6B7673746F7265  # "kvstore"
+_HIDDEN_SUFFIX = b"\x00kvstore-hidden"
+_INT32_MAX = 2**31 - 1
+
+
+class BlockKeys(NamedTuple):
+    """Keys of a prompt's blocks, in order; the last one is partial iff ``partial``."""
+
+    keys: list[bytes]
+    token_counts: list[int]
+    partial: bool
+
+    @property
+    def ntokens(self) -> int:
+        return sum(self.token_counts)
+
+
+def namespace_of(model_id: str, layout: KVLayout, tp_rank: int = 0, tp_size: int = 1,
+                 salt: bytes | str = b"") -> bytes:
+    """Fingerprint of everything that makes two caches' bytes interchangeable."""
+    if not 0 <= tp_rank < tp_size:
+        raise InvalidRequestError(f"tp_rank {tp_rank} outside 0..{tp_size - 1}")
+    salt_bytes = salt.encode() if isinstance(salt, str) else bytes(salt)
+    parts = [model_id.encode(), repr(layout.describe()).encode(),
+             f"tp{tp_rank}/{tp_size}".encode(), salt_bytes]
+    # Length-prefix each part so ("ab", "c") and ("a", "bc") differ.
+    blob = b"".join(len(p).to_bytes(4, "little") + p for p in parts)
+    return xxhash.xxh3_128_digest(blob)
+
+
+def tokens_to_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Token ids as a little-endian int32 array; rejects ids that do not fit."""
+    if hasattr(tokens, "detach"):  # torch tensor, without importing torch here
+        tokens = tokens.detach().cpu().numpy()
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise InvalidRequestError(f"tokens must be 1-D, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise InvalidRequestError(f"tokens must be integers, got {arr.dtype}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _INT32_MAX):
+        raise InvalidRequestError("token ids must be in 0..2**31-1")
+    return arr.astype("<i4", copy=False)
+
+
+def block_keys(namespace: bytes, tokens: Sequence[int] | np.ndarray, block_tokens: int,
+               include_partial: bool = True) -> BlockKeys:
+    """Chained keys of every block of ``tokens`` (and of the partial rest, if asked)."""
+    if len(namespace) != KEY_BYTES:
+        raise InvalidRequestError(f"namespace must be {KEY_BYTES} bytes")
+    arr = tokens_to_array(tokens)
+    raw = arr.tobytes()
+    step = block_tokens * 4
+    full, rest = divmod(arr.size, block_tokens)
+    digest = xxhash.xxh3_128_digest
+    keys: list[bytes] = []
+    prev = namespace
+    for start in range(0, full * step, step):
+        prev = digest(prev + raw[start:start + step])
+        keys.append(prev)
+    counts = [block_tokens] * full
+    partial = bool(rest) and include_partial
+    if partial:
+        keys.append(digest(prev + raw[full * step:], _PARTIAL_SEED))
+        counts.append(rest)
+    return BlockKeys(keys, counts, partial)
+
+
+def block_token_bytes(tokens: Sequence[int] | np.ndarray, block_tokens: int) -> list[bytes]:
+    """Each block's token ids as int32 LE bytes; entries store these to re-check hits."""
+    raw = tokens_to_array(tokens).tobytes()
+    step = block_tokens * 4
+    return [raw[i:i + step] for i in range(0, len(raw), step)]
+
+
+def hidden_key(last_key: bytes) -> bytes:
+    """Key of the optional hidden-state tensor that travels with a prompt's last entry."""
+    return xxhash.xxh3_128_digest(last_key + _HIDDEN_SUFFIX)
+
+
+def checksum(data) -> int:
+    """xxh3_64 of a buffer (bytes, memoryview, or a contiguous numpy array)."""
+    return xxhash.xxh3_64_intdigest(data)

@@ -1,0 +1,1 @@
+"""Storage tiers: GPU VRAM, host DRAM, NVMe. Imports nothing from kvstore but errors."""
