@@ -1,0 +1,140 @@
+"""Cluster membership through etcd, and placement of prompts on nodes.
+
+Each ``kvstore-server`` started with ``--cluster etcd://...`` registers a
+``NodeInfo`` under ``<prefix><node_id>`` attached to an etcd lease it keeps
+alive; when the server dies the lease expires and the key disappears. Clients
+watch the prefix and place each prompt by rendezvous (highest-random-weight)
+hashing of its placement key, so producers and consumers agree on a prompt's home
+node without talking to each other, and a node joining or leaving moves only the
+prompts whose winner changed.
+
+No membership protocol of our own: etcd's leases are the failure detector.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+import xxhash
+
+from kvstore.errors import ConfigError, KVStoreError, PeerUnavailableError
+from kvstore.etcd import EtcdClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node_id: str
+    address: str  # control plane, tcp://host:port
+    te_segment: str
+    tiers: dict[str, int] = field(default_factory=dict)  # tier -> capacity bytes
+    started: float = 0.0
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> "NodeInfo":
+        try:
+            raw = json.loads(data)
+            return cls(node_id=str(raw["node_id"]), address=str(raw["address"]),
+                       te_segment=str(raw["te_segment"]),
+                       tiers={str(k): int(v) for k, v in raw.get("tiers", {}).items()},
+                       started=float(raw.get("started", 0.0)))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"malformed node record: {exc}") from exc
+
+
+def rendezvous_order(placement_key: bytes, node_ids: Sequence[str]) -> list[str]:
+    """Node ids by descending weight for ``placement_key``; the first is its home."""
+    weight = xxhash.xxh3_64_intdigest
+    return sorted(node_ids, key=lambda n: (weight(n.encode() + b"\x00" + placement_key), n),
+                  reverse=True)
+
+
+class Registration:
+    """Keeps ``info`` registered in etcd under a lease until ``close``.
+
+    A keepalive thread refreshes the lease every ttl/3; if etcd forgot the lease
+    (it expired while etcd was unreachable) a new one is granted and the key put
+    again, so a node that was partitioned re-appears once it can talk to etcd.
+    """
+
+    def __init__(self, etcd: EtcdClient, prefix: str, info: NodeInfo, ttl_s: int) -> None:
+        self.etcd, self.info, self.ttl_s = etcd, info, ttl_s
+        self.key = (prefix + info.node_id).encode()
+        self._stop = threading.Event()
+        self.lease = self._register()
+        self._thread = threading.Thread(target=self._keepalive_loop, name="etcd-keepalive",
+                                        daemon=True)
+        self._thread.start()
+
+    def _register(self) -> int:
+        lease = self.etcd.grant(self.ttl_s)
+        self.etcd.put(self.key, self.info.encode(), lease)
+        log.info("registered %s in etcd %s (lease %x, ttl %ss)", self.key.decode(),
+                 self.etcd.base, lease, self.ttl_s)
+        return lease
+
+    def _keepalive_loop(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                if self.etcd.keepalive(self.lease) <= 0:
+                    log.warning("etcd lease %x expired; registering again", self.lease)
+                    self.lease = self._register()
+            except KVStoreError as exc:
+                log.warning("etcd keepalive failed: %s", exc)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.ttl_s)
+        try:
+            self.etcd.revoke(self.lease)
+        except KVStoreError as exc:
+            log.warning("could not revoke etcd lease on close: %s", exc)
+
+
+class NodeSet:
+    """The live nodes under an etcd prefix, refreshed at most every ``refresh_s``."""
+
+    def __init__(self, etcd: EtcdClient, prefix: str, refresh_s: float = 1.0) -> None:
+        self.etcd, self.prefix, self.refresh_s = etcd, prefix.encode(), refresh_s
+        self._nodes: dict[str, NodeInfo] = {}
+        self._fetched_at = float("-inf")
+        self._lock = threading.Lock()
+        self.refresh(force=True)
+
+    def refresh(self, force: bool = False) -> dict[str, NodeInfo]:
+        with self._lock:
+            if not force and time.monotonic() - self._fetched_at < self.refresh_s:
+                return self._nodes
+            nodes = {}
+            for kv in self.etcd.get_prefix(self.prefix).kvs:
+                try:
+                    info = NodeInfo.decode(kv.value)
+                except ConfigError as exc:
+                    log.warning("skipping node record %r: %s", kv.key, exc)
+                    continue
+                nodes[info.node_id] = info
+            self._nodes, self._fetched_at = nodes, time.monotonic()
+            return nodes
+
+    def nodes(self) -> dict[str, NodeInfo]:
+        return self.refresh()
+
+    def forget(self, node_id: str) -> None:
+        """Drop a node seen dead until etcd lists it again at the next refresh."""
+        with self._lock:
+            self._nodes.pop(node_id, None)
+
+    def home(self, placement_key: bytes) -> NodeInfo:
+        nodes = self.nodes()
+        if not nodes:
+            raise PeerUnavailableError(f"no kvstore nodes registered under {self.prefix!r}")
+        return nodes[rendezvous_order(placement_key, list(nodes))[0]]
