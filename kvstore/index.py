@@ -1,0 +1,155 @@
+"""The durable index: an LMDB map from a 16-byte key to its ``Record``.
+
+Only ``kvstore.store.Store`` uses this, under its lock. Every method is one LMDB
+transaction over a whole batch, never one per entry: a store operation (commit,
+demotion pass, release, ...) hands all its changed records to one ``apply`` call.
+
+Invariants:
+* Only committed entries are ever written here; a reservation lives in the
+  store's memory until it commits, so a crash can lose nothing committed and can
+  reveal nothing uncommitted.
+* The value is the msgpack list of the record's fields in declaration order; a
+  value that does not decode is treated as absent (and dropped by ``load``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Iterable, Iterator, NamedTuple
+
+import lmdb
+import msgpack
+
+from kvstore.errors import ConfigError, IntegrityError
+
+log = logging.getLogger(__name__)
+
+MAX_META_BYTES = 1024
+COMMITTED = "committed"
+_FORMAT = 1  # first element of every value; bump when the field list changes
+
+
+class Record(NamedTuple):
+    """One stored entry: where its bytes are and what they must be."""
+
+    key: bytes
+    tier: str
+    offset: int
+    nbytes: int
+    ntokens: int
+    tokens: bytes  # int32le token ids of the block; re-checked on every hit
+    checksum: int  # xxh3_64 of the entry bytes
+    created: float  # wall time
+    last_access: float  # wall time
+    pins: int
+    pending: int  # consumers still expected to drop_select it
+    meta: bytes  # small opaque caller bytes (<= MAX_META_BYTES)
+    state: str = COMMITTED
+
+
+def encode(rec: Record) -> bytes:
+    return msgpack.packb([_FORMAT, *rec[1:]], use_bin_type=True)
+
+
+def decode(key: bytes, value: bytes) -> Record:
+    """The record stored under ``key``; raises ``IntegrityError`` on a bad value."""
+    try:
+        fields = msgpack.unpackb(value, raw=False)
+        if not isinstance(fields, list) or fields[0] != _FORMAT:
+            raise ValueError(f"unknown record format {fields[:1]!r}")
+        return Record(bytes(key), *fields[1:])
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise IntegrityError(f"undecodable index record {key.hex()}: {exc}") from exc
+
+
+class LoadResult(NamedTuple):
+    kept: list[Record]
+    dropped: int  # volatile-tier, uncommitted or undecodable records removed
+
+
+class Index:
+    """LMDB environment at ``path`` (a directory) holding one unnamed database."""
+
+    def __init__(self, path: str | os.PathLike, map_size: int, sync: bool = True) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        try:
+            # sync=False (fsync "never") trades durability of the last commits
+            # after a power loss for speed; a killed process loses nothing.
+            self._env = lmdb.open(str(path), map_size=map_size, subdir=True,
+                                  sync=sync, metasync=sync, max_dbs=0, lock=True)
+        except lmdb.Error as exc:
+            raise ConfigError(f"cannot open index at {path}: {exc}") from exc
+        self.path = str(path)
+
+    # -------------------------------------------------------------- reads
+    def get(self, key: bytes) -> Record | None:
+        with self._env.begin() as txn:
+            value = txn.get(key)
+        return None if value is None else decode(key, value)
+
+    def __len__(self) -> int:
+        return self._env.stat()["entries"]
+
+    def records(self) -> Iterator[Record]:
+        """Every record, in key order (a snapshot: one read transaction)."""
+        with self._env.begin() as txn:
+            items = list(txn.cursor())
+        for key, value in items:
+            yield decode(key, value)
+
+    # -------------------------------------------------------------- writes
+    def apply(self, put: Iterable[Record] = (), delete: Iterable[bytes] = ()) -> None:
+        """Write ``put`` and remove ``delete`` in one transaction (deletes first)."""
+        with self._env.begin(write=True) as txn:
+            for key in delete:
+                txn.delete(key)
+            for rec in put:
+                if rec.state != COMMITTED:
+                    raise IntegrityError(f"refusing to persist a {rec.state} record")
+                txn.put(rec.key, encode(rec))
+
+    def put_many(self, records: Iterable[Record]) -> None:
+        self.apply(put=records)
+
+    def delete_many(self, keys: Iterable[bytes]) -> None:
+        self.apply(delete=keys)
+
+    def clear(self) -> None:
+        with self._env.begin(write=True) as txn:
+            txn.drop(self._env.open_db(txn=txn), delete=False)
+
+    def load(self, persistent_tiers: set[str]) -> LoadResult:
+        """Start-up pass: keep committed records of ``persistent_tiers``, delete the
+        rest (volatile tiers lost their bytes with the process) in one transaction."""
+        kept: list[Record] = []
+        doomed: list[bytes] = []
+        with self._env.begin(write=True) as txn:
+            for key, value in txn.cursor():
+                try:
+                    rec = decode(key, value)
+                except IntegrityError as exc:
+                    log.warning("dropping %s", exc)
+                    doomed.append(bytes(key))
+                    continue
+                if rec.state == COMMITTED and rec.tier in persistent_tiers:
+                    kept.append(rec)
+                else:
+                    doomed.append(bytes(key))
+            for key in doomed:
+                txn.delete(key)
+        return LoadResult(kept, len(doomed))
+
+    def sync(self) -> None:
+        self._env.sync(True)
+
+    def info(self) -> dict:
+        stat = self._env.stat()
+        info = self._env.info()
+        return {"entries": stat["entries"], "map_size": info["map_size"],
+                "used_bytes": stat["psize"] * (stat["leaf_pages"] + stat["branch_pages"]
+                                               + stat["overflow_pages"])}
+
+    def close(self) -> None:
+        self._env.close()
