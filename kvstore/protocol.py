@@ -1,0 +1,375 @@
+"""The control-plane wire format: msgpack maps, one per ZeroMQ frame.
+
+Request: ``{v: 1, op: str, id: int, ...fields}``. Reply: ``{v: 1, id, ok: true, ...}``
+or ``{v: 1, id, ok: false, code, message}`` with ``code`` from ``kvstore.errors``.
+
+Every request is decoded into a frozen dataclass of its op (``Hello``, ``Reserve``, ...)
+and every field is checked for type, length and bounds before the server looks at it:
+a frame that fails any check raises ``InvalidRequestError`` and nothing else happens.
+No pickle, no msgpack ext types (a Timestamp or ExtType fails the type checks), map
+keys must be strings, and sizes are bounded both by the frame limit and per field.
+Bytes never travel here; only keys, sizes, addresses and small metadata do.
+docs/protocol.md lists every op, field and limit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Callable, ClassVar
+
+import msgpack
+
+from kvstore.errors import InvalidRequestError, KVStoreError, error_from_code
+
+VERSION = 1
+KEY_BYTES = 16
+MAX_KEYS = 1 << 16  # blocks per message: a 1M-token prompt of 16-token blocks
+MAX_ENTRY_BYTES = 1 << 34  # one entry (block) of one TP rank
+MAX_TOKEN_BYTES = 4 * 8192  # one block's int32 token ids
+MAX_LEASE_S = 3600.0
+MAX_ID = (1 << 63) - 1
+MAX_LS_LIMIT = 10_000
+MAX_META_ITEMS = 16
+MAX_META_STR = 256
+MAX_META_LIST = 16
+TIERS = ("gpu", "dram", "nvme")
+
+
+# ------------------------------------------------------------------ field checks
+def _int(name: str, v: Any, lo: int = 0, hi: int = MAX_ID) -> int:
+    # bool is an int subclass in Python; a wire bool is never a valid int.
+    if type(v) is not int or not lo <= v <= hi:
+        raise InvalidRequestError(f"{name}: need an int in {lo}..{hi}, got {_show(v)}")
+    return v
+
+
+def _float(name: str, v: Any, lo: float, hi: float) -> float:
+    if type(v) not in (int, float) or not math.isfinite(v) or not lo < v <= hi:
+        raise InvalidRequestError(f"{name}: need a number in ({lo}, {hi}], got {_show(v)}")
+    return float(v)
+
+
+def _bool(name: str, v: Any) -> bool:
+    if type(v) is not bool:
+        raise InvalidRequestError(f"{name}: need a bool, got {_show(v)}")
+    return v
+
+
+def _list(name: str, v: Any, limit: int = MAX_KEYS) -> list:
+    if type(v) is not list or len(v) > limit:
+        raise InvalidRequestError(f"{name}: need a list of at most {limit} items, got {_show(v)}")
+    return v
+
+
+def _keys(name: str, v: Any) -> tuple[bytes, ...]:
+    items = _list(name, v)
+    if not items:
+        raise InvalidRequestError(f"{name}: must not be empty")
+    for k in items:
+        if type(k) is not bytes or len(k) != KEY_BYTES:
+            raise InvalidRequestError(f"{name}: every key must be {KEY_BYTES} bytes, got {_show(k)}")
+    return tuple(items)
+
+
+def _sizes(name: str, v: Any) -> tuple[int, ...]:
+    return tuple(_int(name, s, 1, MAX_ENTRY_BYTES) for s in _list(name, v))
+
+
+def _tokens(name: str, v: Any) -> tuple[bytes, ...]:
+    out = _list(name, v)
+    for t in out:
+        if type(t) is not bytes or len(t) % 4 or len(t) > MAX_TOKEN_BYTES:
+            raise InvalidRequestError(
+                f"{name}: each item must be int32 token bytes (<= {MAX_TOKEN_BYTES}), got {_show(t)}")
+    return tuple(out)
+
+
+def _checksums(name: str, v: Any) -> tuple[int, ...]:
+    return tuple(_int(name, c, 0, (1 << 64) - 1) for c in _list(name, v))
+
+
+def _meta_value(name: str, v: Any) -> Any:
+    if type(v) in (bool, int, float) or v is None:
+        return v
+    if type(v) is str and len(v) <= MAX_META_STR:
+        return v
+    if type(v) is list and len(v) <= MAX_META_LIST and all(type(x) is int for x in v):
+        return v
+    raise InvalidRequestError(f"{name}: meta values are scalars, short strings or int lists")
+
+
+def _meta(name: str, v: Any) -> dict | None:
+    if v is None:
+        return None
+    if type(v) is not dict or len(v) > MAX_META_ITEMS:
+        raise InvalidRequestError(f"{name}: need a map of at most {MAX_META_ITEMS} items")
+    for k, item in v.items():
+        if type(k) is not str or len(k) > 64:
+            raise InvalidRequestError(f"{name}: meta keys are strings of at most 64 chars")
+        _meta_value(f"{name}.{k}", item)
+    return v
+
+
+def _metas(name: str, v: Any) -> tuple[dict | None, ...] | None:
+    if v is None:
+        return None
+    return tuple(_meta(name, m) for m in _list(name, v))
+
+
+def _tier(name: str, v: Any) -> str | None:
+    if v is not None and v not in TIERS:
+        raise InvalidRequestError(f"{name}: need one of {TIERS} or nil, got {_show(v)}")
+    return v
+
+
+def _opt(check: Callable[..., Any], *args: Any) -> Callable[[str, Any], Any]:
+    return lambda name, v: None if v is None else check(name, v, *args)
+
+
+def _show(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+_lease = _opt(_float, 0.0, MAX_LEASE_S)
+_rid = lambda name, v: _int(name, v)  # noqa: E731 - reservation / acquisition ids
+
+
+# ------------------------------------------------------------------ messages
+@dataclass(frozen=True)
+class Request:
+    """Base of every request. ``CHECKS`` maps each field to its validator."""
+
+    OP: ClassVar[str] = ""
+    CHECKS: ClassVar[dict[str, Callable[[str, Any], Any]]] = {}
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset()
+
+    def validate(self) -> None:
+        """Cross-field rules beyond each field's own check."""
+
+
+@dataclass(frozen=True)
+class Hello(Request):
+    OP = "hello"
+
+
+@dataclass(frozen=True)
+class Reserve(Request):
+    keys: tuple[bytes, ...]
+    sizes: tuple[int, ...]
+    tokens: tuple[bytes, ...]
+    meta: tuple[dict | None, ...] | None = None
+    lease_s: float | None = None
+    OP = "reserve"
+    CHECKS = {"keys": _keys, "sizes": _sizes, "tokens": _tokens, "meta": _metas,
+              "lease_s": _lease}
+    OPTIONAL = frozenset({"meta", "lease_s"})
+
+    def validate(self) -> None:
+        n = len(self.keys)
+        if len(self.sizes) != n or len(self.tokens) != n or (self.meta is not None
+                                                               and len(self.meta) != n):
+            raise InvalidRequestError("reserve: keys, sizes, tokens (and meta) must have equal lengths")
+
+
+@dataclass(frozen=True)
+class Commit(Request):
+    rid: int
+    checksums: tuple[int, ...]
+    OP = "commit"
+    CHECKS = {"rid": _rid, "checksums": _checksums}
+
+
+@dataclass(frozen=True)
+class Abort(Request):
+    rid: int
+    OP = "abort"
+    CHECKS = {"rid": _rid}
+
+
+@dataclass(frozen=True)
+class Lookup(Request):
+    keys: tuple[bytes, ...]
+    tokens: tuple[bytes, ...]
+    OP = "lookup"
+    CHECKS = {"keys": _keys, "tokens": _tokens}
+
+    def validate(self) -> None:
+        if len(self.keys) != len(self.tokens):
+            raise InvalidRequestError(f"{self.OP}: keys and tokens must have equal lengths")
+
+
+@dataclass(frozen=True)
+class Acquire(Lookup):
+    lease_s: float | None = None
+    OP = "acquire"
+    CHECKS = {"keys": _keys, "tokens": _tokens, "lease_s": _lease}
+    OPTIONAL = frozenset({"lease_s"})
+
+
+@dataclass(frozen=True)
+class Release(Request):
+    aid: int
+    drop: bool
+    OP = "release"
+    CHECKS = {"aid": _rid, "drop": _bool}
+
+
+@dataclass(frozen=True)
+class Pin(Request):
+    keys: tuple[bytes, ...]
+    OP = "pin"
+    CHECKS = {"keys": _keys}
+
+
+@dataclass(frozen=True)
+class Unpin(Pin):
+    OP = "unpin"
+
+
+@dataclass(frozen=True)
+class Evict(Request):
+    tier: str | None = None
+    nbytes: int | None = None
+    fraction: float | None = None
+    keys: tuple[bytes, ...] | None = None
+    everything: bool = False
+    dry_run: bool = False
+    OP = "evict"
+    CHECKS = {"tier": _tier, "nbytes": _opt(_int, 1, 1 << 50), "fraction": _opt(_float, 0.0, 1.0),
+              "keys": _opt(_keys), "everything": _bool, "dry_run": _bool}
+    OPTIONAL = frozenset(CHECKS)
+
+    def validate(self) -> None:
+        chosen = [self.nbytes is not None, self.fraction is not None, self.keys is not None,
+                  self.everything]
+        if sum(chosen) != 1:
+            raise InvalidRequestError("evict: give exactly one of nbytes, fraction, keys, everything")
+
+
+@dataclass(frozen=True)
+class Clear(Request):
+    OP = "clear"
+
+
+@dataclass(frozen=True)
+class Stats(Request):
+    OP = "stats"
+
+
+@dataclass(frozen=True)
+class Ls(Request):
+    tier: str | None = None
+    cursor: int = 0
+    limit: int = 1000
+    OP = "ls"
+    CHECKS = {"tier": _tier, "cursor": _int, "limit": lambda n, v: _int(n, v, 1, MAX_LS_LIMIT)}
+    OPTIONAL = frozenset(CHECKS)
+
+
+@dataclass(frozen=True)
+class Verify(Request):
+    OP = "verify"
+
+
+@dataclass(frozen=True)
+class Health(Request):
+    """``deep`` also runs the store's ``check_integrity`` (O(entries))."""
+
+    deep: bool = False
+    OP = "health"
+    CHECKS = {"deep": _bool}
+    OPTIONAL = frozenset({"deep"})
+
+
+REQUESTS: dict[str, type[Request]] = {
+    cls.OP: cls for cls in (Hello, Reserve, Commit, Abort, Lookup, Acquire, Release, Pin,
+                            Unpin, Evict, Clear, Stats, Ls, Verify, Health)}
+
+
+# ------------------------------------------------------------------ codec
+def _unpack(frame: bytes, max_bytes: int) -> Any:
+    if len(frame) > max_bytes:
+        raise InvalidRequestError(f"message of {len(frame)} bytes exceeds the limit of {max_bytes}")
+    try:
+        # raw=False: str stays str, bin stays bytes; strict_map_key: only str/bytes keys.
+        return msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True,
+                               ext_hook=_no_ext)
+    except (ValueError, msgpack.UnpackException, RecursionError) as exc:
+        raise InvalidRequestError(f"not a msgpack message: {type(exc).__name__}: {exc}") from None
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise InvalidRequestError(f"msgpack ext type {code} is not accepted")
+
+
+def peek_id(frame: bytes, max_bytes: int) -> int:
+    """The request id of a frame, if it can be read; 0 otherwise (for error replies)."""
+    try:
+        msg = _unpack(frame, max_bytes)
+    except InvalidRequestError:
+        return 0
+    rid = msg.get("id") if type(msg) is dict else None
+    return rid if type(rid) is int and 0 <= rid <= MAX_ID else 0
+
+
+def decode_request(frame: bytes, max_bytes: int) -> tuple[int, Request]:
+    """Frame -> (request id, validated request). Raises ``InvalidRequestError``."""
+    msg = _unpack(frame, max_bytes)
+    if type(msg) is not dict:
+        raise InvalidRequestError(f"a message must be a map, got {type(msg).__name__}")
+    if msg.get("v") != VERSION or type(msg.get("v")) is not int:
+        raise InvalidRequestError(f"protocol version {_show(msg.get('v'))} not supported "
+                                  f"(this server speaks {VERSION})")
+    rid = _int("id", msg.get("id"))
+    cls = REQUESTS.get(msg.get("op")) if type(msg.get("op")) is str else None
+    if cls is None:
+        raise InvalidRequestError(f"unknown op {_show(msg.get('op'))}; one of {sorted(REQUESTS)}")
+    values = {}
+    for name, value in msg.items():
+        if name in ("v", "op", "id"):
+            continue
+        if name not in cls.CHECKS:
+            raise InvalidRequestError(f"{cls.OP}: unknown field {_show(name)}")
+        values[name] = cls.CHECKS[name](f"{cls.OP}.{name}", value)
+    missing = set(cls.CHECKS) - set(values) - cls.OPTIONAL
+    if missing:
+        raise InvalidRequestError(f"{cls.OP}: missing field(s) {sorted(missing)}")
+    req = cls(**values)
+    req.validate()
+    return rid, req
+
+
+def encode_request(rid: int, req: Request) -> bytes:
+    """Request -> frame. Unset optional fields are left out."""
+    body: dict[str, Any] = {"v": VERSION, "op": req.OP, "id": rid}
+    for f in fields(req):
+        value = getattr(req, f.name)
+        if value is None:
+            continue
+        body[f.name] = list(value) if isinstance(value, tuple) else value
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def encode_ok(rid: int, result: dict[str, Any]) -> bytes:
+    return msgpack.packb({"v": VERSION, "id": rid, "ok": True, **result}, use_bin_type=True)
+
+
+def encode_error(rid: int, err: KVStoreError) -> bytes:
+    return msgpack.packb({"v": VERSION, "id": rid, "ok": False, "code": err.code,
+                          "message": str(err)}, use_bin_type=True)
+
+
+def decode_reply(frame: bytes, max_bytes: int) -> tuple[int, dict[str, Any]]:
+    """Frame -> (id, result map). An error reply is returned as (id, {"error": exc})."""
+    msg = _unpack(frame, max_bytes)
+    if type(msg) is not dict or msg.get("v") != VERSION or type(msg.get("id")) is not int:
+        raise InvalidRequestError("malformed reply from server")
+    rid = msg.pop("id")
+    if msg.get("ok") is True:
+        return rid, msg
+    code, message = msg.get("code"), msg.get("message")
+    if type(code) is not str or type(message) is not str:
+        raise InvalidRequestError("malformed error reply from server")
+    return rid, {"error": error_from_code(code, message)}

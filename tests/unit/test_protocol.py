@@ -1,0 +1,132 @@
+"""The wire codec: every request round-trips, every bad frame is a typed rejection."""
+
+import msgpack
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kvstore import protocol as p
+from kvstore.errors import ChecksumError, InvalidRequestError, KVStoreError
+
+MAX = 1 << 20
+K = [bytes([i]) * 16 for i in range(4)]
+
+
+def frame(**fields) -> bytes:
+    return msgpack.packb({"v": 1, "id": 7, **fields}, use_bin_type=True)
+
+
+def test_reserve_round_trip():
+    req = p.Reserve(keys=tuple(K[:2]), sizes=(4096, 100), tokens=(b"\0" * 64, b"\1" * 8),
+                    meta=(None, {"hidden": True, "dtype": "bfloat16", "shape": [1, 8]}),
+                    lease_s=2.5)
+    rid, back = p.decode_request(p.encode_request(42, req), MAX)
+    assert rid == 42 and back == req
+
+
+@pytest.mark.parametrize("req", [
+    p.Hello(), p.Commit(rid=3, checksums=(0, (1 << 64) - 1)), p.Abort(rid=1),
+    p.Lookup(keys=(K[0],), tokens=(b"",)), p.Acquire(keys=(K[0],), tokens=(b"abcd",)),
+    p.Release(aid=9, drop=True), p.Pin(keys=(K[1],)), p.Unpin(keys=(K[1],)),
+    p.Evict(tier="dram", fraction=0.5), p.Evict(everything=True, dry_run=True),
+    p.Evict(keys=(K[2],)), p.Clear(), p.Stats(), p.Ls(tier="nvme", cursor=5, limit=10),
+    p.Verify(), p.Health(deep=True)])
+def test_every_op_round_trips(req):
+    rid, back = p.decode_request(p.encode_request(1, req), MAX)
+    assert (rid, back) == (1, req)
+
+
+@pytest.mark.parametrize("raw, words", [
+    (b"\xc1", "not a msgpack"),
+    (msgpack.packb([1, 2]), "must be a map"),
+    (frame(op="hello") .replace(b"\xa1v\x01", b"\xa1v\x02"), "version"),
+    (msgpack.packb({"v": True, "id": 1, "op": "hello"}), "version"),
+    (frame(op="explode"), "unknown op"),
+    (frame(op=b"hello"), "unknown op"),
+    (msgpack.packb({"v": 1, "id": -1, "op": "hello"}), "id"),
+    (msgpack.packb({"v": 1, "id": True, "op": "hello"}), "id"),
+    (frame(op="hello", extra=1), "unknown field"),
+    (frame(op="abort"), "missing"),
+    (frame(op="abort", rid="1"), "rid"),
+    (frame(op="pin", keys=[b"short"]), "16 bytes"),
+    (frame(op="pin", keys=[]), "empty"),
+    (frame(op="pin", keys=["x" * 16]), "16 bytes"),
+    (frame(op="reserve", keys=[K[0]], sizes=[0], tokens=[b""]), "sizes"),
+    (frame(op="reserve", keys=[K[0]], sizes=[1 << 40], tokens=[b""]), "sizes"),
+    (frame(op="reserve", keys=K[:2], sizes=[8], tokens=[b""]), "equal lengths"),
+    (frame(op="reserve", keys=[K[0]], sizes=[8], tokens=[b"abc"]), "token bytes"),
+    (frame(op="reserve", keys=[K[0]], sizes=[8], tokens=[b""], lease_s=float("nan")), "lease"),
+    (frame(op="reserve", keys=[K[0]], sizes=[8], tokens=[b""], meta=[{"a": {"b": 1}}]), "meta"),
+    (frame(op="release", aid=1, drop=1), "bool"),
+    (frame(op="evict", tier="tape", everything=True), "tier"),
+    (frame(op="evict"), "exactly one"),
+    (frame(op="evict", everything=True, nbytes=5), "exactly one"),
+    (frame(op="ls", limit=0), "limit"),
+    (msgpack.packb({"v": 1, "id": 1, "op": "hello", 5: 1}), "not a msgpack"),
+    (msgpack.packb({"v": 1, "id": 1, "op": "abort", "rid": msgpack.ExtType(1, b"x")}), "ext"),
+    (msgpack.packb({"v": 1, "id": 1, "op": "abort", "rid": msgpack.Timestamp(1)},
+                   datetime=False), "rid"),
+])
+def test_bad_frames_are_rejected(raw, words):
+    with pytest.raises(InvalidRequestError, match=words):
+        p.decode_request(raw, MAX)
+
+
+def test_oversized_frame_rejected_before_parsing():
+    big = frame(op="pin", keys=[K[0]] * 1000)
+    with pytest.raises(InvalidRequestError, match="exceeds"):
+        p.decode_request(big, len(big) - 1)
+
+
+def test_too_many_keys_rejected():
+    with pytest.raises(InvalidRequestError, match="at most"):
+        p.decode_request(frame(op="pin", keys=[K[0]] * (p.MAX_KEYS + 1)), 1 << 24)
+
+
+def test_replies_rebuild_error_classes():
+    rid, res = p.decode_reply(p.encode_error(5, ChecksumError("bad bytes")), MAX)
+    assert rid == 5 and type(res["error"]) is ChecksumError and "bad bytes" in str(res["error"])
+    rid, res = p.decode_reply(p.encode_ok(6, {"n": 1}), MAX)
+    assert rid == 6 and res["n"] == 1 and res["ok"] is True
+
+
+def test_unknown_error_code_becomes_base_error():
+    raw = msgpack.packb({"v": 1, "id": 1, "ok": False, "code": "weird", "message": "m"})
+    assert type(p.decode_reply(raw, MAX)[1]["error"]) is KVStoreError
+
+
+def test_peek_id_survives_garbage():
+    assert p.peek_id(b"\xc1", MAX) == 0
+    assert p.peek_id(frame(op="nope"), MAX) == 7
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_random_bytes_decode_or_reject(raw):
+    try:
+        p.decode_request(raw, MAX)
+    except InvalidRequestError:
+        pass
+
+
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(1 << 64), 1 << 64) | st.floats()
+    | st.text(max_size=20) | st.binary(max_size=20),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids,
+                                                               max_size=4), max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(op=st.sampled_from(sorted(p.REQUESTS)), fields=st.dictionaries(
+    st.sampled_from(["keys", "sizes", "tokens", "rid", "aid", "drop", "tier", "meta", "limit",
+                     "lease_s", "checksums", "nbytes", "everything", "deep", "zzz"]), _values,
+    max_size=5))
+def test_structured_garbage_decodes_to_valid_request_or_rejects(op, fields):
+    try:
+        packed = msgpack.packb({"v": 1, "id": 1, "op": op, **fields}, use_bin_type=True)
+    except (OverflowError, ValueError):
+        return
+    try:
+        _, req = p.decode_request(packed, MAX)
+    except InvalidRequestError:
+        return
+    assert isinstance(req, p.REQUESTS[op])
