@@ -35,7 +35,10 @@ def parse_size(value: int | str) -> int:
     match = _SIZE_RE.match(str(value))
     if not match or match.group(2).lower() not in _UNITS:
         raise ConfigError(f"not a size: {value!r} (use e.g. 512MiB, 64GiB)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    nbytes = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if nbytes != int(nbytes):  # "1.5" bytes: refuse rather than silently truncate
+        raise ConfigError(f"not a whole number of bytes: {value!r}")
+    return int(nbytes)
 
 
 def format_size(n: int) -> str:
@@ -165,6 +168,8 @@ def load_config(path: str | os.PathLike | None = None,
             raise ConfigError(f"cannot read config {path}: {exc}") from exc
     cfg = _merge(cfg, _from_env(os.environ if env is None else env))
     if overrides:
+        if not all(isinstance(sec, Mapping) for sec in overrides.values()):
+            raise ConfigError("overrides must be {section: {field: value}}")
         cfg = _merge(cfg, {k: {f: v for f, v in sec.items() if v is not None}
                            for k, sec in overrides.items()})
     return cfg
@@ -234,24 +239,32 @@ def _coerce(name: str, typ: Any, value: Any) -> Any:
                 return low in ("1", "true", "yes", "on")
             return bool(value)
         if typ is int:
+            # bool is an int subclass and 1.5 would truncate: both are mistakes here.
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
             if isinstance(value, str) and _SIZE_RE.match(value) and not value.strip().isdigit():
                 return parse_size(value)
             return int(value)
         if typ is float:
             return float(value)
         return str(value)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, ConfigError) as exc:
         raise ConfigError(f"{name}: cannot use {value!r} as {_type_name(typ)}") from exc
 
 
 def _sizes(obj: Any, *names: str) -> None:
     for name in names:
-        object.__setattr__(obj, name, parse_size(getattr(obj, name)))
+        try:
+            object.__setattr__(obj, name, parse_size(getattr(obj, name)))
+        except ConfigError as exc:
+            raise ConfigError(f"{type(obj).__name__}.{name}: {exc}") from exc
 
 
 def _positive(obj: Any, *names: str) -> None:
     for name in names:
-        if getattr(obj, name) <= 0:
+        value = getattr(obj, name)
+        # "not > 0" also refuses NaN; non-numbers are a ConfigError, not a TypeError.
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ConfigError(f"{type(obj).__name__}.{name} must be > 0")
 
 

@@ -55,7 +55,10 @@ def tokens_to_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     """Token ids as a little-endian int32 array; rejects ids that do not fit."""
     if hasattr(tokens, "detach"):  # torch tensor, without importing torch here
         tokens = tokens.detach().cpu().numpy()
-    arr = np.asarray(tokens)
+    try:
+        arr = np.asarray(tokens)
+    except (ValueError, TypeError) as exc:  # ragged nesting, unconvertible objects
+        raise InvalidRequestError(f"tokens are not a 1-D integer sequence: {exc}") from exc
     if arr.ndim != 1:
         raise InvalidRequestError(f"tokens must be 1-D, got shape {arr.shape}")
     if arr.size and arr.dtype.kind not in "iu":

@@ -94,14 +94,12 @@ def pack_hf(layout: KVLayout, past: Sequence[tuple[torch.Tensor, torch.Tensor]],
     Returns a contiguous uint8 tensor holding every entry of the first ``ntokens``
     tokens back to back (full blocks, then the partial rest).
     """
-    _check_layers(layout, len(past))
-    seq = past[0][0].shape[2]
+    seq = _check_hf(layout, past)
     ntokens = seq if ntokens is None else ntokens
     if not 0 < ntokens <= seq:
         raise InvalidRequestError(f"ntokens {ntokens} outside 1..{seq}")
     # [L, 2, H, T, D] -> [L, 2, T, H, D]
     kv = torch.stack([torch.stack((k[0, :, :ntokens], v[0, :, :ntokens])) for k, v in past])
-    _check_tensor(layout, kv.shape[2], kv.shape[4], kv.dtype, heads_dim=True)
     return _pack_token_major(layout, kv.permute(0, 1, 3, 2, 4))
 
 
@@ -122,15 +120,7 @@ def pack_paged(layout: KVLayout, caches: Sequence[torch.Tensor], block_ids: Sequ
     ``block_ids`` are the engine blocks holding the prompt's tokens in order; only
     the first ``ntokens`` tokens are taken (the last block may be partial).
     """
-    _check_layers(layout, len(caches))
-    nblocks = -(-ntokens // layout.block_tokens)
-    if len(block_ids) < nblocks:
-        raise InvalidRequestError(f"{ntokens} tokens need {nblocks} blocks, got {len(block_ids)}")
-    ids = torch.as_tensor(list(block_ids[:nblocks]), dtype=torch.long, device=caches[0].device)
-    cache0 = caches[0]
-    if cache0.shape[0] != 2 or cache0.shape[2] != layout.block_tokens:
-        raise InvalidRequestError(f"paged cache shape {tuple(cache0.shape)} does not match {layout}")
-    _check_tensor(layout, cache0.shape[-2], cache0.shape[-1], cache0.dtype, heads_dim=True)
+    ids = _check_paged(layout, caches, block_ids, ntokens)
     # [L, 2, n, bs, H, D] -> [L, 2, n*bs, H, D]
     kv = torch.stack([c.index_select(1, ids) for c in caches])
     kv = kv.flatten(2, 3)[:, :, :ntokens]
@@ -140,20 +130,20 @@ def pack_paged(layout: KVLayout, caches: Sequence[torch.Tensor], block_ids: Sequ
 def unpack_paged(layout: KVLayout, data: torch.Tensor, caches: Sequence[torch.Tensor],
                  block_ids: Sequence[int], ntokens: int) -> None:
     """Scatter entry bytes of ``ntokens`` tokens into vLLM paged caches, in place."""
-    _check_layers(layout, len(caches))
-    nblocks = -(-ntokens // layout.block_tokens)
-    if len(block_ids) < nblocks:
-        raise InvalidRequestError(f"{ntokens} tokens need {nblocks} blocks, got {len(block_ids)}")
+    ids = _check_paged(layout, caches, block_ids, ntokens)
     kv = _unpack_token_major(layout, data, ntokens).to(caches[0].device)  # [L, 2, T, H, D]
+    # Copy bytes, not values: index_copy_ has no CPU kernel for float8, and a byte
+    # copy is exact for every dtype. The last dim (D) is contiguous on both sides.
+    kv = kv.contiguous().view(torch.uint8)
     full, rest = divmod(ntokens, layout.block_tokens)
     bt = layout.block_tokens
     for layer, cache in enumerate(caches):
+        dst = cache.view(torch.uint8)
         if full:
-            ids = torch.as_tensor(list(block_ids[:full]), dtype=torch.long, device=cache.device)
             src = kv[layer, :, : full * bt].unflatten(1, (full, bt))
-            cache.index_copy_(1, ids, src)
+            dst.index_copy_(1, ids[:full], src)
         if rest:
-            cache[:, block_ids[full], :rest] = kv[layer, :, full * bt:]
+            dst[:, int(ids[full]), :rest] = kv[layer, :, full * bt:]
 
 
 # ------------------------------------------------------------------ helpers
@@ -175,6 +165,8 @@ def _pack_token_major(layout: KVLayout, kv: torch.Tensor) -> torch.Tensor:
 
 def _unpack_token_major(layout: KVLayout, data: torch.Tensor, ntokens: int) -> torch.Tensor:
     """Inverse of ``_pack_token_major``: flat bytes -> ``[L, 2, T, H, D]``."""
+    if ntokens <= 0:
+        raise InvalidRequestError(f"ntokens must be > 0, got {ntokens}")
     expected = layout.nbytes(ntokens)
     flat = data.reshape(-1)
     if flat.dtype != torch.uint8:
@@ -197,6 +189,51 @@ def _unpack_token_major(layout: KVLayout, data: torch.Tensor, ntokens: int) -> t
 def _check_layers(layout: KVLayout, n: int) -> None:
     if n != layout.num_layers:
         raise InvalidRequestError(f"got {n} layers, layout has {layout.num_layers}")
+
+
+def _check_hf(layout: KVLayout, past: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """Every layer's k and v is ``[1, H, seq, D]`` of the layout's dtype, one ``seq``
+    for all; returns ``seq``. Checked up front so bad input never half-packs."""
+    _check_layers(layout, len(past))
+    expected = None
+    for layer, pair in enumerate(past):
+        if len(pair) != 2:
+            raise InvalidRequestError(f"layer {layer}: expected a (k, v) pair")
+        for t in pair:
+            if t.dim() != 4 or t.shape[0] != 1:
+                raise InvalidRequestError(
+                    f"layer {layer}: HF KV must be [1, heads, seq, dim], got {tuple(t.shape)}")
+            _check_tensor(layout, t.shape[1], t.shape[3], t.dtype, heads_dim=True)
+            expected = expected or tuple(t.shape)
+            if tuple(t.shape) != expected:
+                raise InvalidRequestError(
+                    f"layer {layer}: shape {tuple(t.shape)} differs from {expected}")
+    return expected[2]
+
+
+def _check_paged(layout: KVLayout, caches: Sequence[torch.Tensor], block_ids: Sequence[int],
+                 ntokens: int) -> torch.Tensor:
+    """Every cache is ``[2, num_blocks, block_tokens, H, D]`` of the layout's dtype on
+    one device, and the first ``ceil(ntokens / block_tokens)`` block ids are distinct
+    and in range. Returns those ids as a long tensor on the caches' device."""
+    _check_layers(layout, len(caches))
+    if ntokens <= 0:
+        raise InvalidRequestError(f"ntokens must be > 0, got {ntokens}")
+    shape, device = tuple(caches[0].shape), caches[0].device
+    for cache in caches:
+        if (tuple(cache.shape) != shape or cache.device != device or len(shape) != 5
+                or shape[0] != 2 or shape[2] != layout.block_tokens):
+            raise InvalidRequestError(
+                f"paged cache {tuple(cache.shape)} on {cache.device} does not match {layout} "
+                f"(all layers [2, num_blocks, {layout.block_tokens}, heads, dim] on one device)")
+        _check_tensor(layout, shape[3], shape[4], cache.dtype, heads_dim=True)
+    nblocks = -(-ntokens // layout.block_tokens)
+    if len(block_ids) < nblocks:
+        raise InvalidRequestError(f"{ntokens} tokens need {nblocks} blocks, got {len(block_ids)}")
+    ids = [int(b) for b in block_ids[:nblocks]]
+    if min(ids) < 0 or max(ids) >= shape[1] or len(set(ids)) != len(ids):
+        raise InvalidRequestError(f"block ids must be distinct and in 0..{shape[1] - 1}")
+    return torch.as_tensor(ids, dtype=torch.long, device=device)
 
 
 def _check_tensor(layout: KVLayout, heads: int, dim: int, dtype: torch.dtype,
