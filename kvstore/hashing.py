@@ -10,6 +10,7 @@ Nothing here is seeded randomly: keys agree across processes, machines and resta
 
 from __future__ import annotations
 
+import array
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -55,6 +56,12 @@ def tokens_to_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     """Token ids as a little-endian int32 array; rejects ids that do not fit."""
     if hasattr(tokens, "detach"):  # torch tensor, without importing torch here
         tokens = tokens.detach().cpu().numpy()
+    if isinstance(tokens, (list, tuple)):
+        fast = _int_list_to_array(tokens)
+        if fast is not None:
+            if fast.size and int(fast.min()) < 0:
+                raise InvalidRequestError("token ids must be in 0..2**31-1")
+            return fast.astype("<i4", copy=False)
     try:
         arr = np.asarray(tokens)
     except (ValueError, TypeError) as exc:  # ragged nesting, unconvertible objects
@@ -66,6 +73,17 @@ def tokens_to_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _INT32_MAX):
         raise InvalidRequestError("token ids must be in 0..2**31-1")
     return arr.astype("<i4", copy=False)
+
+
+def _int_list_to_array(tokens: list | tuple) -> np.ndarray | None:
+    """Fast path for a Python list of ints (what engines pass): ``array('i')`` converts
+    in C, about twice as fast as ``np.asarray``, and refuses floats and ids beyond
+    int32. ``None`` sends anything odd to the general path, which names the problem.
+    (Python bools are ints here, so ``[True]`` is token 1.)"""
+    try:
+        return np.frombuffer(array.array("i", tokens), dtype=np.int32)
+    except (TypeError, OverflowError):
+        return None
 
 
 def block_keys(namespace: bytes, tokens: Sequence[int] | np.ndarray, block_tokens: int,

@@ -154,7 +154,8 @@ def test_list_numpy_and_torch_tokens_give_the_same_keys(tokens):
 
 @pytest.mark.parametrize("bad", [
     [-1], [1, 2**31], np.array([2**40]), [[1, 2], [3, 4]], [[1, 2], [3]], [1.0, 2.0],
-    np.array([1.5]), torch.tensor([0.5]), [True, False], ["a"], 7, np.array(3),
+    np.array([1.5]), torch.tensor([0.5]), np.array([True, False]), ["a"], 7, np.array(3),
+    (1, -2), [2**63], [1, None],
 ])
 def test_invalid_tokens_raise(bad):
     with pytest.raises(InvalidRequestError):
