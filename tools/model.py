@@ -132,12 +132,18 @@ def token_from_hidden(model: LlamaForCausalLM, hidden: torch.Tensor) -> int:
     return _argmax_last(logits)
 
 
-@torch.inference_mode()
-def decode_greedy(model: LlamaForCausalLM, past: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                  first_token: int, n: int) -> list[int]:
-    """Feed ``first_token`` after the KV in ``past`` and return the next ``n`` greedy tokens.
+class DecodeResult(NamedTuple):
+    tokens: list[int]  # the n greedy tokens after first_token
+    past: PerLayerKV  # KV of the prompt, first_token and every token but the last
 
-    ``past`` is not modified (the cache works on copies).
+
+@torch.inference_mode()
+def decode_with_past(model: LlamaForCausalLM, past: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                     first_token: int, n: int) -> DecodeResult:
+    """Feed ``first_token`` after the KV in ``past``, take ``n`` greedy steps.
+
+    ``past`` is not modified (the cache works on copies). The returned KV covers
+    ``seq + n`` tokens: the last produced token has not been fed yet.
     """
     cache = to_cache([(k.clone(), v.clone()) for k, v in past], model.config)
     token, produced = first_token, []
@@ -146,7 +152,13 @@ def decode_greedy(model: LlamaForCausalLM, past: Sequence[tuple[torch.Tensor, to
         cache = _out_cache(out)
         token = _argmax_last(out.logits)
         produced.append(token)
-    return produced
+    return DecodeResult(produced, to_per_layer(cache))
+
+
+def decode_greedy(model: LlamaForCausalLM, past: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                  first_token: int, n: int) -> list[int]:
+    """The ``n`` greedy tokens that follow ``first_token`` after the KV in ``past``."""
+    return decode_with_past(model, past, first_token, n).tokens
 
 
 @torch.inference_mode()

@@ -32,6 +32,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Sequence
 
@@ -237,9 +238,16 @@ class _Cluster:
         if self._closed:
             return
         self._closed = True
-        for proc in reversed(self.processes):
-            stop_process(proc)
-        self._teardown()
+        # A second Ctrl-C must not cut the teardown short and strand namespaces.
+        shield = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if shield else None
+        try:
+            for proc in reversed(self.processes):
+                stop_process(proc)
+            self._teardown()
+        finally:
+            if shield:
+                signal.signal(signal.SIGINT, previous)
 
     def _teardown(self) -> None:
         pass
