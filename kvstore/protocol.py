@@ -30,9 +30,7 @@ MAX_TOKEN_BYTES = 4 * 8192  # one block's int32 token ids
 MAX_LEASE_S = 3600.0
 MAX_ID = (1 << 63) - 1
 MAX_LS_LIMIT = 10_000
-MAX_META_ITEMS = 16
-MAX_META_STR = 256
-MAX_META_LIST = 16
+MAX_META_BYTES = 1024  # the index keeps at most this much caller meta per entry
 TIERS = ("gpu", "dram", "nvme")
 
 
@@ -89,32 +87,15 @@ def _checksums(name: str, v: Any) -> tuple[int, ...]:
     return tuple(_int(name, c, 0, (1 << 64) - 1) for c in _list(name, v))
 
 
-def _meta_value(name: str, v: Any) -> Any:
-    if type(v) in (bool, int, float) or v is None:
-        return v
-    if type(v) is str and len(v) <= MAX_META_STR:
-        return v
-    if type(v) is list and len(v) <= MAX_META_LIST and all(type(x) is int for x in v):
-        return v
-    raise InvalidRequestError(f"{name}: meta values are scalars, short strings or int lists")
-
-
-def _meta(name: str, v: Any) -> dict | None:
+def _metas(name: str, v: Any) -> tuple[bytes | None, ...] | None:
+    """Per-entry opaque caller bytes (the store keeps them beside the entry)."""
     if v is None:
         return None
-    if type(v) is not dict or len(v) > MAX_META_ITEMS:
-        raise InvalidRequestError(f"{name}: need a map of at most {MAX_META_ITEMS} items")
-    for k, item in v.items():
-        if type(k) is not str or len(k) > 64:
-            raise InvalidRequestError(f"{name}: meta keys are strings of at most 64 chars")
-        _meta_value(f"{name}.{k}", item)
-    return v
-
-
-def _metas(name: str, v: Any) -> tuple[dict | None, ...] | None:
-    if v is None:
-        return None
-    return tuple(_meta(name, m) for m in _list(name, v))
+    out = _list(name, v)
+    for m in out:
+        if m is not None and (type(m) is not bytes or len(m) > MAX_META_BYTES):
+            raise InvalidRequestError(f"{name}: each item is nil or at most {MAX_META_BYTES} bytes")
+    return tuple(out)
 
 
 def _tier(name: str, v: Any) -> str | None:
@@ -159,7 +140,7 @@ class Reserve(Request):
     keys: tuple[bytes, ...]
     sizes: tuple[int, ...]
     tokens: tuple[bytes, ...]
-    meta: tuple[dict | None, ...] | None = None
+    meta: tuple[bytes | None, ...] | None = None
     lease_s: float | None = None
     OP = "reserve"
     CHECKS = {"keys": _keys, "sizes": _sizes, "tokens": _tokens, "meta": _metas,
