@@ -1,0 +1,190 @@
+"""ExtentAllocator against a plain model: a dict of live ranges."""
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvstore.errors import ConfigError, IntegrityError, InvalidRequestError, TierFullError
+from tiers.allocator import ExtentAllocator, Run
+
+PAGE = 4096
+sizes_st = st.lists(st.integers(1, 5 * PAGE), min_size=1, max_size=6)
+
+
+def snapshot(a: ExtentAllocator):
+    return a.used, a.live_count, a.runs()
+
+
+class AllocatorModel(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.a = ExtentAllocator(64 * PAGE, PAGE)
+        self.live: dict[int, int] = {}  # offset -> rounded length
+        self.freed: list[tuple[int, int]] = []
+
+    def _round(self, n):
+        return -(-n // PAGE) * PAGE
+
+    @rule(sizes=sizes_st)
+    def allocate_many(self, sizes):
+        rounded = [self._round(n) for n in sizes]
+        before, largest = snapshot(self.a), self.a.largest_free
+        try:
+            offsets = self.a.allocate_many(sizes)
+        except TierFullError:
+            assert snapshot(self.a) == before  # all or nothing
+            assert sum(rounded) > largest  # it would have fitted in one run
+            return
+        assert sum(rounded) <= 64 * PAGE - sum(self.live.values())
+        if sum(rounded) <= largest:  # one run big enough: back to back
+            assert offsets == [offsets[0] + sum(rounded[:i]) for i in range(len(sizes))]
+        for off, ln in zip(offsets, rounded):
+            assert off % PAGE == 0 and off + ln <= 64 * PAGE
+            for o2, l2 in self.live.items():
+                assert off + ln <= o2 or o2 + l2 <= off, "overlap"
+            self.live[off] = ln
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data):
+        off = data.draw(st.sampled_from(sorted(self.live)))
+        ln = self.live.pop(off)
+        self.a.free(off, ln - data.draw(st.integers(0, PAGE - 1)))  # any size in the pages
+        self.freed.append((off, ln))
+
+    @precondition(lambda self: self.freed)
+    @rule(data=st.data())
+    def double_free_raises(self, data):
+        off, ln = data.draw(st.sampled_from(self.freed))
+        if off in self.live:
+            return
+        before = snapshot(self.a)
+        with pytest.raises(IntegrityError):
+            self.a.free(off, ln)
+        assert snapshot(self.a) == before
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def claim_over_live_raises(self, data):
+        off = data.draw(st.sampled_from(sorted(self.live)))
+        before = snapshot(self.a)
+        with pytest.raises(IntegrityError):
+            self.a.claim(off, PAGE)
+        assert snapshot(self.a) == before
+
+    @rule(page=st.integers(0, 63), pages=st.integers(1, 4))
+    def claim_if_free(self, page, pages):
+        off, ln = page * PAGE, min(pages, 64 - page) * PAGE
+        free = all(off + ln <= o or o + l <= off for o, l in self.live.items())
+        if free:
+            self.a.claim(off, ln)
+            self.live[off] = ln
+        else:
+            with pytest.raises(IntegrityError):
+                self.a.claim(off, ln)
+
+    @invariant()
+    def books_balance(self):
+        self.a.check_integrity()
+        assert self.a.used == sum(self.live.values())
+        assert self.a.live_count == len(self.live)
+        free_bytes = sum(r.nbytes for r in self.a.runs())
+        assert free_bytes + self.a.used == 64 * PAGE
+
+    @invariant()
+    def empty_means_one_run(self):
+        if not self.live:
+            assert self.a.runs() == [Run(0, 64 * PAGE)]
+
+
+TestAllocatorModel = AllocatorModel.TestCase
+TestAllocatorModel.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+@settings(max_examples=50, deadline=None)
+@given(sizes=st.lists(st.integers(1, 3 * PAGE), min_size=1, max_size=40))
+def test_batch_on_empty_allocator_is_contiguous(sizes):
+    a = ExtentAllocator(256 * PAGE, PAGE)
+    offsets = a.allocate_many(sizes)
+    rounded = [a.round_up(n) for n in sizes]
+    assert offsets == [sum(rounded[:i]) for i in range(len(sizes))]
+    assert a.used == sum(rounded) and a.free_runs == (0 if a.used == a.capacity else 1)
+
+
+def test_churn_then_free_everything_is_one_run():
+    rng = random.Random(7)
+    a = ExtentAllocator(4096 * PAGE, PAGE)
+    live = []
+    for _ in range(3000):
+        if live and rng.random() < 0.45:
+            off, n = live.pop(rng.randrange(len(live)))
+            a.free(off, n)
+        else:
+            sizes = [rng.randint(1, 8 * PAGE) for _ in range(rng.randint(1, 4))]
+            try:
+                live.extend(zip(a.allocate_many(sizes), sizes))
+            except TierFullError:
+                pass
+    a.check_integrity()
+    assert a.free_runs > 1  # the churn did fragment the space
+    for off, n in live:
+        a.free(off, n)
+    assert a.runs() == [Run(0, a.capacity)] and a.used == 0 and a.live_count == 0
+
+
+def test_fragmented_batch_splits_across_runs():
+    a = ExtentAllocator(8 * PAGE, PAGE)
+    offs = a.allocate_many([PAGE] * 8)
+    for off in offs[::2]:  # free every other page: four one-page holes
+        a.free(off, PAGE)
+    assert a.largest_free == PAGE
+    got = a.allocate_many([PAGE, 10, PAGE])
+    assert sorted(got) == offs[:6:2] and a.used == 7 * PAGE
+    with pytest.raises(TierFullError):
+        a.allocate_many([PAGE, PAGE])  # one page free, two asked: nothing taken
+    assert a.used == 7 * PAGE and a.runs() == [Run(6 * PAGE, PAGE)]
+
+
+def test_full_leaves_books_unchanged():
+    a = ExtentAllocator(4 * PAGE, PAGE)
+    a.allocate_many([PAGE + 1])
+    before = snapshot(a)
+    with pytest.raises(TierFullError):
+        a.allocate_many([PAGE, PAGE, 1])
+    assert snapshot(a) == before
+
+
+def test_bad_requests():
+    a = ExtentAllocator(4 * PAGE + 100, PAGE)
+    assert a.capacity == 4 * PAGE  # the partial page is unusable
+    for bad in ([0], [-5], [1.5], [True]):
+        with pytest.raises(InvalidRequestError):
+            a.allocate_many(bad)
+    with pytest.raises(IntegrityError):
+        a.free(0, PAGE)  # never allocated
+    for off in (1, -PAGE, 4 * PAGE):
+        with pytest.raises(InvalidRequestError):
+            a.claim(off, PAGE)
+    assert a.allocate_many([]) == [] and a.used == 0
+    (off,) = a.allocate_many([PAGE])
+    with pytest.raises(IntegrityError):
+        a.free(off, 2 * PAGE)  # wrong size for a live range
+    with pytest.raises(ConfigError):
+        ExtentAllocator(PAGE, 3000)
+    with pytest.raises(ConfigError):
+        ExtentAllocator(100, PAGE)
+
+
+def test_claim_splits_run_and_restores_after_restart():
+    a = ExtentAllocator(16 * PAGE, PAGE)
+    a.claim(4 * PAGE, 2 * PAGE + 1)
+    a.claim(0, PAGE)
+    assert a.runs() == [Run(PAGE, 3 * PAGE), Run(7 * PAGE, 9 * PAGE)]
+    assert a.used == 4 * PAGE
+    a.check_integrity()
+    a.free(4 * PAGE, 2 * PAGE + 1)
+    a.free(0, PAGE)
+    assert a.runs() == [Run(0, 16 * PAGE)]

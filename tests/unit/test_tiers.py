@@ -1,0 +1,177 @@
+"""Every tier keeps the same contract: real mmaps, real files, real CPU tensors."""
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.errors import IntegrityError, InvalidRequestError, TierFullError
+from tiers.base import Extent
+from tiers.dram import DramTier, map_shared
+
+REPO = Path(__file__).resolve().parents[2]
+CAP = 64 * 4096
+SIZES = [1, 4095, 4096, 4097, 3 * 4096, 10_000, 33]  # page multiples and not
+
+
+@pytest.fixture
+def shm_dir():
+    d = tempfile.mkdtemp(prefix="kvtiers-", dir="/dev/shm")
+    yield d
+    leftovers = os.listdir(d)
+    os.rmdir(d)
+    assert not leftovers, f"tier left files behind: {leftovers}"
+
+
+def _dram(tmp_path, shm_dir):
+    return DramTier(CAP)
+
+
+def _dram_shared(tmp_path, shm_dir):
+    return DramTier(CAP, shared_path=os.path.join(shm_dir, "arena"))
+
+
+FACTORIES = {"dram": _dram, "dram-shared": _dram_shared}
+
+
+@pytest.fixture(params=sorted(FACTORIES))
+def tier(request, tmp_path, shm_dir):
+    t = FACTORIES[request.param](tmp_path, shm_dir)
+    yield t
+    t.check_integrity()
+    t.close()
+
+
+def _random_bytes(rng, n):
+    return rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def test_round_trip_random_bytes(tier):
+    rng = np.random.default_rng(1)
+    extents = tier.allocate_many(SIZES)
+    payloads = [_random_bytes(rng, n) for n in SIZES]
+    for ext, data in zip(extents, payloads):
+        tier.write(ext, memoryview(data))
+    tier.flush()
+    for ext, data in zip(extents, payloads):
+        out = bytearray(ext.nbytes)
+        tier.read_into(ext, memoryview(out))
+        assert bytes(out) == data
+    page = tier.page_size
+    assert tier.used == sum(-(-n // page) * page for n in SIZES)
+    stats = tier.stats()
+    assert (stats.name, stats.used, stats.extents) == (tier.name, tier.used, len(SIZES))
+    for ext in extents:
+        tier.free(ext)
+    assert tier.used == 0 and tier.stats().largest_free == tier.capacity
+
+
+def test_batch_is_back_to_back_and_inside_regions(tier):
+    extents = tier.allocate_many([5000, 100, 8192])
+    assert [e.offset for e in extents] == [0, 8192, 12288]
+    regions = tier.regions()
+    for ext in extents:
+        addr = tier.address(ext)
+        if addr is None:
+            assert not regions
+            continue
+        assert any(r.address <= addr and addr + ext.nbytes <= r.address + r.nbytes
+                   for r in regions)
+
+
+def test_full_tier_changes_nothing(tier):
+    ext = tier.allocate(CAP // 2)
+    before = tier.stats()
+    with pytest.raises(TierFullError):
+        tier.allocate_many([CAP // 4, CAP // 4, 1])
+    assert tier.stats() == before
+    tier.free(ext)
+
+
+def test_double_free_and_dead_extents_raise(tier):
+    ext = tier.allocate(100)
+    tier.free(ext)
+    with pytest.raises(IntegrityError):
+        tier.free(ext)
+    with pytest.raises(IntegrityError):
+        tier.write(ext, memoryview(bytes(100)))
+    with pytest.raises(IntegrityError):
+        tier.read_into(ext, memoryview(bytearray(100)))
+    assert tier.used == 0
+
+
+def test_bad_buffers_raise_and_change_nothing(tier):
+    ext = tier.allocate(100)
+    tier.write(ext, memoryview(b"\x07" * 100))
+    with pytest.raises(InvalidRequestError):
+        tier.write(ext, memoryview(bytes(99)))
+    with pytest.raises(InvalidRequestError):
+        tier.read_into(ext, memoryview(bytearray(101)))
+    with pytest.raises(InvalidRequestError):
+        tier.read_into(ext, memoryview(bytes(100)))  # read-only destination
+    with pytest.raises(InvalidRequestError):
+        tier.free(Extent("elsewhere", ext.offset, ext.nbytes))
+    out = np.zeros(100, dtype=np.uint8)
+    tier.read_into(ext, memoryview(out))
+    assert (out == 7).all()
+    tier.free(ext)
+
+
+def test_dram_view_is_zero_copy():
+    t = DramTier(CAP)
+    try:
+        ext = t.allocate(10)
+        t.view(ext)[:] = b"0123456789"
+        out = bytearray(10)
+        t.read_into(ext, memoryview(out))
+        assert out == b"0123456789"
+        assert t.address(ext) == t.regions()[0].address + ext.offset
+        assert t.regions()[0].location == "cpu:0"
+    finally:
+        t.close()
+
+
+_CLIENT = """
+import sys
+from tiers.dram import map_shared
+arena = map_shared(sys.argv[1], int(sys.argv[2]))
+off = int(sys.argv[3])
+assert bytes(arena[off:off + 5]) == b"hello", bytes(arena[off:off + 5])
+arena[off:off + 5] = memoryview(b"world")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_shared_arena_is_visible_to_another_process(shm_dir):
+    path = os.path.join(shm_dir, "arena")
+    t = DramTier(CAP, shared_path=path)
+    try:
+        ext = t.allocate(5)
+        t.write(ext, memoryview(b"hello"))
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        subprocess.run([sys.executable, "-c", _CLIENT, path, str(CAP), str(ext.offset)],
+                       check=True, timeout=30, env=env, cwd=REPO)
+        out = bytearray(5)
+        t.read_into(ext, memoryview(out))
+        assert out == b"world"
+    finally:
+        t.close()
+    assert not os.path.exists(path)
+
+
+def test_map_shared_refuses_missing_or_short_files(shm_dir):
+    from kvstore.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        map_shared(os.path.join(shm_dir, "absent"), 4096)
+    path = os.path.join(shm_dir, "short")
+    Path(path).write_bytes(bytes(100))
+    try:
+        with pytest.raises(ConfigError):
+            map_shared(path, 4096)
+    finally:
+        os.unlink(path)

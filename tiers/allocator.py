@@ -1,0 +1,217 @@
+"""The one extent allocator every tier uses.
+
+Space is ``[0, capacity)`` cut into pages; every range handed out is a whole number
+of pages, so extents of every tier are page-aligned (what O_DIRECT and TE want).
+
+Books kept (invariants, checked by ``check_integrity``):
+* free space is a set of *maximal* runs: no two free runs touch (freeing coalesces
+  with both neighbours), so the free set has one canonical shape;
+* ``_free_len[start] = length``, ``_free_end[start + length] = start``;
+  ``_starts`` is the sorted run starts and ``_by_size`` the sorted ``(length, start)``;
+* ``_live[offset] = length`` of each range handed out; live ranges and free runs never
+  overlap and together cover ``[0, capacity)`` exactly, so ``used + free == capacity``.
+
+Best fit (smallest free run that is large enough, lowest offset among equals) keeps
+large runs whole for large requests, which bounds fragmentation under churn.
+Lookups are O(log n) by bisect (list inserts move pointers, a memmove: cheap).
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import NamedTuple
+
+from kvstore.errors import ConfigError, IntegrityError, InvalidRequestError, TierFullError
+
+
+class Run(NamedTuple):
+    """A free byte range ``[start, start + nbytes)``."""
+
+    start: int
+    nbytes: int
+
+
+class ExtentAllocator:
+    def __init__(self, capacity: int, page_size: int) -> None:
+        if page_size <= 0 or page_size & (page_size - 1):
+            raise ConfigError(f"page_size must be a power of two, got {page_size}")
+        # A capacity that is not a page multiple loses its tail: pages are the unit.
+        usable = (capacity // page_size) * page_size
+        if usable <= 0:
+            raise ConfigError(f"capacity {capacity} is smaller than one page ({page_size})")
+        self.capacity = usable
+        self.page_size = page_size
+        self._used = 0
+        self._live: dict[int, int] = {}
+        self._free_len: dict[int, int] = {}
+        self._free_end: dict[int, int] = {}
+        self._starts: list[int] = []
+        self._by_size: list[tuple[int, int]] = []
+        self._add_run(0, usable)
+
+    # ------------------------------------------------------------ queries
+    @property
+    def used(self) -> int:
+        return self._used
+
+    @property
+    def largest_free(self) -> int:
+        return self._by_size[-1][0] if self._by_size else 0
+
+    @property
+    def free_runs(self) -> int:
+        """Number of free runs: 1 means the free space is one piece."""
+        return len(self._starts)
+
+    @property
+    def live_count(self) -> int:
+        return len(self._live)
+
+    def runs(self) -> list[Run]:
+        """Free runs by offset (for tests and diagnostics; O(n))."""
+        return [Run(s, self._free_len[s]) for s in self._starts]
+
+    def round_up(self, nbytes: int) -> int:
+        return -(-nbytes // self.page_size) * self.page_size
+
+    def is_live(self, offset: int, nbytes: int) -> bool:
+        """True if ``[offset, offset + nbytes)`` was handed out as one range."""
+        return nbytes > 0 and self._live.get(offset) == self.round_up(nbytes)
+
+    # ------------------------------------------------------------ changes
+    def allocate_many(self, sizes: list[int]) -> list[int]:
+        """Offsets for ``sizes``; all or nothing. Back to back in one run when one
+        free run holds the whole batch, else each piece best-fit on its own."""
+        rounded = [self._rounded_request(n) for n in sizes]
+        total = sum(rounded)
+        if not rounded:
+            return []
+        if total > self.capacity - self._used:
+            raise TierFullError(f"need {total} bytes, {self.capacity - self._used} free")
+        start = self._take_best_fit(total)
+        if start is not None:
+            return self._carve_batch(start, rounded)
+        return self._allocate_split(rounded, total)
+
+    def free(self, offset: int, nbytes: int) -> None:
+        length = self.round_up(nbytes)
+        if self._live.get(offset) != length or length <= 0:
+            raise IntegrityError(
+                f"free of [{offset}, +{nbytes}): not a live range (double free or never allocated)")
+        del self._live[offset]
+        self._used -= length
+        self._release(offset, length)
+
+    def claim(self, offset: int, nbytes: int) -> None:
+        """Mark a range live again (restart of a persistent tier). It must lie wholly
+        inside one free run, i.e. overlap nothing live."""
+        length = self._rounded_request(nbytes)
+        if offset < 0 or offset % self.page_size or offset + length > self.capacity:
+            raise InvalidRequestError(
+                f"claim [{offset}, +{nbytes}): not page-aligned or outside [0, {self.capacity})")
+        i = bisect.bisect_right(self._starts, offset) - 1
+        run_start = self._starts[i] if i >= 0 else -1
+        run_len = self._free_len.get(run_start, 0)
+        if run_start < 0 or offset + length > run_start + run_len:
+            raise IntegrityError(f"claim [{offset}, +{nbytes}) overlaps a live range")
+        self._remove_run(run_start, run_len)
+        if offset > run_start:
+            self._add_run(run_start, offset - run_start)
+        if offset + length < run_start + run_len:
+            self._add_run(offset + length, run_start + run_len - offset - length)
+        self._mark_live(offset, length)
+
+    # ------------------------------------------------------------ internals
+    def _rounded_request(self, nbytes: int) -> int:
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
+            raise InvalidRequestError(f"extent size must be a positive int, got {nbytes!r}")
+        return self.round_up(nbytes)
+
+    def _allocate_split(self, rounded: list[int], total: int) -> list[int]:
+        offsets: list[int] = []
+        for length in rounded:
+            start = self._take_best_fit(length)
+            if start is None:
+                # Undo: the free set is canonical (maximal runs), so freeing what we
+                # took restores exactly the shape we started from.
+                for off, ln in zip(offsets, rounded):
+                    self.free(off, ln)
+                raise TierFullError(
+                    f"need {total} bytes in {len(rounded)} extents; free space too fragmented "
+                    f"(largest run {self.largest_free})")
+            offsets.extend(self._carve_batch(start, [length]))
+        return offsets
+
+    def _take_best_fit(self, length: int) -> int | None:
+        """Remove the best-fit run for ``length``, give back its tail; return its start."""
+        i = bisect.bisect_left(self._by_size, (length, -1))
+        if i == len(self._by_size):
+            return None
+        run_len, start = self._by_size[i]
+        self._remove_run(start, run_len)
+        if run_len > length:
+            self._add_run(start + length, run_len - length)
+        return start
+
+    def _carve_batch(self, start: int, rounded: list[int]) -> list[int]:
+        offsets = []
+        for length in rounded:
+            self._mark_live(start, length)
+            offsets.append(start)
+            start += length
+        return offsets
+
+    def _mark_live(self, offset: int, length: int) -> None:
+        self._live[offset] = length
+        self._used += length
+
+    def _release(self, start: int, length: int) -> None:
+        """Return ``[start, start+length)`` to the free set, merging with neighbours."""
+        left = self._free_end.get(start)
+        if left is not None:
+            left_len = self._free_len[left]
+            self._remove_run(left, left_len)
+            start, length = left, length + left_len
+        right_len = self._free_len.get(start + length)
+        if right_len is not None:
+            self._remove_run(start + length, right_len)
+            length += right_len
+        self._add_run(start, length)
+
+    def _add_run(self, start: int, length: int) -> None:
+        self._free_len[start] = length
+        self._free_end[start + length] = start
+        bisect.insort(self._starts, start)
+        bisect.insort(self._by_size, (length, start))
+
+    def _remove_run(self, start: int, length: int) -> None:
+        del self._free_len[start]
+        del self._free_end[start + length]
+        del self._starts[bisect.bisect_left(self._starts, start)]
+        del self._by_size[bisect.bisect_left(self._by_size, (length, start))]
+
+    # ------------------------------------------------------------ audit
+    def check_integrity(self) -> None:
+        """Raise ``IntegrityError`` unless the books balance (O(n log n))."""
+        pieces = sorted([(s, n, "free") for s, n in self._free_len.items()]
+                        + [(s, n, "live") for s, n in self._live.items()])
+        cursor, prev_kind = 0, None
+        for start, length, kind in pieces:
+            if start != cursor or length <= 0 or start % self.page_size or length % self.page_size:
+                raise IntegrityError(f"{kind} range [{start}, +{length}) at cursor {cursor}")
+            if kind == prev_kind == "free":
+                raise IntegrityError(f"free runs not coalesced at {start}")
+            cursor, prev_kind = start + length, kind
+        if cursor != self.capacity:
+            raise IntegrityError(f"ranges cover [0, {cursor}), capacity {self.capacity}")
+        self._check_indexes()
+
+    def _check_indexes(self) -> None:
+        if self._used != sum(self._live.values()) or self._used > self.capacity:
+            raise IntegrityError(f"used {self._used} != sum of live ranges")
+        if self._starts != sorted(self._free_len) or len(self._starts) != len(set(self._starts)):
+            raise IntegrityError("run-start index out of step with the free runs")
+        if self._by_size != sorted((n, s) for s, n in self._free_len.items()):
+            raise IntegrityError("size index out of step with the free runs")
+        if self._free_end != {s + n: s for s, n in self._free_len.items()}:
+            raise IntegrityError("run-end index out of step with the free runs")

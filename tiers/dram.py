@@ -1,0 +1,148 @@
+"""Host DRAM tier: one page-aligned arena, mapped once, registered with TE once.
+
+With ``shared_path`` the arena is a file (normally under /dev/shm) mapped
+MAP_SHARED, so a client process on the same node can ``map_shared`` the very same
+bytes and memcpy an insert straight into a reserved extent, with no TE transfer.
+Without it the arena is an anonymous mapping. Either way mmap gives page alignment.
+Where CUDA exists the arena is pinned (cudaHostRegister) so GPU copies are DMA.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+
+import numpy as np
+
+from kvstore.errors import ConfigError, InvalidRequestError
+from tiers.arena import ArenaTier
+from tiers.base import Extent, MemoryRegion
+
+log = logging.getLogger(__name__)
+
+PAGE_SIZE = 4096
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
+
+
+def map_shared(path: str, nbytes: int) -> np.ndarray:
+    """Map the first ``nbytes`` of a server's shared DRAM arena, writable, in a client
+    process. The mapping lives as long as the returned array (or views of it)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        raise ConfigError(f"cannot open shared DRAM arena {path}: {exc}") from exc
+    try:
+        size = os.fstat(fd).st_size
+        if nbytes <= 0 or nbytes > size:
+            raise ConfigError(f"shared DRAM arena {path} has {size} bytes, asked for {nbytes}")
+        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return np.frombuffer(mm, dtype=np.uint8)
+
+
+def _map_arena(path: str | None, nbytes: int) -> mmap.mmap:
+    if path is None:
+        return mmap.mmap(-1, nbytes, mmap.MAP_PRIVATE)  # fd -1: anonymous
+    try:
+        # Truncate: a volatile tier starts empty, whatever an earlier server left.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    except OSError as exc:
+        raise ConfigError(f"cannot create shared DRAM arena {path}: {exc}") from exc
+    try:
+        os.ftruncate(fd, nbytes)
+        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as exc:
+        os.unlink(path)
+        raise ConfigError(f"cannot size/map shared DRAM arena {path}: {exc}") from exc
+    finally:
+        os.close(fd)
+
+
+def _cuda_host_register(address: int, nbytes: int) -> bool:
+    """Pin the arena for CUDA if CUDA is here; False (and nothing done) otherwise."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    if not torch.cuda.is_available():
+        return False
+    err = torch.cuda.cudart().cudaHostRegister(address, nbytes, _HOST_REGISTER_PORTABLE)
+    if int(err) != 0:
+        log.warning("cudaHostRegister of %s bytes failed (%s); DRAM arena stays pageable",
+                    nbytes, err)
+        return False
+    return True
+
+
+def _cuda_host_unregister(address: int) -> None:
+    import torch
+
+    err = torch.cuda.cudart().cudaHostUnregister(address)
+    if int(err) != 0:
+        log.warning("cudaHostUnregister failed: %s", err)
+
+
+class DramTier(ArenaTier):
+    name = "dram"
+    volatile = True
+
+    def __init__(self, capacity: int, shared_path: str | None = None) -> None:
+        super().__init__(capacity, PAGE_SIZE)
+        self.shared_path = shared_path
+        self._mm: mmap.mmap | None = _map_arena(shared_path, self.capacity)
+        self._arr: np.ndarray | None = np.frombuffer(self._mm, dtype=np.uint8)
+        self._base = int(self._arr.ctypes.data)
+        self.pinned = _cuda_host_register(self._base, self.capacity)
+        log.info("dram tier: %s bytes at %#x (%s, pinned=%s)", self.capacity, self._base,
+                 shared_path or "anonymous", self.pinned)
+
+    @property
+    def base_address(self) -> int:
+        return self._base
+
+    def write(self, extent: Extent, data: memoryview) -> None:
+        src = self._checked(extent, data)
+        arena = self._arena()
+        arena[extent.offset:extent.end] = np.frombuffer(src, dtype=np.uint8)
+
+    def read_into(self, extent: Extent, out: memoryview) -> None:
+        dst = self._checked(extent, out, writable=True)
+        np.frombuffer(dst, dtype=np.uint8)[:] = self._arena()[extent.offset:extent.end]
+
+    def view(self, extent: Extent) -> memoryview:
+        self._own(extent)
+        self._require_live(extent)
+        return memoryview(self._arena()[extent.offset:extent.end])
+
+    def address(self, extent: Extent) -> int:
+        self._own(extent)
+        return self._base + extent.offset
+
+    def regions(self) -> list[MemoryRegion]:
+        return [MemoryRegion(self._base, self.capacity, "cpu:0")]
+
+    def close(self) -> None:
+        if self._mm is None:
+            return
+        if self.pinned:
+            _cuda_host_unregister(self._base)
+            self.pinned = False
+        self._arr = None
+        try:
+            self._mm.close()
+        except BufferError:
+            # A caller still holds a view; the mapping goes when the last view does.
+            log.warning("dram tier closed while views of it are alive")
+        self._mm = None
+        if self.shared_path is not None:
+            try:
+                os.unlink(self.shared_path)
+            except FileNotFoundError:
+                pass
+
+    def _arena(self) -> np.ndarray:
+        if self._arr is None:
+            raise InvalidRequestError("dram tier is closed")
+        return self._arr
