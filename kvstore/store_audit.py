@@ -1,0 +1,94 @@
+"""``Store.check_integrity``: do the store's books balance? (a mixin of Store)
+
+Checked, each raising ``IntegrityError`` with what is wrong:
+* each tier's own allocator books (``tier.check_integrity``);
+* every extent is owned once: no two records / reservations share an offset, and
+  per tier the page-rounded sizes of records plus open reservations equal
+  ``tier.used`` (so no extent is leaked or owned twice);
+* the per-tier membership lists match the records exactly;
+* hold counts equal the holds of open acquisitions plus reservation dedups, and
+  every held key is stored; pins and pending counts are never negative;
+* the in-flight key map matches the open reservations;
+* the LMDB index holds exactly the committed records (last_access aside: access
+  times are kept in memory and persisted with the next change).
+"""
+
+from __future__ import annotations
+
+import collections
+
+from kvstore.errors import IntegrityError
+
+
+class AuditMixin:
+    def check_integrity(self) -> None:
+        with self._lock:
+            self._audit_tiers()
+            self._audit_holds()
+            self._audit_index()
+
+    def _audit_tiers(self) -> None:
+        owned: dict[str, dict[int, str]] = {name: {} for name in self._tiers}
+        used = collections.Counter()
+
+        def own(tier: str, offset: int, nbytes: int, owner: str) -> None:
+            if tier not in self._tiers:
+                raise IntegrityError(f"{owner} lives in absent tier {tier!r}")
+            if offset in owned[tier]:
+                raise IntegrityError(f"{tier}@{offset} owned by {owned[tier][offset]} and {owner}")
+            owned[tier][offset] = owner
+            page = self._tiers[tier].page_size
+            used[tier] += -(-nbytes // page) * page
+
+        for key, rec in self._records.items():
+            if rec.key != key:
+                raise IntegrityError(f"record under {key.hex()} names {rec.key.hex()}")
+            if rec.pins < 0 or rec.pending < 0:
+                raise IntegrityError(f"{key.hex()}: pins {rec.pins}, pending {rec.pending}")
+            own(rec.tier, rec.offset, rec.nbytes, f"record {key.hex()}")
+        for op in self._res.values():
+            for ext in op.extents:
+                if ext is not None:
+                    own(ext.tier, ext.offset, ext.nbytes, f"reservation {op.id}")
+        for name, tier in self._tiers.items():
+            tier.check_integrity()
+            if used[name] != tier.used:
+                raise IntegrityError(f"{name}: owners account for {used[name]} bytes, "
+                                     f"tier says {tier.used} used")
+            members = set(self._by_tier[name])
+            expected = {k for k, r in self._records.items() if r.tier == name}
+            if members != expected:
+                raise IntegrityError(f"{name}: membership list differs from records by "
+                                     f"{len(members ^ expected)} keys")
+
+    def _audit_holds(self) -> None:
+        holds = collections.Counter()
+        for lease in self._acqs.values():
+            holds.update(lease.keys)
+        inflight = {}
+        for op in self._res.values():
+            holds.update(op.held)
+            for key, ext in zip(op.keys, op.extents):
+                if ext is not None:
+                    inflight[key] = op.id
+        if dict(holds) != self._leased:
+            raise IntegrityError(f"hold counts out of step: {len(self._leased)} held keys, "
+                                 f"{len(holds)} expected")
+        missing = [k for k in holds if k not in self._records]
+        if missing:
+            raise IntegrityError(f"{len(missing)} held keys are not stored "
+                                 f"(first {missing[0].hex()})")
+        if inflight != self._inflight:
+            raise IntegrityError("in-flight key map out of step with open reservations")
+        stored = [k for k in inflight if k in self._records]
+        if stored:
+            raise IntegrityError(f"key {stored[0].hex()} is both committed and being written")
+
+    def _audit_index(self) -> None:
+        durable = {r.key: r._replace(last_access=0.0) for r in self._index.records()}
+        memory = {k: r._replace(last_access=0.0) for k, r in self._records.items()}
+        if durable != memory:
+            diff = set(durable) ^ set(memory)
+            changed = [k for k in set(durable) & set(memory) if durable[k] != memory[k]]
+            raise IntegrityError(f"index and memory disagree: {len(diff)} keys in one only, "
+                                 f"{len(changed)} records differ")

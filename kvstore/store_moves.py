@@ -1,0 +1,242 @@
+"""How entries change place: allocation with room-making, demotion down the tiers,
+staging of NVMe hits, and the one primitive that writes the index and frees space.
+
+A mixin of ``kvstore.store.Store``: every method here runs under the store's lock
+and uses its state (``_records``, ``_by_tier``, ``_leased``, ``_tiers``, ...).
+
+Invariants kept here:
+* ``_apply`` is the only place records change: one index transaction first, then
+  memory, then the freeing of every extent no record points at any more. Freeing
+  after the transaction means a crash can never leave two records on one extent.
+* Room is made by policy victims only; leased and pinned entries are never
+  victims, so when they fill a tier the caller gets ``TierFullError``.
+* Demotion writes (and flushes, per ``nvme_fsync``) the lower tier before the
+  index points there; a crash in between leaves the old record, which restart
+  drops with its volatile tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from kvstore.errors import TierFullError
+from kvstore.hashing import checksum
+from kvstore.index import Record
+from kvstore.policy import bytes_to_free, over_watermark
+from kvstore.store_types import MEMORY_TIERS, TIER_ORDER
+from tiers.base import Extent
+
+
+@dataclass
+class Open:
+    """An open (uncommitted) reservation; lives only in memory."""
+
+    id: int
+    keys: list[bytes]
+    tokens: list[bytes]
+    meta: list[bytes]
+    extents: list[Extent | None]  # None: deduped onto an existing or in-flight entry
+    held: list[bytes]  # committed keys deduped onto, leased until commit/abort
+    expires_at: float
+    extra: dict[bytes, int]  # consumers that deduped onto our in-flight keys
+
+
+class Lease(NamedTuple):
+    keys: list[bytes]
+    expires_at: float
+
+
+class MovesMixin:
+    # ------------------------------------------------------------ records
+    def _apply(self, put: Sequence[Record] = (), drop: Sequence[bytes] = ()) -> None:
+        drop = [k for k in dict.fromkeys(drop) if k in self._records]
+        if not put and not drop:
+            return
+        self._index.apply(put=put, delete=drop)
+        for rec in put:
+            old = self._records.get(rec.key)
+            self._records[rec.key] = rec
+            if old is None:
+                self._by_tier[rec.tier][rec.key] = None
+            elif (old.tier, old.offset) != (rec.tier, rec.offset):
+                del self._by_tier[old.tier][rec.key]
+                self._by_tier[rec.tier][rec.key] = None
+                self._free(old)
+        for key in drop:
+            rec = self._records.pop(key)
+            del self._by_tier[rec.tier][key]
+            self._free(rec)
+
+    def _free(self, rec: Record) -> None:
+        self._tiers[rec.tier].free(Extent(rec.tier, rec.offset, rec.nbytes))
+
+    def _hold(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self._leased[key] = self._leased.get(key, 0) + 1
+
+    def _unhold(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Drop one hold per key; returns the keys now due to be freed (pending 0,
+        unpinned, unheld)."""
+        for key in keys:
+            left = self._leased[key] - 1
+            if left:
+                self._leased[key] = left
+            else:
+                del self._leased[key]
+        return [k for k in dict.fromkeys(keys)
+                if k in self._records and self._idle_at_zero(self._records[k])]
+
+    def _idle_at_zero(self, rec: Record) -> bool:
+        return rec.pending == 0 and rec.pins == 0 and not self._leased.get(rec.key)
+
+    def _drop_now(self, keys: list[bytes]) -> None:
+        if keys:
+            self._apply(drop=keys)
+            self._stats["dropped"] += len(keys)
+
+    # ------------------------------------------------------------ bytes
+    def _extent(self, rec: Record) -> Extent:
+        return Extent(rec.tier, rec.offset, rec.nbytes)
+
+    def _bytes_at(self, ext: Extent):
+        """The extent's bytes: a zero-copy view where the tier has one, else a copy."""
+        tier = self._tiers[ext.tier]
+        view = tier.view(ext)
+        if view is not None:
+            return view
+        buf = bytearray(ext.nbytes)
+        tier.read_into(ext, memoryview(buf))
+        return buf
+
+    def _read_bytes(self, rec: Record):
+        return self._bytes_at(self._extent(rec))
+
+    def _checksum_at(self, ext: Extent) -> int:
+        return checksum(self._bytes_at(ext))
+
+    # ------------------------------------------------------------ room
+    def _allocate_memory(self, sizes: list[int]) -> list[Extent]:
+        """Extents in the fastest memory tier that has (or can make) room."""
+        errors = []
+        for name in MEMORY_TIERS:
+            if name in self._tiers:
+                try:
+                    return self._allocate_in(name, sizes)
+                except TierFullError as exc:
+                    errors.append(f"{name}: {exc}")
+        raise TierFullError(f"no room for {len(sizes)} entries ({sum(sizes)} bytes); "
+                            f"pinned and leased entries are never evicted ({'; '.join(errors)})")
+
+    def _allocate_in(self, name: str, sizes: list[int]) -> list[Extent]:
+        """Extents in tier ``name``; above the high watermark, LRU entries move down
+        first until the tier would sit at the low watermark."""
+        tier = self._tiers[name]
+        page = tier.page_size
+        need = sum(-(-n // page) * page for n in sizes)
+        if need > tier.capacity:
+            raise TierFullError(f"{need} bytes exceed the tier's capacity {tier.capacity}")
+        pol = self.config.policy
+        if over_watermark(tier.used, need, tier.capacity, pol.high_watermark):
+            self._shed(name, bytes_to_free(tier.used, need, tier.capacity, pol.low_watermark))
+        while True:
+            try:
+                return tier.allocate_many(list(sizes))
+            except TierFullError:
+                # Not enough free, or too fragmented: move more out, give up when
+                # nothing movable is left.
+                if not self._shed(name, need):
+                    raise
+
+    def _allocate_each(self, name: str, recs: list[Record]) -> list[Extent | None]:
+        """One extent per record (a batch when possible); None where none fits."""
+        try:
+            return list(self._allocate_in(name, [r.nbytes for r in recs]))
+        except TierFullError:
+            pass
+        out: list[Extent | None] = []
+        for rec in recs:
+            try:
+                out.append(self._allocate_in(name, [rec.nbytes])[0])
+            except TierFullError:
+                out.append(None)
+        return out
+
+    def _shed(self, name: str, nbytes: int) -> int:
+        """Move policy victims out of tier ``name`` (down, or gone from the last
+        tier); returns the bytes chosen."""
+        if nbytes <= 0:
+            return 0
+        sel = self._policy.select(self._candidates(name), nbytes)
+        if sel.keys:
+            self._move_down(name, sel.keys)
+        return sel.nbytes
+
+    def _move_down(self, name: str, keys: list[bytes]) -> None:
+        recs = [self._records[k] for k in keys]
+        below = [n for n in TIER_ORDER[TIER_ORDER.index(name) + 1:] if n in self._tiers]
+        moved: list[Record] = []
+        for dst in below:
+            if not recs:
+                break
+            exts = self._allocate_each(dst, recs)
+            for rec, ext in zip(recs, exts):
+                if ext is not None:
+                    self._tiers[dst].write(ext, self._read_bytes(rec))
+                    moved.append(rec._replace(tier=dst, offset=ext.offset))
+            if dst == "nvme" and self.config.tiers.nvme_fsync != "never":
+                self._tiers[dst].flush()  # durable before the index points at it
+            recs = [r for r, e in zip(recs, exts) if e is None]
+        self._apply(put=moved, drop=[r.key for r in recs])
+        self._stats["demotions"] += len(moved)
+        self._stats["evictions"] += len(recs)
+
+    def _restore_watermarks(self) -> None:
+        pol = self.config.policy
+        for name, tier in self._tiers.items():
+            if over_watermark(tier.used, 0, tier.capacity, pol.high_watermark):
+                self._shed(name, bytes_to_free(tier.used, 0, tier.capacity, pol.low_watermark))
+
+    # ------------------------------------------------------------ staging
+    def _stage_prefix(self, recs: list[Record]) -> list[Record]:
+        """Stage the NVMe entries of a leased prefix into a memory tier, verifying
+        each checksum. Returns the prefix that can be served; leases on the cut
+        tail are returned, corrupt entries dropped."""
+        nv = [i for i, r in enumerate(recs) if r.tier == "nvme"]
+        if not nv:
+            return recs
+        stage = self.config.policy.stage_nvme_hits
+        target = "dram" if "dram" in self._tiers else "gpu"
+        exts = self._allocate_each(target, [recs[i] for i in nv]) if stage else [None] * len(nv)
+        cut, moved, bad = len(recs), [], []
+        for i, ext in zip(nv, exts):
+            if i >= cut or (stage and ext is None):
+                cut = min(cut, i)
+            elif not self._verified_copy(recs[i], ext):
+                bad.append(recs[i].key)
+                cut = i
+            elif ext is not None:
+                moved.append(recs[i]._replace(tier=target, offset=ext.offset))
+                continue
+            if ext is not None:
+                self._tiers[target].free(ext)
+        gone = self._unhold([r.key for r in recs[cut:]])
+        self._apply(put=moved, drop=bad + gone)
+        self._stats["stagings"] += len(moved)
+        self._stats["checksum_failures"] += len(bad)
+        staged = {r.key: r for r in moved}
+        return [staged.get(r.key, r) for r in recs[:cut]]
+
+    def _verified_copy(self, rec: Record, ext: Extent | None) -> bool:
+        """Read ``rec`` from NVMe into ``ext`` (or a scratch buffer when None) and
+        check its checksum; on a mismatch nothing but ``ext``'s bytes changed."""
+        src = self._extent(rec)
+        view = self._tiers[ext.tier].view(ext) if ext is not None else None
+        buf = view if view is not None else memoryview(bytearray(rec.nbytes))
+        self._tiers["nvme"].read_into(src, buf)
+        if checksum(buf) != rec.checksum:
+            return False
+        if ext is not None and view is None:
+            self._tiers[ext.tier].write(ext, buf)
+        return True

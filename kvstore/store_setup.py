@@ -1,0 +1,120 @@
+"""Opening a store: the data-dir lock, the tiers from config, restart recovery.
+
+Only kvstore/store.py calls this module.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+from kvstore.config import KVStoreConfig, resolve_data_path
+from kvstore.errors import ConfigError, IntegrityError, InvalidRequestError
+from kvstore.index import Index, Record
+from tiers.base import Extent, Tier
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = "kvstore.lock"
+_SHM_DIR = "/dev/shm"
+
+
+class DataDirLock:
+    """An exclusive ``flock`` on ``<data_dir>/kvstore.lock`` for the store's lifetime.
+
+    flock locks belong to the open file, so a second store in the same process is
+    refused too; the kernel drops the lock when the process dies (no stale locks).
+    """
+
+    def __init__(self, data_dir: Path) -> None:
+        self.path = data_dir / LOCK_NAME
+        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            self._fd = None
+            raise ConfigError(f"data dir {data_dir} is in use by another kvstore store "
+                              f"(lock {self.path} is held)") from None
+        os.ftruncate(self._fd, 0)
+        os.write(self._fd, f"{os.getpid()}\n".encode())
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def dram_shared_path(data_dir: Path) -> str | None:
+    """A /dev/shm name unique to this data dir and process, or None without /dev/shm."""
+    if not os.path.isdir(_SHM_DIR):
+        log.warning("no %s: the DRAM arena is private, same-node clients use TE", _SHM_DIR)
+        return None
+    tag = hashlib.sha1(str(data_dir.resolve()).encode()).hexdigest()[:12]
+    return f"{_SHM_DIR}/kvstore-{tag}-{os.getpid()}"
+
+
+def build_tiers(config: KVStoreConfig, data_dir: Path) -> dict[str, Tier]:
+    """The tiers config asks for, fastest first. Closes what it opened on failure."""
+    t = config.tiers
+    if t.gpu_bytes <= 0 and t.dram_bytes <= 0:
+        raise ConfigError("kvstore needs a memory tier (tiers.gpu_bytes or tiers.dram_bytes "
+                          "> 0): writers and readers reach entries through it")
+    tiers: dict[str, Tier] = {}
+    try:
+        if t.gpu_bytes > 0:
+            from tiers.gpu import GpuTier
+
+            tiers["gpu"] = GpuTier(t.gpu_bytes, device=t.gpu_device)
+        if t.dram_bytes > 0:
+            from tiers.dram import DramTier
+
+            shared = dram_shared_path(data_dir) if t.dram_shared else None
+            tiers["dram"] = DramTier(t.dram_bytes, shared_path=shared)
+        if t.nvme_bytes > 0:
+            from tiers.nvme import NvmeTier
+
+            path = resolve_data_path(str(data_dir), t.nvme_path, "nvme.slab")
+            tiers["nvme"] = NvmeTier(str(path), t.nvme_bytes, direct=t.nvme_direct,
+                                     fsync=t.nvme_fsync)
+    except BaseException:
+        for tier in tiers.values():
+            tier.close()
+        raise
+    return tiers
+
+
+class Recovered(NamedTuple):
+    records: list[Record]
+    dropped: int  # volatile, uncommitted, undecodable or unclaimable records
+
+
+def recover(index: Index, tiers: dict[str, Tier]) -> Recovered:
+    """Keep the index records of persistent tiers whose extents can be claimed again.
+
+    Volatile-tier records are deleted (their bytes died with the process). A record
+    whose extent cannot be claimed (outside the tier, or overlapping another) is
+    deleted too: its bytes are not trustworthy. Checksums are verified lazily, on
+    the first read of each entry.
+    """
+    persistent = {name for name, tier in tiers.items() if not tier.volatile}
+    loaded = index.load(persistent)
+    kept: list[Record] = []
+    bad: list[bytes] = []
+    for rec in loaded.kept:
+        try:
+            tiers[rec.tier].claim(Extent(rec.tier, rec.offset, rec.nbytes))
+        except (IntegrityError, InvalidRequestError) as exc:
+            log.warning("dropping index record %s: %s", rec.key.hex(), exc)
+            bad.append(rec.key)
+            continue
+        kept.append(rec)
+    if bad:
+        index.delete_many(bad)
+    log.info("recovered %s entries, dropped %s records", len(kept), loaded.dropped + len(bad))
+    return Recovered(kept, loaded.dropped + len(bad))

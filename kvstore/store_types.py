@@ -1,0 +1,128 @@
+"""What the store hands out (typed results) and the checks on what it is handed.
+
+Kept apart from kvstore/store.py so the server and protocol can import the result
+types without pulling in the tiers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from kvstore.errors import InvalidRequestError
+from kvstore.hashing import KEY_BYTES
+from kvstore.index import MAX_META_BYTES
+
+TIER_ORDER = ("gpu", "dram", "nvme")  # fastest first; demotion follows this order
+MEMORY_TIERS = ("gpu", "dram")  # where new writes land (TE-addressable)
+
+
+class Placement(NamedTuple):
+    """Where a writer puts one new entry's bytes."""
+
+    key: bytes
+    tier: str
+    offset: int
+    nbytes: int
+    address: int | None  # virtual address for TE; None where the tier has none
+
+
+class Reservation(NamedTuple):
+    id: int
+    placements: list[Placement | None]  # None: already stored or being written (dedup)
+    expires_at: float  # wall time after which an uncommitted reservation is reaped
+
+
+class CommitResult(NamedTuple):
+    new: int  # entries made visible by this commit
+    deduped: int  # existing entries whose pending-consumer count was bumped
+    lost: int = 0  # deduped onto another writer that gave up; not stored
+
+
+class LookupResult(NamedTuple):
+    matched_blocks: int
+    matched_tokens: int
+    tiers: list[str]  # tier of each matched block, in order
+
+
+class EntryInfo(NamedTuple):
+    key: bytes
+    tier: str
+    offset: int
+    nbytes: int
+    address: int | None
+    checksum: int
+    ntokens: int
+    meta: bytes
+
+
+class Acquisition(NamedTuple):
+    id: int  # 0 when nothing matched (nothing to release)
+    entries: list[EntryInfo]
+    matched_tokens: int
+    expires_at: float
+
+
+class EvictResult(NamedTuple):
+    keys: list[bytes]  # gone (or, for a dry run, would go)
+    nbytes: int
+    skipped: list[bytes]  # pinned or leased entries passed over
+
+
+class VerifyResult(NamedTuple):
+    checked: int
+    bad: list[bytes]  # failed their checksum; dropped unless leased at the time
+
+
+def new_id() -> int:
+    """Random positive 63-bit id: ids from before a restart never match new ones."""
+    return int.from_bytes(os.urandom(8), "little") >> 1 or 1
+
+
+def check_keys(keys: Sequence[bytes]) -> list[bytes]:
+    out = []
+    for key in keys:
+        if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
+            raise InvalidRequestError(f"keys must be {KEY_BYTES}-byte bytes, got {key!r:.60}")
+        out.append(bytes(key))
+    return out
+
+
+def check_tokens(tokens: Sequence[bytes], n: int) -> list[bytes]:
+    if len(tokens) != n:
+        raise InvalidRequestError(f"{n} keys but {len(tokens)} token blocks")
+    out = []
+    for tok in tokens:
+        if not isinstance(tok, (bytes, bytearray)) or not tok or len(tok) % 4:
+            raise InvalidRequestError("each token block must be non-empty int32le bytes")
+        out.append(bytes(tok))
+    return out
+
+
+def check_sizes(sizes: Sequence[int], n: int) -> list[int]:
+    if len(sizes) != n:
+        raise InvalidRequestError(f"{n} keys but {len(sizes)} sizes")
+    for size in sizes:
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise InvalidRequestError(f"entry sizes must be positive ints, got {size!r}")
+    return list(sizes)
+
+
+def check_meta(meta: Sequence[bytes | None] | None, n: int) -> list[bytes]:
+    if meta is None:
+        return [b""] * n
+    if len(meta) != n:
+        raise InvalidRequestError(f"{n} keys but {len(meta)} meta values")
+    out = []
+    for m in meta:
+        m = b"" if m is None else m
+        if not isinstance(m, (bytes, bytearray)) or len(m) > MAX_META_BYTES:
+            raise InvalidRequestError(f"meta must be bytes of at most {MAX_META_BYTES}")
+        out.append(bytes(m))
+    return out
+
+
+def check_tier(name: str | None) -> None:
+    if name is not None and name not in TIER_ORDER:
+        raise InvalidRequestError(f"unknown tier {name!r}; one of {TIER_ORDER}")

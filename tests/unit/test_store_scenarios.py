@@ -1,0 +1,342 @@
+"""Store scenarios, told as stories ("DRAM holds 4: store [1..4], touch 1, store [5]
+-> 2 goes down"). Real tiers, real LMDB; every store is integrity-checked at the end
+of its test (conftest), and after each step that changes placement."""
+
+import threading
+import time
+
+import pytest
+
+from kvstore.errors import (ChecksumError, ConfigError, InvalidRequestError,
+                            LeaseExpiredError, NotFoundError, TierFullError)
+from kvstore.hashing import checksum
+from tests.unit.conftest import ENTRY, data, key, put, store_config, toks, where
+from kvstore.store import Store
+
+
+def acquire(store, ids, **kw):
+    return store.acquire([key(i) for i in ids], [toks(i) for i in ids], **kw)
+
+
+def touch(store, ids):
+    store.release(acquire(store, ids).id)
+
+
+# ------------------------------------------------------------------ basics
+def test_store_then_acquire_serves_the_bytes(make_store):
+    store = make_store(dram=4)
+    assert put(store, [1, 2, 3]) == (3, 0, 0)
+    lk = store.lookup([key(i) for i in (1, 2, 3, 4)], [toks(i) for i in (1, 2, 3, 4)])
+    assert (lk.matched_blocks, lk.matched_tokens, lk.tiers) == (3, 48, ["dram"] * 3)
+    acq = acquire(store, [1, 2, 3, 4])
+    assert acq.matched_tokens == 48 and [e.tier for e in acq.entries] == ["dram"] * 3
+    assert [store.read(acq.id, j) for j in range(3)] == [data(i) for i in (1, 2, 3)]
+    assert all(e.address is not None and e.checksum == checksum(data(i))
+               for e, i in zip(acq.entries, (1, 2, 3)))
+    assert store.release(acq.id) == 0  # get: nothing freed
+    assert set(where(store)) == {1, 2, 3}
+    stats = store.stats()
+    assert stats["hits"] == 3 and stats["misses"] == 1 and stats["bytes_in"] == 3 * ENTRY
+    store.check_integrity()
+
+
+def test_full_miss_gives_an_empty_acquisition(make_store):
+    store = make_store()
+    acq = acquire(store, [9])
+    assert acq.id == 0 and acq.entries == [] and acq.matched_tokens == 0
+    assert store.release(acq.id) == 0
+
+
+def test_prefix_stops_at_first_missing_block(make_store):
+    store = make_store()
+    put(store, [1, 3])
+    assert store.lookup([key(i) for i in (1, 2, 3)], [toks(i) for i in (1, 2, 3)]).matched_blocks == 1
+
+
+def test_fill_without_nvme_evicts_lru(make_store):
+    # DRAM holds 4: store [1,2,3,4], touch 1, store [5] -> evicts [2]
+    store = make_store(dram=4)
+    put(store, [1, 2, 3, 4])
+    touch(store, [1])
+    put(store, [5])
+    assert sorted(where(store)) == [1, 3, 4, 5]
+    assert store.stats()["evictions"] == 1
+    store.check_integrity()
+
+
+def test_entry_larger_than_every_tier_is_tier_full(make_store):
+    store = make_store(dram=2)
+    with pytest.raises(TierFullError):
+        put(store, [1], nbytes=3 * ENTRY)
+    store.check_integrity()
+
+
+# ------------------------------------------------------------------ pins, leases
+def test_pinned_entries_are_never_evicted_full_tier_says_so(make_store):
+    store = make_store(dram=2)
+    put(store, [1, 2])
+    assert store.pin([key(1), key(2)]) == 2
+    with pytest.raises(TierFullError):
+        put(store, [3])
+    assert sorted(where(store)) == [1, 2]
+    store.unpin([key(2)])
+    put(store, [3])
+    assert sorted(where(store)) == [1, 3]
+    with pytest.raises(InvalidRequestError):
+        store.unpin([key(3)])  # never pinned: changes nothing
+    with pytest.raises(NotFoundError):
+        store.pin([key(1), key(99)])
+    assert store.stats()["pinned_entries"] == 1
+    store.check_integrity()
+
+
+def test_acquired_entries_are_protected_until_release(make_store):
+    store = make_store(dram=2)
+    put(store, [1, 2])
+    acq = acquire(store, [1, 2])
+    with pytest.raises(TierFullError):
+        put(store, [3])
+    result = store.evict(everything=True)
+    assert result.keys == [] and sorted(result.skipped) == [key(1), key(2)]
+    store.release(acq.id)
+    put(store, [3])
+    assert sorted(where(store)) == [2, 3]
+    store.check_integrity()
+
+
+def test_reservation_lease_expires_and_space_returns(make_store):
+    store = make_store(dram=2)
+    res = store.reserve([key(1), key(2)], [ENTRY] * 2, [toks(1), toks(2)], lease_s=0.05)
+    store.write(res.id, 0, data(1))
+    assert store.stats()["tiers"]["dram"]["used"] == 2 * ENTRY
+    time.sleep(0.08)
+    assert store.reap() == 1
+    assert store.stats()["tiers"]["dram"]["used"] == 0
+    with pytest.raises(LeaseExpiredError):
+        store.commit(res.id, [checksum(data(1)), checksum(data(2))])
+    assert store.lookup([key(1)], [toks(1)]).matched_blocks == 0
+    put(store, [1, 2])  # the space is usable again
+    store.check_integrity()
+
+
+def test_expired_reservation_is_reaped_opportunistically(make_store):
+    store = make_store(dram=2)
+    store.reserve([key(1), key(2)], [ENTRY] * 2, [toks(1), toks(2)], lease_s=0.05)
+    time.sleep(0.08)
+    put(store, [3, 4])  # reserve reaps first, so the dead reservation's space is there
+    assert sorted(where(store)) == [3, 4]
+
+
+def test_read_lease_expires(make_store):
+    store = make_store(dram=2)
+    put(store, [1, 2])
+    acq = acquire(store, [1, 2], lease_s=0.05)
+    time.sleep(0.08)
+    store.reap()
+    with pytest.raises(LeaseExpiredError):
+        store.release(acq.id, drop=True)
+    put(store, [3])  # no longer protected
+    assert sorted(where(store)) == [2, 3]
+
+
+# ------------------------------------------------------------------ two-phase writes
+def test_abort_leaves_nothing(make_store):
+    store = make_store(dram=2)
+    res = store.reserve([key(1), key(2)], [ENTRY] * 2, [toks(1), toks(2)])
+    store.write(res.id, 0, data(1))
+    store.abort(res.id)
+    assert where(store) == {} and store.stats()["tiers"]["dram"]["used"] == 0
+    with pytest.raises(NotFoundError):
+        store.commit(res.id, [0, 0])
+    store.check_integrity()
+
+
+def test_uncommitted_entries_are_invisible(make_store):
+    store = make_store(dram=2)
+    res = store.reserve([key(1)], [ENTRY], [toks(1)])
+    store.write(res.id, 0, data(1))
+    assert store.lookup([key(1)], [toks(1)]).matched_blocks == 0
+    assert acquire(store, [1]).entries == []
+    store.commit(res.id, [checksum(data(1))])
+    assert store.lookup([key(1)], [toks(1)]).matched_blocks == 1
+
+
+def test_checksum_mismatch_aborts_the_whole_reservation(make_store):
+    store = make_store(dram=4)
+    res = store.reserve([key(1), key(2)], [ENTRY] * 2, [toks(1), toks(2)])
+    store.write(res.id, 0, data(1))
+    store.write(res.id, 1, data(2)[:-1] + b"\x00")  # a torn transfer
+    with pytest.raises(ChecksumError):
+        store.commit(res.id, [checksum(data(1)), checksum(data(2))])
+    assert where(store) == {} and store.stats()["tiers"]["dram"]["used"] == 0
+    assert store.stats()["commit_checksum_failures"] == 1
+    store.check_integrity()
+
+
+# ------------------------------------------------------------------ dedup
+def test_dedup_two_consumers_each_get_it_then_it_goes(make_store):
+    store = make_store(dram=4)
+    put(store, [1, 2])
+    res = store.reserve([key(i) for i in (1, 2, 3)], [ENTRY] * 3, [toks(i) for i in (1, 2, 3)])
+    assert [p is None for p in res.placements] == [True, True, False]
+    store.write(res.id, 2, data(3))
+    assert store.commit(res.id, [0, 0, checksum(data(3))]) == (1, 2, 0)
+    first, second = acquire(store, [1, 2]), acquire(store, [1, 2])
+    assert store.release(first.id, drop=True) == 0  # one consumer still to come
+    assert store.read(second.id, 1) == data(2)
+    assert store.release(second.id, drop=True) == 2
+    assert sorted(where(store)) == [3]
+    store.check_integrity()
+
+
+def test_dedup_onto_an_in_flight_writer(make_store):
+    store = make_store(dram=4)
+    a = store.reserve([key(5)], [ENTRY], [toks(5)])
+    b = store.reserve([key(5)], [ENTRY], [toks(5)])
+    assert b.placements == [None]
+    assert store.commit(b.id, [0]) == (0, 1, 0)
+    store.write(a.id, 0, data(5))
+    store.commit(a.id, [checksum(data(5))])
+    assert [r.pending for r in store.entries()] == [2]
+    store.check_integrity()
+
+
+def test_dedup_onto_a_writer_that_aborts_is_lost(make_store):
+    store = make_store(dram=4)
+    a = store.reserve([key(5)], [ENTRY], [toks(5)])
+    b = store.reserve([key(5)], [ENTRY], [toks(5)])
+    store.abort(a.id)
+    assert store.commit(b.id, [0]) == (0, 0, 1)
+    assert where(store) == {}
+
+
+def test_deduped_entry_is_not_evicted_to_make_room_for_its_own_batch(make_store):
+    # vLLM regression story: store [1,2], touch 1, store [2,3] in a full tier of 2
+    # -> 2 is already stored, so 1 goes, not 2
+    store = make_store(dram=2)
+    put(store, [1, 2])
+    touch(store, [2])
+    touch(store, [1])
+    assert put(store, [2, 3]) == (1, 1, 0)
+    assert sorted(where(store)) == [2, 3]
+
+
+def test_drop_is_deferred_while_another_reader_holds_it(make_store):
+    store = make_store(dram=2)
+    put(store, [1])
+    a, b = acquire(store, [1]), acquire(store, [1])
+    assert store.release(a.id, drop=True) == 0
+    assert store.read(b.id, 0) == data(1)
+    assert store.release(b.id) == 1  # last holder gone, pending already 0
+    assert where(store) == {}
+
+
+# ------------------------------------------------------------------ collisions, input
+def test_same_key_different_tokens_is_a_miss_and_counted(make_store):
+    store = make_store()
+    put(store, [1, 2])
+    assert store.acquire([key(1), key(2)], [toks(1), toks(7)]).matched_tokens == 16
+    assert store.stats()["collisions"] == 1
+
+
+def test_bad_input_is_refused_and_changes_nothing(make_store):
+    store = make_store(dram=2)
+    put(store, [1])
+    before = store.stats()
+    bad_calls = [
+        lambda: store.reserve([b"short"], [ENTRY], [toks(1)]),
+        lambda: store.reserve([key(2)], [0], [toks(2)]),
+        lambda: store.reserve([key(2)], [ENTRY], [b"abc"]),
+        lambda: store.reserve([key(2)], [ENTRY, ENTRY], [toks(2)]),
+        lambda: store.reserve([key(2)], [ENTRY], [toks(2)], meta=[b"x" * 2000]),
+        lambda: store.reserve([key(2)], [ENTRY], [toks(2)], lease_s=-1),
+        lambda: store.evict(nbytes=1, everything=True),
+        lambda: store.evict(tier="tape", everything=True),
+        lambda: store.evict(fraction=2.0),
+    ]
+    for call in bad_calls:
+        with pytest.raises(InvalidRequestError):
+            call()
+    res = store.reserve([key(2)], [ENTRY], [toks(2)])
+    with pytest.raises(InvalidRequestError):
+        store.commit(res.id, [1, 2, 3])
+    with pytest.raises(InvalidRequestError):
+        store.write(res.id, 5, data(2))
+    store.abort(res.id)
+    after = store.stats()
+    assert after["entries"] == before["entries"] and after["tiers"] == before["tiers"]
+    store.check_integrity()
+
+
+# ------------------------------------------------------------------ admin
+def test_evict_by_bytes_fraction_keys_and_dry_run(make_store):
+    store = make_store(dram=8)
+    for i in range(1, 9):
+        put(store, [i])  # one commit each: 1 is the least recently used
+    store.pin([key(2)])
+    dry = store.evict(tier="dram", nbytes=2 * ENTRY, dry_run=True)
+    assert dry.keys == [key(1), key(3)] and dry.skipped == [key(2)]
+    assert len(where(store)) == 8
+    assert store.evict(tier="dram", nbytes=2 * ENTRY).keys == [key(1), key(3)]
+    assert store.evict(keys=[key(8), key(2), key(99)]).keys == [key(8)]
+    # left: 2 (pinned), 4, 5, 6, 7; half of those 5 entries' bytes is 2.5 entries
+    assert store.evict(fraction=0.5).keys == [key(4), key(5), key(6)]
+    assert store.clear().keys == [key(2), key(7)]  # clear takes pinned entries too
+    assert where(store) == {}
+    store.check_integrity()
+
+
+def test_second_store_on_the_same_dir_is_refused(make_store, tmp_path):
+    make_store()
+    with pytest.raises(ConfigError, match="in use"):
+        Store(store_config(tmp_path / "data"))
+
+
+def test_config_without_a_memory_tier_is_refused(tmp_path):
+    with pytest.raises(ConfigError):
+        Store(store_config(tmp_path / "d", dram=0, nvme=4))
+    Store(store_config(tmp_path / "d")).close()  # and the lock was released
+
+
+def test_shared_dram_arena_is_named_for_the_dir_and_removed(make_store):
+    import os
+
+    store = make_store(shared=True)
+    path = store.dram_shared_path
+    assert path.startswith("/dev/shm/kvstore-") and path.endswith(f"-{os.getpid()}")
+    assert os.path.getsize(path) == store.stats()["tiers"]["dram"]["capacity"]
+    store.close()
+    assert not os.path.exists(path)
+
+
+def test_concurrent_writers_readers_and_reaper(make_store):
+    store = make_store(dram=16)
+    stop = threading.Event()
+    errors = []
+
+    def reaper():
+        while not stop.is_set():
+            store.reap()
+            time.sleep(0.001)
+
+    def worker(base):
+        try:
+            for n in range(30):
+                ids = [base + n, base + n + 1000]
+                put(store, ids)
+                acq = acquire(store, ids)
+                store.release(acq.id, drop=True)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reaper)] + [
+        threading.Thread(target=worker, args=(b,)) for b in (10_000, 20_000, 30_000)]
+    for t in threads:
+        t.start()
+    for t in threads[1:]:
+        t.join(timeout=30)
+    stop.set()
+    threads[0].join(timeout=5)
+    assert errors == []
+    assert where(store) == {}
+    store.check_integrity()
