@@ -348,7 +348,8 @@ def decode_reply(frame: bytes, max_bytes: int) -> tuple[int, dict[str, Any]]:
     if type(msg) is not dict or msg.get("v") != VERSION or type(msg.get("id")) is not int:
         raise InvalidRequestError("malformed reply from server")
     rid = msg.pop("id")
-    if msg.get("ok") is True:
+    if msg.pop("ok", None) is True:
+        del msg["v"]
         return rid, msg
     code, message = msg.get("code"), msg.get("message")
     if type(code) is not str or type(message) is not str:

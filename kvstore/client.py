@@ -1,0 +1,296 @@
+"""KVStoreClient: insert and drop_select a prompt's KV through one kvstore-server.
+
+Per call: the prompt is hashed once (chained block keys), one control message
+reserves or acquires every block, the bytes move in one coalesced batch (TE
+one-sided write/read, or memcpy through the server's shared DRAM arena when the
+server is on this node), and one more message commits or releases. Bytes never
+travel over the control socket.
+
+Failures raise ``kvstore.errors`` classes within a bounded time: a miss
+(``MissError``: timeout, peer gone, transfer error, checksum) means "recompute";
+``InvalidRequestError`` means the caller passed something wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, NamedTuple, Sequence
+
+import msgpack
+import numpy as np
+import torch
+
+from kvstore import protocol as p
+from kvstore.config import ClientConfig
+from kvstore.datapath import DataPath, Segment
+from kvstore.errors import ChecksumError, InvalidRequestError, KVStoreError
+from kvstore.hashing import (block_keys, block_token_bytes, checksum, hidden_key, namespace_of,
+                             tokens_to_array)
+from kvstore.layout import KVLayout, dtype_name, pack_hf
+from kvstore.rpc import Channel, CurveKeys
+
+log = logging.getLogger(__name__)
+
+
+class InsertResult(NamedTuple):
+    new_blocks: int  # blocks whose bytes were written now
+    existing_blocks: int  # already stored: their pending-consumer count was bumped
+    ntokens: int
+    nbytes: int  # bytes moved
+
+
+class SelectResult(NamedTuple):
+    matched_tokens: int  # 0: a miss
+    kv: torch.Tensor | None  # flat uint8 entry bytes of the matched tokens
+    hidden: torch.Tensor | None
+
+
+class LookupResult(NamedTuple):
+    matched_tokens: int
+    matched_blocks: int
+    tiers: list[str]
+
+
+class _Prompt(NamedTuple):
+    keys: list[bytes]
+    tokens: list[bytes]  # int32le token bytes per block
+    counts: list[int]  # tokens per block
+    ntokens: int
+
+
+class KVStoreClient:
+    """A client of one server. Not shared between processes; thread-safe per call.
+
+    ``same_node``: "auto" memcpys through the server's shared DRAM arena when the
+    server is on this node (same host id and the arena file exists), True requires
+    that, False always uses TE. ``layout`` is needed for insert/select, not for admin.
+    """
+
+    def __init__(self, server: str | None = None, layout: KVLayout | None = None,
+                 model_id: str = "default", tp_rank: int = 0, tp_size: int = 1,
+                 salt: bytes | str = b"", timeout_s: float | None = None,
+                 te_host: str | None = None, same_node: bool | str = "auto",
+                 staging_bytes: int | None = None, curve_secret_key: str | None = None,
+                 curve_server_public_key: str | None = None,
+                 config: ClientConfig | None = None) -> None:
+        cfg = config or ClientConfig()
+        self.server = server or cfg.server
+        self.layout = layout
+        self.timeout_s = timeout_s or cfg.timeout_s
+        self.namespace = None if layout is None else namespace_of(model_id, layout, tp_rank,
+                                                                  tp_size, salt)
+        secret = curve_secret_key if curve_secret_key is not None else cfg.curve_secret_key
+        server_key = (curve_server_public_key if curve_server_public_key is not None
+                      else cfg.curve_server_public_key)
+        curve = CurveKeys.load(secret, server_key) if secret or server_key else None
+        self._rpc = Channel(self.server, self.timeout_s, curve=curve)
+        self._data = DataPath(te_host or cfg.te_host, staging_bytes or cfg.staging_bytes,
+                              same_node)
+        self._hello: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------ connection
+    def hello(self) -> dict[str, Any]:
+        """The server's identity; cached. Verifies the peer before any TE transfer."""
+        if self._hello is None:
+            info = self._rpc.call(p.Hello())
+            self._rpc.max_bytes = int(info.get("max_message_bytes", self._rpc.max_bytes))
+            self._data.connect(info)
+            self._hello = info
+        return self._hello
+
+    def _segment(self) -> Segment:
+        self.hello()
+        return self._data.segment
+
+    def keys_for(self, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
+        return self._prompt(tokens).keys
+
+    def _prompt(self, tokens: Sequence[int] | np.ndarray) -> _Prompt:
+        if self.layout is None or self.namespace is None:
+            raise InvalidRequestError("this client was created without a KV layout")
+        arr = tokens_to_array(tokens)
+        if arr.size == 0:
+            raise InvalidRequestError("empty prompt")
+        bt = self.layout.block_tokens
+        bk = block_keys(self.namespace, arr, bt)
+        return _Prompt(bk.keys, block_token_bytes(arr, bt), bk.token_counts, int(arr.size))
+
+    # ---------------------------------------------------------------- insert
+    def insert(self, tokens: Sequence[int] | np.ndarray, kv: Any,
+               hidden: torch.Tensor | None = None) -> InsertResult:
+        """Store the KV of ``tokens``: per-layer HF ``(k, v)`` pairs, or the flat entry
+        bytes (uint8 torch tensor / numpy array of exactly ``layout.nbytes(n)``)."""
+        prompt = self._prompt(tokens)
+        data = self._entry_bytes(kv, prompt.ntokens)
+        sizes = self.layout.entry_sizes(prompt.ntokens)
+        keys, toks, metas = list(prompt.keys), list(prompt.tokens), [None] * len(sizes)
+        buffers = _split(data, sizes)
+        if hidden is not None:
+            hbuf, hmeta = _hidden_bytes(hidden)
+            keys.append(hidden_key(prompt.keys[-1]))
+            toks.append(prompt.tokens[-1])  # the store wants tokens; the last block's
+            buffers.append(hbuf)
+            metas.append(hmeta)
+            sizes = [*sizes, hbuf.size]
+        seg = self._segment()
+        res = self._rpc.call(p.Reserve(keys=tuple(keys), sizes=tuple(sizes), tokens=tuple(toks),
+                                       meta=tuple(metas) if hidden is not None else None))
+        rid, placements = res["rid"], res["placements"]
+        try:
+            new = [(buf, pl) for buf, pl in zip(buffers, placements) if pl is not None]
+            self._data.write(seg, [b for b, _ in new], [pl for _, pl in new])
+            sums = [checksum(buf) for buf, _ in new]
+            self._rpc.call(p.Commit(rid=rid, checksums=tuple(sums)))
+        except BaseException:
+            self._abort(rid)
+            raise
+        nblocks = len(prompt.keys)
+        new_blocks = sum(pl is not None for pl in placements[:nblocks])
+        return InsertResult(new_blocks, nblocks - new_blocks, prompt.ntokens,
+                            sum(pl[2] for pl in placements if pl is not None))
+
+    def _entry_bytes(self, kv: Any, ntokens: int) -> np.ndarray:
+        if isinstance(kv, (list, tuple)):
+            kv = pack_hf(self.layout, kv, ntokens)
+        if isinstance(kv, torch.Tensor):
+            kv = kv.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        if not isinstance(kv, np.ndarray):
+            raise InvalidRequestError(f"kv must be HF (k, v) pairs or bytes, got {type(kv).__name__}")
+        flat = np.ascontiguousarray(kv).reshape(-1).view(np.uint8)
+        if flat.size != self.layout.nbytes(ntokens):
+            raise InvalidRequestError(f"{ntokens} tokens need {self.layout.nbytes(ntokens)} "
+                                      f"bytes of KV, got {flat.size}")
+        return flat
+
+    def _abort(self, rid: int) -> None:
+        try:
+            self._rpc.call(p.Abort(rid=rid))
+        except KVStoreError as exc:  # the lease reclaims it anyway
+            log.debug("abort of reservation %s failed: %s", rid, exc)
+
+    # ---------------------------------------------------------------- select
+    def drop_select(self, tokens: Sequence[int] | np.ndarray,
+                    timeout: float | None = None) -> SelectResult:
+        """Longest stored prefix of ``tokens``: move its KV here, then drop it there."""
+        return self._select(tokens, drop=True, timeout=timeout)
+
+    def get(self, tokens: Sequence[int] | np.ndarray, timeout: float | None = None) -> SelectResult:
+        """Like ``drop_select`` but leaves the entries stored (prefix caching)."""
+        return self._select(tokens, drop=False, timeout=timeout)
+
+    def _select(self, tokens: Any, drop: bool, timeout: float | None) -> SelectResult:
+        deadline = time.monotonic() + (timeout or self.timeout_s)
+        prompt = self._prompt(tokens)
+        seg = self._segment()
+        keys = [*prompt.keys, hidden_key(prompt.keys[-1])]
+        toks = [*prompt.tokens, prompt.tokens[-1]]
+        acq = self._rpc.call(p.Acquire(keys=tuple(keys), tokens=tuple(toks)),
+                             timeout_s=_left(deadline))
+        entries = acq["entries"]
+        if not entries:
+            return SelectResult(0, None, None)
+        aid = acq["aid"]
+        try:
+            out = self._data.read(seg, entries)
+            _verify(entries, out)
+        except BaseException:
+            self._release(aid, drop=False, timeout=_left(deadline))
+            raise
+        self._rpc.call(p.Release(aid=aid, drop=drop), timeout_s=_left(deadline))
+        nblocks = min(len(entries), len(prompt.keys))
+        matched = sum(e[5] for e in entries[:nblocks])
+        kv_bytes = sum(e[2] for e in entries[:nblocks])
+        hidden = _hidden_tensor(out[kv_bytes:], entries[nblocks][6]) if len(entries) > nblocks else None
+        return SelectResult(matched, torch.from_numpy(out[:kv_bytes]), hidden)
+
+    def _release(self, aid: int, drop: bool, timeout: float) -> None:
+        try:
+            self._rpc.call(p.Release(aid=aid, drop=drop), timeout_s=max(timeout, 0.5))
+        except KVStoreError as exc:  # the read lease reclaims it anyway
+            log.debug("release of %s failed: %s", aid, exc)
+
+    def lookup(self, tokens: Sequence[int] | np.ndarray) -> LookupResult:
+        prompt = self._prompt(tokens)
+        res = self._rpc.call(p.Lookup(keys=tuple(prompt.keys), tokens=tuple(prompt.tokens)))
+        return LookupResult(res["matched_tokens"], res["matched_blocks"], list(res["tiers"]))
+
+    # ----------------------------------------------------------------- admin
+    def stats(self) -> dict[str, Any]:
+        return self._rpc.call(p.Stats())["stats"]
+
+    def health(self, deep: bool = False) -> dict[str, Any]:
+        return self._rpc.call(p.Health(deep=deep))
+
+    def ls(self, tier: str | None = None, limit: int = 1000) -> list[dict[str, Any]]:
+        """Every entry (optionally of one tier), fetched in pages of ``limit``."""
+        out, cursor = [], 0
+        while cursor is not None:
+            page = self._rpc.call(p.Ls(tier=tier, cursor=cursor, limit=limit))
+            out.extend(page["entries"])
+            cursor = page["next"]
+        return out
+
+    def evict(self, tier: str | None = None, nbytes: int | None = None,
+              fraction: float | None = None, keys: Sequence[bytes] | None = None,
+              everything: bool = False, dry_run: bool = False) -> dict[str, Any]:
+        return self._rpc.call(p.Evict(tier=tier, nbytes=nbytes, fraction=fraction,
+                                      keys=None if keys is None else tuple(keys),
+                                      everything=everything, dry_run=dry_run))
+
+    def pin(self, keys: Sequence[bytes]) -> Any:
+        return self._rpc.call(p.Pin(keys=tuple(keys)))["count"]
+
+    def unpin(self, keys: Sequence[bytes]) -> Any:
+        return self._rpc.call(p.Unpin(keys=tuple(keys)))["count"]
+
+    def clear(self) -> dict[str, Any]:
+        return self._rpc.call(p.Clear())
+
+    def verify(self) -> dict[str, Any]:
+        return self._rpc.call(p.Verify())
+
+    def close(self) -> None:
+        self._rpc.close()
+        self._data.close()
+
+    def __enter__(self) -> "KVStoreClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# ------------------------------------------------------------------ helpers
+def _left(deadline: float) -> float:
+    return max(0.001, deadline - time.monotonic())
+
+
+def _split(data: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
+    bounds = np.cumsum([0, *sizes])
+    return [data[bounds[i]:bounds[i + 1]] for i in range(len(sizes))]
+
+
+def _verify(entries: list, out: np.ndarray) -> None:
+    """xxh3_64 of every entry as it arrived against the checksum it was stored with."""
+    pos = 0
+    for e in entries:
+        nbytes, expected = e[2], e[4]
+        if checksum(out[pos:pos + nbytes]) != expected:
+            raise ChecksumError(f"entry at {e[0]}:{e[1]} arrived corrupt ({nbytes} bytes)")
+        pos += nbytes
+
+
+def _hidden_bytes(hidden: torch.Tensor) -> tuple[np.ndarray, bytes]:
+    t = hidden.detach().cpu().contiguous()
+    meta = msgpack.packb({"hidden": 1, "dtype": dtype_name(t.dtype), "shape": list(t.shape)})
+    return t.reshape(-1).view(torch.uint8).numpy(), meta
+
+
+def _hidden_tensor(raw: np.ndarray, meta: bytes) -> torch.Tensor | None:
+    try:
+        info = msgpack.unpackb(meta, raw=False)
+        dtype = KVLayout(1, 1, 1, info["dtype"]).torch_dtype
+        return torch.from_numpy(raw.copy()).view(dtype).reshape(info["shape"])
+    except Exception as exc:  # noqa: BLE001 - bad meta means the entry is unusable
+        raise ChecksumError(f"hidden entry has unusable meta: {exc}") from None

@@ -1,0 +1,120 @@
+"""The server's handler table: one function per wire op.
+
+A handler gets the store and an already validated request (kvstore.protocol), calls
+the one store method it maps to and turns the typed result into a msgpack-safe map.
+No business logic lives here: dedup, leases, staging, eviction are the store's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, is_dataclass
+from typing import Any, Callable
+
+from kvstore import protocol as p
+
+MAX_EVICT_KEYS_REPLY = 1000  # an evict reply lists at most this many keys (count is exact)
+
+
+def plain(value: Any) -> Any:
+    """Typed results (NamedTuple, dataclass, containers) -> msgpack-safe values."""
+    if hasattr(value, "_asdict"):
+        return {k: plain(v) for k, v in value._asdict().items()}
+    if is_dataclass(value) and not isinstance(value, type):
+        return {k: plain(v) for k, v in asdict(value).items()}
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [plain(v) for v in value]
+    if isinstance(value, (bytes, str, bool, int, float)) or value is None:
+        return value
+    return str(value)
+
+
+def _placement(pl: Any) -> list | None:
+    return None if pl is None else [pl.tier, pl.offset, pl.nbytes, pl.address]
+
+
+def _entry(e: Any) -> list:
+    return [e.tier, e.offset, e.nbytes, e.address, e.checksum, e.ntokens, e.meta]
+
+
+def reserve(store: Any, req: p.Reserve) -> dict:
+    res = store.reserve(list(req.keys), list(req.sizes), list(req.tokens),
+                        meta=None if req.meta is None else list(req.meta), lease_s=req.lease_s)
+    return {"rid": res.id, "expires_at": res.expires_at,
+            "placements": [_placement(pl) for pl in res.placements]}
+
+
+def commit(store: Any, req: p.Commit) -> dict:
+    res = store.commit(req.rid, list(req.checksums))
+    return {"new": res.new, "deduped": res.deduped}
+
+
+def abort(store: Any, req: p.Abort) -> dict:
+    store.abort(req.rid)
+    return {}
+
+
+def lookup(store: Any, req: p.Lookup) -> dict:
+    res = store.lookup(list(req.keys), list(req.tokens))
+    return {"matched_blocks": res.matched_blocks, "matched_tokens": res.matched_tokens,
+            "tiers": list(res.tiers)}
+
+
+def acquire(store: Any, req: p.Acquire) -> dict:
+    acq = store.acquire(list(req.keys), list(req.tokens), lease_s=req.lease_s)
+    return {"aid": acq.id, "matched_tokens": acq.matched_tokens, "expires_at": acq.expires_at,
+            "entries": [_entry(e) for e in acq.entries]}
+
+
+def release(store: Any, req: p.Release) -> dict:
+    return {"released": store.release(req.aid, drop=req.drop)}
+
+
+def pin(store: Any, req: p.Pin) -> dict:
+    return {"count": store.pin(list(req.keys))}
+
+
+def unpin(store: Any, req: p.Unpin) -> dict:
+    return {"count": store.unpin(list(req.keys))}
+
+
+def evict(store: Any, req: p.Evict) -> dict:
+    res = store.evict(tier=req.tier, nbytes=req.nbytes, fraction=req.fraction,
+                      keys=None if req.keys is None else list(req.keys),
+                      everything=req.everything, dry_run=req.dry_run)
+    keys = list(res.keys)
+    return {"count": len(keys), "nbytes": res.nbytes, "keys": keys[:MAX_EVICT_KEYS_REPLY],
+            "skipped": len(res.skipped)}
+
+
+def clear(store: Any, req: p.Clear) -> dict:
+    res = store.clear()
+    return {"count": len(res.keys), "nbytes": res.nbytes, "skipped": len(res.skipped)}
+
+
+def verify(store: Any, req: p.Verify) -> dict:
+    return plain(store.verify())
+
+
+def ls(store: Any, req: p.Ls) -> dict:
+    # The store's listing is O(entries) per page; ls is an admin tool, not a hot path.
+    page = []
+    cursor = req.cursor
+    for i, entry in enumerate(store.entries(tier=req.tier)):
+        if i < cursor:
+            continue
+        if len(page) == req.limit:
+            return {"entries": page, "next": cursor + len(page)}
+        page.append(plain(entry))
+    return {"entries": page, "next": None}
+
+
+Handler = Callable[[Any, p.Request], dict]
+
+# hello, stats and health need the server's own state; the server handles those.
+HANDLERS: dict[str, Handler] = {
+    "reserve": reserve, "commit": commit, "abort": abort, "lookup": lookup,
+    "acquire": acquire, "release": release, "pin": pin, "unpin": unpin, "evict": evict,
+    "clear": clear, "verify": verify, "ls": ls,
+}

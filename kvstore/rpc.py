@@ -1,0 +1,188 @@
+"""The client's control channel: one ZeroMQ DEALER to one server, every wait bounded.
+
+A DEALER (not REQ) so a timed-out call leaves no stuck state machine: replies carry
+the request id, and a late reply to an abandoned call is recognised and dropped.
+After a timeout the socket is rebuilt, so requests queued for a dead server are
+discarded instead of being delivered to its successor minutes later.
+
+A monitor socket watches the connection: a refused CURVE handshake becomes an
+``AuthError`` at once instead of a silent timeout.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from typing import Any, NamedTuple
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from kvstore import protocol as p
+from kvstore.errors import (AuthError, ConfigError, InvalidRequestError, KVTimeoutError,
+                            PeerUnavailableError)
+
+log = logging.getLogger(__name__)
+
+_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+           | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+           | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+_REPLY_CAP = 256 << 20  # a reply larger than this is refused by libzmq
+
+
+class CurveKeys(NamedTuple):
+    """Client CURVE keys: its own keypair and the server's public key (z85 bytes)."""
+
+    public: bytes
+    secret: bytes
+    server_public: bytes
+
+    @classmethod
+    def load(cls, secret_file: str, server_public_file: str) -> "CurveKeys":
+        import zmq.auth
+
+        try:
+            public, secret = zmq.auth.load_certificate(secret_file)
+            server_public, _ = zmq.auth.load_certificate(server_public_file)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot load CURVE keys: {exc}") from None
+        if secret is None:
+            raise ConfigError(f"{secret_file} holds no secret key")
+        return cls(public, secret, server_public)
+
+
+class Channel:
+    """Request/reply over one DEALER. Thread-safe (one call at a time)."""
+
+    def __init__(self, address: str, timeout_s: float, max_bytes: int = 16 << 20,
+                 curve: CurveKeys | None = None) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.max_bytes = max_bytes
+        self.curve = curve
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._ctx = zmq.Context()
+        self._sock: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        self._handshake_error: Exception | None = None
+        self._open()
+
+    def _open(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # IMMEDIATE: queue only on a finished connection, so "server not there" is
+        # visible (not writable) instead of piling requests into a dead pipe.
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, _REPLY_CAP)
+        sock.setsockopt(zmq.RECONNECT_IVL, 50)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        if self.curve is not None:
+            sock.curve_publickey = self.curve.public
+            sock.curve_secretkey = self.curve.secret
+            sock.curve_serverkey = self.curve.server_public
+        self._monitor = sock.get_monitor_socket(_EVENTS)
+        self._handshake_error = None
+        try:
+            sock.connect(self.address)
+        except zmq.ZMQError as exc:
+            sock.disable_monitor()
+            self._monitor.close(0)
+            sock.close(0)
+            raise ConfigError(f"bad server address {self.address!r}: {exc}") from None
+        self._sock = sock
+
+    def _reset(self) -> None:
+        if self._sock is not None:
+            self._sock.disable_monitor()
+            self._sock.close(0)
+            self._monitor.close(0)
+            self._sock = self._monitor = None
+        self._open()
+
+    def call(self, req: p.Request, timeout_s: float | None = None) -> dict[str, Any]:
+        """Send ``req`` and return the reply map; a server error is raised as its class."""
+        frame_id = next(self._ids)
+        frame = p.encode_request(frame_id, req)
+        if len(frame) > self.max_bytes:
+            raise InvalidRequestError(f"{req.OP} request of {len(frame)} bytes exceeds the "
+                                      f"server's limit of {self.max_bytes}")
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        with self._lock:
+            if self._sock is None:
+                raise PeerUnavailableError("client is closed")
+            deadline = time.monotonic() + timeout
+            try:
+                self._wait(zmq.POLLOUT, deadline, req.OP, sent=False)
+                self._sock.send(frame, zmq.NOBLOCK)
+                result = self._receive(frame_id, deadline, req.OP)
+            except (KVTimeoutError, PeerUnavailableError, AuthError):
+                self._reset()
+                raise
+        if "error" in result:
+            raise result["error"]
+        return result
+
+    def _receive(self, frame_id: int, deadline: float, op: str) -> dict[str, Any]:
+        while True:
+            self._wait(zmq.POLLIN, deadline, op, sent=True)
+            rid, result = p.decode_reply(self._sock.recv(zmq.NOBLOCK), _REPLY_CAP)
+            if rid == frame_id:
+                return result
+            log.debug("dropping stale reply %s (waiting for %s)", rid, frame_id)
+
+    def _wait(self, event: int, deadline: float, op: str, sent: bool) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, event)
+        poller.register(self._monitor, zmq.POLLIN)
+        while True:
+            self._check_handshake()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._timeout(op, sent)
+            ready = dict(poller.poll(max(1, int(left * 1000))))
+            if self._monitor in ready:
+                self._drain_monitor()
+            if self._sock in ready:
+                return
+
+    def _drain_monitor(self) -> None:
+        while True:
+            try:
+                msg = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event = msg["event"]
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self._handshake_error = AuthError(
+                    f"{self.address} refused this client's CURVE key (not authorized)")
+            elif event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                           zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+                self._handshake_error = (
+                    AuthError(f"CURVE handshake with {self.address} failed "
+                              "(wrong server public key, or the server does not use CURVE)")
+                    if self.curve else PeerUnavailableError(
+                        f"handshake with {self.address} failed: the server may require CURVE "
+                        "keys (client.curve_secret_key / client.curve_server_public_key)"))
+
+    def _check_handshake(self) -> None:
+        if self._handshake_error is not None:
+            raise self._handshake_error
+
+    def _timeout(self, op: str, sent: bool) -> Exception:
+        hint = " (CURVE in use: is this client's public key authorized?)" if self.curve else ""
+        if not sent:
+            return PeerUnavailableError(f"server {self.address} not reachable within "
+                                        f"{self.timeout_s:g}s for {op}{hint}")
+        return KVTimeoutError(f"no reply from {self.address} to {op} within the timeout{hint}")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                self._sock.disable_monitor()
+                self._sock.close(0)
+                self._monitor.close(0)
+                self._sock = self._monitor = None
+            self._ctx.term()

@@ -1,0 +1,251 @@
+"""kvstore-server: one node's store behind a ZeroMQ ROUTER and a Transfer Engine.
+
+One thread serves everything: it polls the ROUTER socket with a short timeout,
+handles each request to completion (decode -> store -> encode) and, between
+requests, runs ``store.reap()`` when its timer is due, so expired reservations and
+read leases are reclaimed without a second thread. A signal only sets a flag: the
+request in flight finishes, then the store (LMDB), TE and sockets close.
+
+Bytes never cross this socket. reserve/acquire replies carry the TE segment name
+and per-entry addresses inside the registered tier arenas; the client moves the
+bytes one-sided with its own TE engine (or memcpy into the shared DRAM arena when
+it runs on this node) and then commits or releases.
+
+Security: with ``server.curve_secret_key`` set the socket is a CURVE server and
+only clients whose public key is in ``server.curve_authorized_keys`` get through
+the handshake. The TE data plane has no authentication: any host that can reach the
+TE port can read or write the registered regions, which are the tier arenas only
+(never the whole process memory). Run TE on a trusted network.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+from typing import Any, Callable
+
+import zmq
+
+from kvstore import protocol as p
+from kvstore.config import KVStoreConfig
+from kvstore.errors import ConfigError, InvalidRequestError, KVStoreError
+from kvstore.handlers import HANDLERS
+from kvstore.nodeid import host_id
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 100  # upper bound on how long a stop request waits for the loop
+Observer = Callable[[str, float, bool], None]
+
+
+class Server:
+    """Owns the ROUTER socket; the store and transport are handed in (and closed here)."""
+
+    def __init__(self, config: KVStoreConfig, store: Any, transport: Any,
+                 observer: Observer | None = None) -> None:
+        self.config = config
+        self.store = store
+        self.transport = transport
+        self.observer = observer
+        self.max_bytes = config.server.max_message_bytes
+        self._stop = False
+        self._started = time.time()
+        self.counters = {"requests": 0, "errors": 0}
+        self._ctx = zmq.Context()
+        self._auth = None
+        try:
+            self._sock = self._bind()
+        except BaseException:
+            self._close_zmq()
+            raise
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._register_arenas()
+
+    # ---------------------------------------------------------------- set-up
+    def _bind(self) -> zmq.Socket:
+        srv = self.config.server
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Frames between max_message_bytes and this hard cap get a typed error reply;
+        # beyond it libzmq drops the connection before we ever see the frame.
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_bytes + 4096)
+        if srv.curve_secret_key:
+            self._setup_curve(sock)
+        try:
+            sock.bind(f"tcp://{srv.host}:{srv.port}")
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            reason = "port in use" if exc.errno == errno.EADDRINUSE else str(exc)
+            raise ConfigError(f"cannot listen on {srv.host}:{srv.port}: {reason}") from None
+        return sock
+
+    def _setup_curve(self, sock: zmq.Socket) -> None:
+        import zmq.auth
+        from zmq.auth.thread import ThreadAuthenticator
+
+        srv = self.config.server
+        if not srv.curve_authorized_keys:
+            raise ConfigError("server.curve_secret_key needs server.curve_authorized_keys "
+                              "(a directory of client public keys)")
+        try:
+            public, secret = zmq.auth.load_certificate(srv.curve_secret_key)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot load CURVE key {srv.curve_secret_key}: {exc}") from None
+        if secret is None:
+            raise ConfigError(f"{srv.curve_secret_key} holds no secret key")
+        self._auth = ThreadAuthenticator(self._ctx)
+        self._auth.start()
+        self._auth.configure_curve(domain="*", location=srv.curve_authorized_keys)
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        sock.curve_server = True
+
+    def _register_arenas(self) -> None:
+        # Only the tier arenas are registered: that is all a TE peer can reach.
+        for regions in self.store.regions().values():
+            for region in regions:
+                self.transport.register(region)
+
+    # ---------------------------------------------------------------- serving
+    def stop(self) -> None:
+        """Ask the loop to exit after the request in flight (signal-safe)."""
+        self._stop = True
+
+    def serve_forever(self) -> None:
+        reap_every = _reap_interval(self.config)
+        next_reap = time.monotonic() + reap_every
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop:
+            try:
+                ready = poller.poll(min(POLL_MS, max(1, int(reap_every * 1000))))
+            except zmq.ZMQError as exc:
+                if exc.errno == errno.EINTR:
+                    continue
+                raise
+            if ready:
+                self._drain()
+            now = time.monotonic()
+            if now >= next_reap:
+                self._reap()
+                next_reap = now + reap_every
+
+    def _drain(self, budget: int = 64) -> None:
+        for _ in range(budget):
+            if self._stop:
+                return
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            self._sock.send_multipart(self._respond(frames))
+
+    def _respond(self, frames: list[bytes]) -> list[bytes]:
+        # DEALER peers send [identity, body]; a REQ peer adds an empty delimiter.
+        envelope, body = frames[:-1], frames[-1]
+        if len(envelope) > 2 or (len(envelope) == 2 and envelope[1] != b""):
+            err = InvalidRequestError("a request is exactly one frame")
+            return [*envelope[:1], p.encode_error(0, err)]
+        return [*envelope, self.handle(body)]
+
+    def handle(self, frame: bytes) -> bytes:
+        """One request frame -> one reply frame. Never raises."""
+        start = time.perf_counter()
+        op, rid, ok = "invalid", 0, False
+        try:
+            rid, req = p.decode_request(frame, self.max_bytes)
+            op = req.OP
+            reply = p.encode_ok(rid, self._dispatch(req))
+            ok = True
+        except KVStoreError as exc:
+            rid = rid or p.peek_id(frame, self.max_bytes)
+            log.debug("%s failed: %s", op, exc)
+            reply = p.encode_error(rid, exc)
+        except Exception as exc:  # noqa: BLE001 - a bug must not take the node down
+            log.exception("internal error handling %s", op)
+            reply = p.encode_error(rid, KVStoreError(f"internal error in {op}: {exc}"))
+        self.counters["requests"] += 1
+        self.counters["errors"] += not ok
+        if self.observer is not None:
+            self.observer(op, time.perf_counter() - start, ok)
+        return reply
+
+    def _dispatch(self, req: p.Request) -> dict:
+        if isinstance(req, p.Hello):
+            return self.hello()
+        if isinstance(req, p.Stats):
+            return {"stats": self.stats()}
+        if isinstance(req, p.Health):
+            if req.deep:
+                self.store.check_integrity()
+            return {"status": "ok", "uptime_s": time.time() - self._started}
+        return HANDLERS[req.OP](self.store, req)
+
+    def hello(self) -> dict:
+        path = self.store.dram_shared_path
+        return {"version": p.VERSION, "segment": self.transport.segment, "host_id": host_id(),
+                "dram": None if path is None else {"path": path,
+                                                   "nbytes": self.capacities()["dram"]},
+                "block_tokens": self.config.store.block_tokens,
+                "max_message_bytes": self.max_bytes}
+
+    def capacities(self) -> dict[str, int]:
+        return {name: t["capacity"] for name, t in self.store.stats()["tiers"].items()}
+
+    def stats(self) -> dict:
+        """The store's stats plus this server's request counters (metrics read this)."""
+        return {**self.store.stats(), **self.counters, "uptime_s": time.time() - self._started}
+
+    def _reap(self) -> None:
+        try:
+            self.store.reap()
+        except Exception:  # noqa: BLE001 - reaping again next tick is the remedy
+            log.exception("store.reap failed")
+
+    # ---------------------------------------------------------------- teardown
+    def close(self) -> None:
+        """Close store (LMDB), TE and sockets, in that order; idempotent."""
+        for name, closer in (("store", self.store.close), ("transport", self.transport.close)):
+            try:
+                closer()
+            except Exception:  # noqa: BLE001 - keep closing the rest
+                log.exception("closing %s failed", name)
+        self._close_zmq()
+
+    def _close_zmq(self) -> None:
+        if getattr(self, "_sock", None) is not None:
+            self._sock.close(0)
+            self._sock = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        self._ctx.term()
+
+
+def _reap_interval(config: KVStoreConfig) -> float:
+    shortest = min(config.store.reservation_lease_s, config.store.read_lease_s)
+    return min(1.0, max(0.05, shortest / 4))
+
+
+def generate_keys(directory: str, name: str = "server") -> tuple[str, str]:
+    """Write a CURVE keypair ``<name>.key`` (public) and ``<name>.key_secret`` into
+    ``directory``; returns their paths. Copy a client's ``.key`` into the server's
+    ``curve_authorized_keys`` directory to let it in."""
+    import os
+
+    import zmq.auth
+
+    os.makedirs(directory, exist_ok=True)
+    return zmq.auth.create_certificates(directory, name)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``kvstore-server`` (the CLI lives in kvstore.server_cli)."""
+    from kvstore.server_cli import cli
+
+    cli.main(args=argv, prog_name="kvstore-server")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""The ``kvstore-server`` command line: config layers, start-up, signals, shutdown.
+
+Config precedence: built-in defaults, then ``--config FILE`` (TOML), then
+``KVSTORE_*`` environment, then the flags below. With no flags at all the server
+binds 127.0.0.1:7700 with a DRAM tier and a file-backed NVMe tier under
+./kvstore-data and TE in P2P-handshake mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from typing import Any
+
+import click
+
+from kvstore.config import KVStoreConfig, format_size, load_config
+from kvstore.errors import KVStoreError
+
+log = logging.getLogger("kvstore.server")
+
+# flag -> (config section, field); click passes None for flags not given.
+_FLAGS = {
+    "host": ("server", "host"), "port": ("server", "port"), "te_host": ("server", "te_host"),
+    "te_metadata": ("server", "te_metadata"), "metrics_port": ("server", "metrics_port"),
+    "max_message_bytes": ("server", "max_message_bytes"),
+    "curve_secret_key": ("server", "curve_secret_key"),
+    "curve_authorized_keys": ("server", "curve_authorized_keys"),
+    "data_dir": ("store", "data_dir"), "block_tokens": ("store", "block_tokens"),
+    "reservation_lease": ("store", "reservation_lease_s"), "read_lease": ("store", "read_lease_s"),
+    "dram": ("tiers", "dram_bytes"), "dram_shared": ("tiers", "dram_shared"),
+    "nvme": ("tiers", "nvme_bytes"), "nvme_path": ("tiers", "nvme_path"),
+    "nvme_direct": ("tiers", "nvme_direct"), "nvme_fsync": ("tiers", "nvme_fsync"),
+    "gpu": ("tiers", "gpu_bytes"), "gpu_device": ("tiers", "gpu_device"),
+    "high_watermark": ("policy", "high_watermark"), "low_watermark": ("policy", "low_watermark"),
+}
+
+
+def _overrides(flags: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for flag, (section, name) in _FLAGS.items():
+        if flags.get(flag) is not None:
+            out.setdefault(section, {})[name] = flags[flag]
+    return out
+
+
+def open_server(cfg: KVStoreConfig):
+    """Bind, open the store (data-dir lock), start TE; undo everything on failure."""
+    from kvstore.server import Server
+    from kvstore.store import Store
+    from kvstore.transfer import Transport
+
+    srv = cfg.server
+    if srv.host in ("0.0.0.0", "*", "::") and not srv.te_host:
+        raise KVStoreError("server.te_host is required when binding a wildcard address "
+                           "(TE must advertise an address peers can reach)")
+    store = transport = None
+    try:
+        store = Store(cfg)
+        transport = Transport(srv.te_host or srv.host, metadata=srv.te_metadata)
+        return Server(cfg, store, transport)
+    except BaseException:
+        for part in (transport, store):
+            if part is not None:
+                part.close()
+        raise
+
+
+def _describe(server, cfg: KVStoreConfig) -> str:
+    tiers = ", ".join(f"{name} {format_size(cap)}" for name, cap in server.capacities().items())
+    auth = "CURVE" if cfg.server.curve_secret_key else "no auth"
+    return (f"kvstore-server listening on {server.endpoint} ({auth}), TE segment "
+            f"{server.transport.segment}, tiers: {tiers or 'none'}, data dir {cfg.store.data_dir}")
+
+
+def _serve(cfg: KVStoreConfig) -> int:
+    server = open_server(cfg)
+    metrics = None
+    try:
+        if cfg.server.metrics_port:
+            from kvstore.metrics import Metrics
+
+            metrics = Metrics(stats_fn=server.stats)
+            metrics.serve(cfg.server.host, cfg.server.metrics_port)
+            server.observer = metrics.observe
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: server.stop())
+        log.info("%s", _describe(server, cfg))
+        server.serve_forever()
+        log.info("kvstore-server stopping")
+    finally:
+        if metrics is not None:
+            metrics.close()
+        server.close()
+    return 0
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML config file.")
+@click.option("--host", help="Address the control socket binds. [127.0.0.1]")
+@click.option("--port", type=int, help="Control socket port. [7700]")
+@click.option("--te-host", help="Address TE binds and advertises. [--host]")
+@click.option("--te-metadata", help="TE metadata: P2PHANDSHAKE, etcd://h:p, http://... [P2PHANDSHAKE]")
+@click.option("--data-dir", help="LMDB index, lock and NVMe slab live here. [./kvstore-data]")
+@click.option("--dram", help="DRAM tier size, e.g. 8GiB; 0 disables. [1GiB]")
+@click.option("--dram-shared/--no-dram-shared", default=None,
+              help="Back DRAM with a /dev/shm file so same-node clients memcpy. [on]")
+@click.option("--nvme", help="NVMe tier size; 0 disables. [4GiB]")
+@click.option("--nvme-path", help="NVMe slab file or block device. [<data-dir>/nvme.slab]")
+@click.option("--nvme-direct", type=click.Choice(["auto", "on", "off"]), help="O_DIRECT. [auto]")
+@click.option("--nvme-fsync", type=click.Choice(["never", "commit", "always"]), help="[commit]")
+@click.option("--gpu", help="GPU tier size; 0 disables. [0]")
+@click.option("--gpu-device", help="Torch device of the GPU tier. [cuda:0]")
+@click.option("--block-tokens", type=int, help="Tokens per block (entry). [16]")
+@click.option("--reservation-lease", type=float, help="Seconds an uncommitted insert lives. [30]")
+@click.option("--read-lease", type=float, help="Seconds an acquired entry stays leased. [30]")
+@click.option("--high-watermark", type=float, help="Demote above this fill fraction. [0.95]")
+@click.option("--low-watermark", type=float, help="...until under this one. [0.85]")
+@click.option("--max-message-bytes", help="Largest control message accepted. [16MiB]")
+@click.option("--metrics-port", type=int, help="Prometheus /metrics port; 0 disables. [0]")
+@click.option("--curve-secret-key", help="Server CURVE key file (.key_secret); enables CURVE.")
+@click.option("--curve-authorized-keys", help="Directory of authorized client public keys.")
+@click.option("--gen-keys", type=click.Path(file_okay=False), metavar="DIR",
+              help="Write a CURVE keypair (server.key, server.key_secret) into DIR and exit.")
+@click.option("--log-level", default="INFO", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+def cli(config_file: str | None, gen_keys: str | None, log_level: str, **flags: Any) -> None:
+    """Serve one node's KV-cache tiers over ZeroMQ (control) and Mooncake TE (data).
+
+    Every option can also come from the TOML file or a KVSTORE_<SECTION>_<FIELD>
+    environment variable; flags win.
+    """
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if gen_keys:
+        from kvstore.server import generate_keys
+
+        public, secret = generate_keys(gen_keys)
+        click.echo(f"public key {public}\nsecret key {secret}")
+        return
+    try:
+        cfg = load_config(config_file, overrides=_overrides(flags))
+        code = _serve(cfg)
+    except KVStoreError as exc:
+        click.echo(f"kvstore-server: {exc}", err=True)
+        sys.exit(2)
+    sys.exit(code)
