@@ -12,6 +12,7 @@ import pytest
 from kvstore.errors import IntegrityError, InvalidRequestError, TierFullError
 from tiers.base import Extent
 from tiers.dram import DramTier, map_shared
+from tiers.nvme import NvmeTier
 
 REPO = Path(__file__).resolve().parents[2]
 CAP = 64 * 4096
@@ -35,7 +36,18 @@ def _dram_shared(tmp_path, shm_dir):
     return DramTier(CAP, shared_path=os.path.join(shm_dir, "arena"))
 
 
-FACTORIES = {"dram": _dram, "dram-shared": _dram_shared}
+def _nvme_direct(tmp_path, shm_dir):
+    t = NvmeTier(str(tmp_path / "slab"), CAP, direct="on")  # tmp_path is on ext4 here
+    assert t.direct
+    return t
+
+
+def _nvme_buffered(tmp_path, shm_dir):
+    return NvmeTier(str(tmp_path / "slab"), CAP, direct="off", fsync="always")
+
+
+FACTORIES = {"dram": _dram, "dram-shared": _dram_shared, "nvme-direct": _nvme_direct,
+             "nvme-buffered": _nvme_buffered}
 
 
 @pytest.fixture(params=sorted(FACTORIES))

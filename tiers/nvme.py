@@ -1,0 +1,208 @@
+"""NVMe tier: a slab file or a block device (a local disk, or a remote NVMe-oF
+namespace the kernel initiator attached), read and written at extent offsets.
+
+O_DIRECT keeps KV bytes out of the page cache (they are cold by definition when they
+land here, and caching them would steal DRAM from the DRAM tier). It demands that
+buffer addresses, file offsets and lengths are multiples of the logical block size:
+* offsets: extents are page-aligned by the allocator;
+* lengths: each extent owns whole pages, so the I/O always covers its rounded length
+  (the padding after ``nbytes`` is zeros, written by us);
+* buffers: a caller's page-aligned head goes straight to the kernel; anything else
+  passes through a page-aligned bounce buffer (an anonymous mmap).
+
+Not memory: ``address`` and ``view`` are None, TE never sees this tier. Contents
+survive a restart; the store re-``claim``s the extents its index still names.
+One thread at a time (the store's lock): the bounce buffer is shared.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import stat
+
+import numpy as np
+
+from kvstore.errors import ConfigError, InvalidRequestError
+from tiers.arena import ArenaTier
+from tiers.base import Extent
+
+log = logging.getLogger(__name__)
+
+PAGE_SIZE = 4096
+BOUNCE_BYTES = 8 << 20
+_DIRECT_MODES = ("auto", "on", "off")
+_FSYNC_MODES = ("always", "commit", "never")
+
+
+def _usable_size(path: str, capacity: int) -> tuple[int, bool]:
+    """(bytes this tier may use, is a block device); creates a missing slab file."""
+    wanted = (capacity // PAGE_SIZE) * PAGE_SIZE
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        _create_slab(path, wanted)
+        return wanted, False
+    if stat.S_ISBLK(st.st_mode):
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            device = os.lseek(fd, 0, os.SEEK_END) // PAGE_SIZE * PAGE_SIZE
+        finally:
+            os.close(fd)
+        return (min(wanted, device) if wanted > 0 else device), True
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"nvme path {path} is neither a regular file nor a block device")
+    if st.st_size != wanted:
+        raise ConfigError(f"nvme slab {path} has {st.st_size} bytes, config says {wanted} "
+                          f"(capacity {capacity} rounded to pages); fix the config or remove it")
+    return wanted, False
+
+
+def _create_slab(path: str, nbytes: int) -> None:
+    if nbytes <= 0:
+        raise ConfigError(f"nvme capacity {nbytes} is smaller than one page")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise ConfigError(f"cannot create nvme slab {path}: {exc}") from exc
+    try:
+        os.ftruncate(fd, nbytes)
+        # Reserve the blocks now so a full disk fails here, not in a later write.
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            os.close(fd)
+            os.unlink(path)
+            raise ConfigError(f"cannot size nvme slab {path} to {nbytes}: {exc}") from exc
+    os.close(fd)
+
+
+def _open_direct(path: str, probe: memoryview) -> int:
+    """An O_DIRECT descriptor, after one aligned read proves the file system takes it
+    (some refuse at open, some only at the first I/O)."""
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_DIRECT)
+    try:
+        os.preadv(fd, [probe], 0)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+class NvmeTier(ArenaTier):
+    name = "nvme"
+    volatile = False
+
+    def __init__(self, path: str, capacity: int, direct: str = "auto",
+                 fsync: str = "commit") -> None:
+        if direct not in _DIRECT_MODES:
+            raise ConfigError(f"nvme direct must be one of {_DIRECT_MODES}, got {direct!r}")
+        if fsync not in _FSYNC_MODES:
+            raise ConfigError(f"nvme fsync must be one of {_FSYNC_MODES}, got {fsync!r}")
+        usable, self.block_device = _usable_size(path, capacity)
+        super().__init__(usable, PAGE_SIZE)
+        self.path, self.fsync_mode = path, fsync
+        self._bounce = mmap.mmap(-1, BOUNCE_BYTES, mmap.MAP_PRIVATE)  # page-aligned
+        self._bounce_view = memoryview(self._bounce)
+        self._fd, self.direct = self._open(direct)
+        self._dirty = False
+        log.info("nvme tier: %s, %s bytes, O_DIRECT=%s, fsync=%s", path, usable,
+                 self.direct, fsync)
+
+    def _open(self, direct: str) -> tuple[int, bool]:
+        if direct != "off":
+            try:
+                return _open_direct(self.path, self._bounce_view[:PAGE_SIZE]), True
+            except OSError as exc:
+                if direct == "on":
+                    self._close_bounce()
+                    raise ConfigError(f"O_DIRECT refused for {self.path}: {exc}") from exc
+                log.warning("nvme tier: O_DIRECT refused for %s (%s); using buffered I/O",
+                            self.path, exc.strerror or exc)
+        return os.open(self.path, os.O_RDWR | os.O_CLOEXEC), False
+
+    # ------------------------------------------------------------ I/O
+    def write(self, extent: Extent, data: memoryview) -> None:
+        src = self._checked(extent, data)
+        fd = self._require_open()
+        if self.direct:
+            self._direct_io(src, extent.offset, write=True)
+        else:
+            _exact(os.pwritev(fd, [src], extent.offset), src.nbytes, "write")
+        self._dirty = True
+        if self.fsync_mode == "always":
+            self.flush()
+
+    def read_into(self, extent: Extent, out: memoryview) -> None:
+        dst = self._checked(extent, out, writable=True)
+        fd = self._require_open()
+        if self.direct:
+            self._direct_io(dst, extent.offset, write=False)
+        else:
+            _exact(os.preadv(fd, [dst], extent.offset), dst.nbytes, "read")
+
+    def flush(self) -> None:
+        if self._dirty and self.fsync_mode != "never":
+            os.fdatasync(self._require_open())
+        self._dirty = False
+
+    def _direct_io(self, buf: memoryview, offset: int, write: bool) -> None:
+        """Move ``buf`` to/from ``offset``. The page-aligned head of a page-aligned
+        buffer goes straight to the kernel; the rest rides the bounce buffer."""
+        head = 0
+        if _address(buf) % PAGE_SIZE == 0:
+            head = buf.nbytes // PAGE_SIZE * PAGE_SIZE
+            if head:
+                self._io([buf[:head]], offset, write)
+        for start in range(head, buf.nbytes, BOUNCE_BYTES):
+            chunk = buf[start:start + BOUNCE_BYTES]
+            span = -(-chunk.nbytes // PAGE_SIZE) * PAGE_SIZE
+            bounce = self._bounce_view[:span]
+            if write:
+                bounce[:chunk.nbytes] = chunk
+                bounce[chunk.nbytes:] = bytes(span - chunk.nbytes)  # the extent's padding
+                self._io([bounce], offset + start, write)
+            else:
+                self._io([bounce], offset + start, write)
+                chunk[:] = bounce[:chunk.nbytes]
+
+    def _io(self, bufs: list[memoryview], offset: int, write: bool) -> None:
+        fd = self._require_open()
+        done = os.pwritev(fd, bufs, offset) if write else os.preadv(fd, bufs, offset)
+        _exact(done, sum(b.nbytes for b in bufs), "write" if write else "read")
+
+    # ------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        if self._fd is None:
+            return
+        self.flush()
+        os.close(self._fd)
+        self._fd = None
+        self._close_bounce()
+
+    def _close_bounce(self) -> None:
+        self._bounce_view.release()
+        try:
+            self._bounce.close()
+        except BufferError:
+            # A probe slice is still referenced (e.g. by a logged traceback); the
+            # mapping is unmapped when that reference goes.
+            pass
+
+    def _require_open(self) -> int:
+        if self._fd is None:
+            raise InvalidRequestError("nvme tier is closed")
+        return self._fd
+
+
+def _address(buf: memoryview) -> int:
+    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+
+
+def _exact(done: int, wanted: int, what: str) -> None:
+    # Regular files and block devices move all bytes or fail; a short count means the
+    # device is failing or the file shrank under us.
+    if done != wanted:
+        raise OSError(errno.EIO, f"nvme short {what}: {done} of {wanted} bytes")
