@@ -133,7 +133,7 @@ def render_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
 
 
 def _align(cell: str, width: int) -> str:
-    numeric = bool(re.fullmatch(r"-?[\d,.]+(%|[KMGT]?i?B|ms|s)?", cell))
+    numeric = cell == "-" or bool(re.fullmatch(r"-?[\d,.]+(%|[KMGT]?i?B|ms|s)?", cell))
     return cell.rjust(width) if numeric else cell.ljust(width)
 
 

@@ -48,11 +48,16 @@ OP_KINDS = {
 }
 
 # Store stats keys that only ever grow; every other number is exported as a gauge.
+# (Store.stats() plus the server's request counters; a new counter the store adds
+# shows up as a gauge until it is listed here - still correct values, wrong TYPE.)
 COUNTER_KEYS = frozenset({
-    "hits", "misses", "bytes_in", "bytes_out", "evictions", "evicted_bytes",
-    "demotions", "promotions", "checksum_failures", "inserts", "deduped", "drops",
-    "reservations_reaped", "leases_reaped", "expired", "requests", "errors",
+    "hits", "misses", "bytes_in", "bytes_out", "evictions", "demotions", "promotions",
+    "stagings", "checksum_failures", "commit_checksum_failures", "collisions", "commits",
+    "aborts", "dropped", "reservations_expired", "leases_expired", "requests", "errors",
 })
+# Names this module's own metrics use; a stats key of the same name is skipped so
+# one exposition never carries two families of one name.
+OWN_FAMILIES = frozenset({"up", "request_duration_seconds", "op_requests"})
 
 
 # A client can put any string in ``op``; label values must stay a small set.
@@ -91,6 +96,8 @@ class StoreCollector(Collector):
         yield GaugeMetricFamily(f"{PREFIX}_up", "1 if the store answered stats()", 1)
         families: dict[str, Metric] = {}
         for name, labels, value in flatten_stats(stats):
+            if name in OWN_FAMILIES:
+                continue
             family = families.get(name)
             if family is None:
                 family = _family(name, sorted(labels))
@@ -153,7 +160,7 @@ class Metrics:
             "(te_write/te_read: a client's Transfer Engine move)",
             ["op", "kind"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self._requests = Counter(
-            f"{PREFIX}_requests", "Requests handled, by wire op and outcome",
+            f"{PREFIX}_op_requests", "Requests handled, by wire op and outcome",
             ["op", "kind", "outcome"], registry=self.registry)
         self._ops: set[str] = set(OP_KINDS)
         self._ops_lock = threading.Lock()

@@ -68,9 +68,9 @@ def test_observe_fills_histogram_and_counter():
     reserve = (("kind", "insert"), ("op", "reserve"))
     assert s[("kvstore_request_duration_seconds_count", reserve)] == 2
     assert s[("kvstore_request_duration_seconds_sum", reserve)] == pytest.approx(0.006)
-    assert s[("kvstore_requests_total", reserve + (("outcome", "ok"),))] == 2
+    assert s[("kvstore_op_requests_total", reserve + (("outcome", "ok"),))] == 2
     acquire = (("kind", "drop_select"), ("op", "acquire"), ("outcome", "error"))
-    assert s[("kvstore_requests_total", acquire)] == 1
+    assert s[("kvstore_op_requests_total", acquire)] == 1
 
 
 def test_op_labels_stay_bounded():
@@ -80,7 +80,7 @@ def test_op_labels_stay_bounded():
     m.observe("Bad Op!", 0.001, False)
     m.observe(["not", "a", "str"], 0.001, False)  # type: ignore[arg-type]
     ops = {dict(labels).get("op") for name, labels in samples(m)
-           if name == "kvstore_requests_total"}
+           if name == "kvstore_op_requests_total"}
     assert len(ops) <= MAX_OPS + 1 and "unknown" in ops and "Bad Op!" not in ops
 
 
@@ -112,3 +112,15 @@ def test_port_in_use_is_a_config_error():
             b.serve("127.0.0.1", port)
     finally:
         a.close()
+
+
+def test_server_counters_do_not_clash_with_own_families():
+    # kvstore-server adds "requests"/"errors" to the store's stats.
+    m = Metrics(lambda: {"requests": 5, "errors": 1, "up": 7, "uptime_s": 3.0})
+    m.observe("stats", 0.001, True)
+    text = generate_latest(m.registry).decode()
+    names = [fam.name for fam in text_string_to_metric_families(text)]
+    assert len(names) == len(set(names))
+    s = samples(m)
+    assert s[("kvstore_requests_total", ())] == 5 and s[("kvstore_up", ())] == 1
+    assert s[("kvstore_uptime_s", ())] == 3.0
