@@ -71,7 +71,7 @@ SECTIONS: list[Section] = [
             "store put/get on the DRAM tier vs numpy memcpy"),
     Section("nvme", "tools.bench_store:bench_nvme",
             "NVMe tier and store demote/stage vs plain file I/O"),
-    Section("index", "tools.bench_store:bench_index",
+    Section("index", "tools.bench_index:bench_index",
             "ops/s and index size at 10k / 100k (/ 1M with --full) entries"),
 ]
 
