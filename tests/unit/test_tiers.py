@@ -12,6 +12,7 @@ import pytest
 from kvstore.errors import IntegrityError, InvalidRequestError, TierFullError
 from tiers.base import Extent
 from tiers.dram import DramTier, map_shared
+from tiers.gpu import GpuTier
 from tiers.nvme import NvmeTier
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,8 +47,12 @@ def _nvme_buffered(tmp_path, shm_dir):
     return NvmeTier(str(tmp_path / "slab"), CAP, direct="off", fsync="always")
 
 
+def _gpu_on_cpu(tmp_path, shm_dir):
+    return GpuTier(CAP, device="cpu")  # the same code as on CUDA, on a CPU tensor
+
+
 FACTORIES = {"dram": _dram, "dram-shared": _dram_shared, "nvme-direct": _nvme_direct,
-             "nvme-buffered": _nvme_buffered}
+             "nvme-buffered": _nvme_buffered, "gpu-cpu": _gpu_on_cpu}
 
 
 @pytest.fixture(params=sorted(FACTORIES))
@@ -187,3 +192,34 @@ def test_map_shared_refuses_missing_or_short_files(shm_dir):
             map_shared(path, 4096)
     finally:
         os.unlink(path)
+
+
+def test_gpu_tier_on_cpu_tensor():
+    t = GpuTier(CAP, device="cpu")
+    try:
+        (a, b) = t.allocate_many([100, 5000])
+        t.write(b, memoryview(bytes(range(250)) * 20))
+        assert bytes(t.tensor(b)[:250].numpy()) == bytes(range(250))
+        assert t.tensor(b).data_ptr() == t.address(b)
+        t.view(a)[:] = b"x" * 100  # CPU arena: the view is zero-copy
+        out = bytearray(100)
+        t.read_into(a, memoryview(out))
+        assert out == b"x" * 100
+        assert t.regions()[0].location == "cpu:0" and t.regions()[0].nbytes == CAP
+        t.free(a)
+        with pytest.raises(IntegrityError):
+            t.tensor(a)
+    finally:
+        t.close()
+
+
+def test_gpu_tier_refuses_missing_or_bad_devices():
+    from kvstore.errors import ConfigError
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="CUDA is not available"):
+            GpuTier(CAP, device="cuda:0")
+    for bad in ("bogus", "meta"):
+        with pytest.raises(ConfigError):
+            GpuTier(CAP, device=bad)
