@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -219,6 +220,24 @@ def test_killed_peer_fails_in_bounded_time(te, local):
     assert te.is_dead(info.segment)
     with pytest.raises(PeerUnavailableError):
         te.read(info.segment, [local.address], [info.address], [64])
+
+
+@pytest.mark.timeout(40)
+def test_stalled_peer_fails_within_the_timeout():
+    """SIGSTOP: the peer's port still accepts, nothing answers; TE's own timeout ends it."""
+    with PeerProcess(16 << 20, timeout_s=3) as victim, Transport(timeout_s=3) as t:
+        info = victim.info
+        buf = t.allocate_buffer(16 << 20)
+        t.write(info.segment, [buf.address], [info.address], [4096])
+        os.kill(info.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(PeerUnavailableError, match="not answering"):
+                t.write(info.segment, [buf.address], [info.address], [16 << 20])
+            assert time.monotonic() - start < 30  # bounded (the bound here is ~3 s)
+            assert t.is_dead(info.segment)
+        finally:
+            os.kill(info.pid, signal.SIGCONT)
 
 
 # -------------------------------------------------------------- registration
