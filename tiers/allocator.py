@@ -19,6 +19,7 @@ Lookups are O(log n) by bisect (list inserts move pointers, a memmove: cheap).
 from __future__ import annotations
 
 import bisect
+import operator
 from typing import NamedTuple
 
 from kvstore.errors import ConfigError, IntegrityError, InvalidRequestError, TierFullError
@@ -123,9 +124,13 @@ class ExtentAllocator:
 
     # ------------------------------------------------------------ internals
     def _rounded_request(self, nbytes: int) -> int:
-        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
+        try:
+            n = operator.index(nbytes)  # ints and numpy integers, not floats
+        except TypeError:
+            n = 0
+        if isinstance(nbytes, bool) or n <= 0:
             raise InvalidRequestError(f"extent size must be a positive int, got {nbytes!r}")
-        return self.round_up(nbytes)
+        return self.round_up(n)
 
     def _allocate_split(self, rounded: list[int], total: int) -> list[int]:
         offsets: list[int] = []

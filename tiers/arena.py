@@ -45,7 +45,7 @@ class ArenaTier(Tier):
 
     def allocate_many(self, sizes: list[int]) -> list[Extent]:
         offsets = self._alloc.allocate_many(list(sizes))
-        return [Extent(self.name, off, n) for off, n in zip(offsets, sizes)]
+        return [Extent(self.name, off, int(n)) for off, n in zip(offsets, sizes)]
 
     def free(self, extent: Extent) -> None:
         self._own(extent)

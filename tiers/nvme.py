@@ -46,7 +46,10 @@ def _usable_size(path: str, capacity: int) -> tuple[int, bool]:
         _create_slab(path, wanted)
         return wanted, False
     if stat.S_ISBLK(st.st_mode):
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ConfigError(f"cannot open nvme block device {path}: {exc}") from exc
         try:
             device = os.lseek(fd, 0, os.SEEK_END) // PAGE_SIZE * PAGE_SIZE
         finally:
@@ -121,7 +124,11 @@ class NvmeTier(ArenaTier):
                     raise ConfigError(f"O_DIRECT refused for {self.path}: {exc}") from exc
                 log.warning("nvme tier: O_DIRECT refused for %s (%s); using buffered I/O",
                             self.path, exc.strerror or exc)
-        return os.open(self.path, os.O_RDWR | os.O_CLOEXEC), False
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_CLOEXEC), False
+        except OSError as exc:
+            self._close_bounce()
+            raise ConfigError(f"cannot open nvme path {self.path}: {exc}") from exc
 
     # ------------------------------------------------------------ I/O
     def write(self, extent: Extent, data: memoryview) -> None:

@@ -5,6 +5,8 @@ import errno
 import fcntl
 import logging
 import os
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -175,4 +177,33 @@ def test_nvme_is_not_memory(tmp_path):
     ext = t.allocate(10)
     assert (t.address(ext), t.view(ext), t.regions()) == (None, None, [])
     assert (t.name, t.volatile, t.page_size) == ("nvme", False, PAGE)
+    t.close()
+
+
+@pytest.fixture
+def loop_device(tmp_path):
+    """A real block device: a loop device over a 1 MiB file (root and losetup needed)."""
+    image = tmp_path / "disk.img"
+    image.write_bytes(bytes(1 << 20))
+    if shutil.which("losetup") is None or os.geteuid() != 0:
+        pytest.skip("needs root and losetup for a loop block device")
+    made = subprocess.run(["losetup", "--find", "--show", str(image)], check=False,
+                          capture_output=True, text=True, timeout=20)
+    if made.returncode != 0:
+        pytest.skip(f"losetup refused: {made.stderr.strip()}")
+    dev = made.stdout.strip()
+    yield dev
+    subprocess.run(["losetup", "-d", dev], check=True, timeout=20)
+
+
+@pytest.mark.timeout(60)
+def test_block_device_size_comes_from_the_device(loop_device):
+    t = NvmeTier(loop_device, 1 << 30, direct="on")  # asks for more than the device has
+    assert (t.block_device, t.capacity, t.direct) == (True, 1 << 20, True)
+    ext = t.allocate(5000)
+    t.write(ext, memoryview(_rand(5000)))
+    t.close()
+    t = NvmeTier(loop_device, 1 << 30)
+    t.claim(ext)
+    assert _read(t, ext) == _rand(5000)
     t.close()

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-from kvstore.errors import IntegrityError, InvalidRequestError, TierFullError
+from kvstore.errors import ConfigError, IntegrityError, InvalidRequestError, TierFullError
 from tiers.base import Extent
 from tiers.dram import DramTier, map_shared
 from tiers.gpu import GpuTier
@@ -181,8 +182,6 @@ def test_shared_arena_is_visible_to_another_process(shm_dir):
 
 
 def test_map_shared_refuses_missing_or_short_files(shm_dir):
-    from kvstore.errors import ConfigError
-
     with pytest.raises(ConfigError):
         map_shared(os.path.join(shm_dir, "absent"), 4096)
     path = os.path.join(shm_dir, "short")
@@ -214,9 +213,6 @@ def test_gpu_tier_on_cpu_tensor():
 
 
 def test_gpu_tier_refuses_missing_or_bad_devices():
-    from kvstore.errors import ConfigError
-    import torch
-
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="CUDA is not available"):
             GpuTier(CAP, device="cuda:0")
