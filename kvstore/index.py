@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator, NamedTuple
+from typing import NamedTuple
 
 import lmdb
 import msgpack
@@ -47,6 +48,10 @@ class Record(NamedTuple):
     pending: int  # consumers still expected to drop_select it
     meta: bytes  # small opaque caller bytes (<= MAX_META_BYTES)
     state: str = COMMITTED
+    # Offset of a still-valid copy in the nvme tier while the entry is served from a
+    # memory tier (kept when an NVMe hit is staged): a restart falls back to it, and
+    # demoting the entry again costs no write.
+    nvme_copy: int | None = None
 
 
 def encode(rec: Record) -> bytes:
@@ -122,8 +127,10 @@ class Index:
 
     def load(self, persistent_tiers: set[str]) -> LoadResult:
         """Start-up pass: keep committed records of ``persistent_tiers``, delete the
-        rest (volatile tiers lost their bytes with the process) in one transaction."""
+        rest (volatile tiers lost their bytes with the process) in one transaction.
+        A volatile-tier record with an NVMe copy falls back to that copy."""
         kept: list[Record] = []
+        fallen_back: list[Record] = []
         doomed: list[bytes] = []
         with self._env.begin(write=True) as txn:
             for key, value in txn.cursor():
@@ -133,13 +140,20 @@ class Index:
                     log.warning("dropping %s", exc)
                     doomed.append(bytes(key))
                     continue
-                if rec.state == COMMITTED and rec.tier in persistent_tiers:
+                if rec.state != COMMITTED:
+                    doomed.append(bytes(key))
+                elif rec.tier in persistent_tiers:
                     kept.append(rec)
+                elif rec.nvme_copy is not None and "nvme" in persistent_tiers:
+                    fallen_back.append(rec._replace(tier="nvme", offset=rec.nvme_copy,
+                                                    nvme_copy=None))
                 else:
                     doomed.append(bytes(key))
             for key in doomed:
                 txn.delete(key)
-        return LoadResult(kept, len(doomed))
+            for rec in fallen_back:
+                txn.put(rec.key, encode(rec))
+        return LoadResult(kept + fallen_back, len(doomed))
 
     def sync(self) -> None:
         self._env.sync(True)

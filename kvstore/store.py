@@ -100,6 +100,7 @@ class Store(MovesMixin, AuditMixin):
             raise
         self._records: dict[bytes, Record] = {}
         self._by_tier: dict[str, dict[bytes, None]] = {name: {} for name in self._tiers}
+        self._copies: dict[bytes, None] = {}  # keys served from memory with an NVMe copy
         self._leased: dict[bytes, int] = {}  # key -> number of holders (acquisitions, dedup)
         self._acqs: dict[int, Lease] = {}
         self._res: dict[int, Open] = {}
@@ -436,7 +437,8 @@ class Store(MovesMixin, AuditMixin):
             out = {"tiers": tiers, "entries": len(self._records),
                    "hits": sum(self._hits.values()), "reservations": len(self._res),
                    "leases": len(self._acqs), "leased_entries": len(self._leased),
-                   "pinned_entries": sum(1 for r in self._records.values() if r.pins)}
+                   "pinned_entries": sum(1 for r in self._records.values() if r.pins),
+                   "nvme_copies": len(self._copies)}
             for name in ("misses", "bytes_in", "bytes_out", "evictions", "demotions",
                          "stagings", "checksum_failures", "commit_checksum_failures",
                          "collisions", "commits", "aborts", "dropped",
@@ -485,6 +487,13 @@ class Store(MovesMixin, AuditMixin):
         return [Candidate(k, -(-recs[k].nbytes // ps) * ps, recs[k].last_access,
                           recs[k].created, recs[k].pins, self._leased.get(k, 0))
                 for k in self._by_tier[name]]
+
+    def _copy_candidates(self) -> list[Candidate]:
+        """NVMe copies of entries served from memory: dropping one moves nothing."""
+        ps = self._tiers["nvme"].page_size
+        recs = self._records
+        return [Candidate(k, -(-recs[k].nbytes // ps) * ps, recs[k].last_access,
+                          recs[k].created, recs[k].pins, 0) for k in self._copies]
 
     def _open_reservation(self, rid: int) -> Open:
         op = self._res.get(rid)

@@ -46,6 +46,10 @@ class AuditMixin:
             if rec.pins < 0 or rec.pending < 0:
                 raise IntegrityError(f"{key.hex()}: pins {rec.pins}, pending {rec.pending}")
             own(rec.tier, rec.offset, rec.nbytes, f"record {key.hex()}")
+            if rec.nvme_copy is not None:
+                if rec.tier == "nvme":
+                    raise IntegrityError(f"{key.hex()} on NVMe has an NVMe copy")
+                own("nvme", rec.nvme_copy, rec.nbytes, f"copy of {key.hex()}")
         for op in self._res.values():
             for ext in op.extents:
                 if ext is not None:
@@ -60,6 +64,10 @@ class AuditMixin:
             if members != expected:
                 raise IntegrityError(f"{name}: membership list differs from records by "
                                      f"{len(members ^ expected)} keys")
+
+        copies = {k for k, r in self._records.items() if r.nvme_copy is not None}
+        if copies != set(self._copies):
+            raise IntegrityError("NVMe copy list differs from the records")
 
     def _audit_holds(self) -> None:
         holds = collections.Counter()

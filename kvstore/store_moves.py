@@ -58,19 +58,22 @@ class MovesMixin:
         for rec in put:
             old = self._records.get(rec.key)
             self._records[rec.key] = rec
-            if old is None:
-                self._by_tier[rec.tier][rec.key] = None
-            elif (old.tier, old.offset) != (rec.tier, rec.offset):
+            if old is not None and old.tier != rec.tier:
                 del self._by_tier[old.tier][rec.key]
-                self._by_tier[rec.tier][rec.key] = None
-                self._free(old)
+            self._by_tier[rec.tier][rec.key] = None
+            if rec.nvme_copy is None:
+                self._copies.pop(rec.key, None)
+            else:
+                self._copies[rec.key] = None
+            if old is not None:
+                for ext in set(_owned(old)) - set(_owned(rec)):
+                    self._tiers[ext.tier].free(ext)
         for key in drop:
             rec = self._records.pop(key)
             del self._by_tier[rec.tier][key]
-            self._free(rec)
-
-    def _free(self, rec: Record) -> None:
-        self._tiers[rec.tier].free(Extent(rec.tier, rec.offset, rec.nbytes))
+            self._copies.pop(key, None)
+            for ext in _owned(rec):
+                self._tiers[ext.tier].free(ext)
 
     def _hold(self, keys: Sequence[bytes]) -> None:
         for key in keys:
@@ -165,18 +168,29 @@ class MovesMixin:
 
     def _shed(self, name: str, nbytes: int) -> int:
         """Move policy victims out of tier ``name`` (down, or gone from the last
-        tier); returns the bytes chosen."""
+        tier); returns the bytes chosen. On NVMe, copies of entries that are served
+        from memory go first: dropping one loses no entry."""
         if nbytes <= 0:
             return 0
-        sel = self._policy.select(self._candidates(name), nbytes)
-        if sel.keys:
-            self._move_down(name, sel.keys)
-        return sel.nbytes
+        freed = 0
+        if name == "nvme" and self._copies:
+            sel = self._policy.select(self._copy_candidates(), nbytes)
+            self._apply(put=[self._records[k]._replace(nvme_copy=None) for k in sel.keys])
+            freed = sel.nbytes
+        if freed < nbytes:
+            sel = self._policy.select(self._candidates(name), nbytes - freed)
+            if sel.keys:
+                self._move_down(name, sel.keys)
+            freed += sel.nbytes
+        return freed
 
     def _move_down(self, name: str, keys: list[bytes]) -> None:
         recs = [self._records[k] for k in keys]
         below = [n for n in TIER_ORDER[TIER_ORDER.index(name) + 1:] if n in self._tiers]
-        moved: list[Record] = []
+        # An entry with an NVMe copy goes straight back to it: no write needed.
+        moved = [r._replace(tier="nvme", offset=r.nvme_copy, nvme_copy=None)
+                 for r in recs if r.nvme_copy is not None]
+        recs = [r for r in recs if r.nvme_copy is None]
         for dst in below:
             if not recs:
                 break
@@ -217,7 +231,9 @@ class MovesMixin:
                 bad.append(recs[i].key)
                 cut = i
             elif ext is not None:
-                moved.append(recs[i]._replace(tier=target, offset=ext.offset))
+                # the NVMe bytes stay as the entry's copy (restart, cheap re-demotion)
+                moved.append(recs[i]._replace(tier=target, offset=ext.offset,
+                                              nvme_copy=recs[i].offset))
                 continue
             if ext is not None:
                 self._tiers[target].free(ext)
@@ -240,3 +256,11 @@ class MovesMixin:
         if ext is not None and view is None:
             self._tiers[ext.tier].write(ext, buf)
         return True
+
+
+def _owned(rec: Record) -> list[Extent]:
+    """Extents a record owns: where it is served from, and its NVMe copy if any."""
+    out = [Extent(rec.tier, rec.offset, rec.nbytes)]
+    if rec.nvme_copy is not None:
+        out.append(Extent("nvme", rec.nvme_copy, rec.nbytes))
+    return out

@@ -44,12 +44,13 @@ def where(store: Store) -> dict[int, str]:
 
 
 def store_config(data_dir, dram: int = 4, nvme: int = 0, gpu: int = 0, high: float = 1.0,
-                 low: float = 1.0, shared: bool = False, **store_opts) -> KVStoreConfig:
+                 low: float = 1.0, shared: bool = False, stage: bool = True,
+                 **store_opts) -> KVStoreConfig:
     return KVStoreConfig().replace(
         tiers={"dram_bytes": dram * ENTRY, "nvme_bytes": nvme * ENTRY,
                "gpu_bytes": gpu * ENTRY, "gpu_device": "cpu", "dram_shared": shared,
                "nvme_fsync": "commit"},
-        policy={"high_watermark": high, "low_watermark": low},
+        policy={"high_watermark": high, "low_watermark": low, "stage_nvme_hits": stage},
         store={"data_dir": str(data_dir), "index_map_bytes": 64 << 20, **store_opts})
 
 

@@ -68,3 +68,15 @@ def test_load_keeps_only_persistent_tiers(tmp_path):
     idx.clear()
     assert len(idx) == 0
     idx.close()
+
+
+def test_load_falls_back_to_an_nvme_copy(tmp_path):
+    path = tmp_path / "index"
+    idx = Index(path, map_size=64 << 20)
+    staged = rec(1, "dram")._replace(nvme_copy=8192)
+    idx.put_many([staged, rec(2, "dram")])
+    result = idx.load({"nvme"})
+    assert result.kept == [staged._replace(tier="nvme", offset=8192, nvme_copy=None)]
+    assert result.dropped == 1
+    assert idx.get(staged.key).tier == "nvme"
+    idx.close()

@@ -7,11 +7,17 @@ import time
 
 import pytest
 
-from kvstore.errors import (ChecksumError, ConfigError, InvalidRequestError,
-                            LeaseExpiredError, NotFoundError, TierFullError)
+from kvstore.errors import (
+    ChecksumError,
+    ConfigError,
+    InvalidRequestError,
+    LeaseExpiredError,
+    NotFoundError,
+    TierFullError,
+)
 from kvstore.hashing import checksum
-from tests.unit.conftest import ENTRY, data, key, put, store_config, toks, where
 from kvstore.store import Store
+from tests.unit.conftest import ENTRY, data, key, put, store_config, toks, where
 
 
 def acquire(store, ids, **kw):
@@ -339,4 +345,146 @@ def test_concurrent_writers_readers_and_reaper(make_store):
     threads[0].join(timeout=5)
     assert errors == []
     assert where(store) == {}
+    store.check_integrity()
+
+
+# ------------------------------------------------------------------ tiers: demote, stage
+def test_full_dram_demotes_lru_to_nvme(make_store):
+    # DRAM holds 4: store [1,2,3,4], touch 1, store [5] -> 2 goes down to NVMe
+    store = make_store(dram=4, nvme=8)
+    put(store, [1, 2, 3, 4])
+    touch(store, [1])
+    put(store, [5])
+    assert where(store) == {1: "dram", 2: "nvme", 3: "dram", 4: "dram", 5: "dram"}
+    assert store.stats()["demotions"] == 1
+    store.check_integrity()
+
+
+def test_watermarks_demote_down_to_low(make_store):
+    # DRAM 4, high 75%, low 50%: [1,2,3] fit; storing 4 would pass 75%, so LRU
+    # entries go down until 4 lands at 50%: 1 and 2 demote
+    store = make_store(dram=4, nvme=8, high=0.75, low=0.5)
+    for i in (1, 2, 3):
+        put(store, [i])
+    assert set(where(store).values()) == {"dram"}
+    put(store, [4])
+    assert where(store) == {1: "nvme", 2: "nvme", 3: "dram", 4: "dram"}
+
+
+def test_reap_restores_watermarks(make_store):
+    store = make_store(dram=4, nvme=8, high=0.5, low=0.25)
+    put(store, [1, 2])  # exactly 50%: not over
+    store.pin([key(1), key(2)])
+    put(store, [3])  # would pass 50%, but nothing is movable: lands anyway at 75%
+    assert set(where(store).values()) == {"dram"}
+    store.unpin([key(1), key(2)])
+    store.reap()  # back to 25%: the two least recently used go down
+    assert where(store) == {1: "nvme", 2: "nvme", 3: "dram"}
+
+
+def test_nvme_full_evicts_lru_for_good(make_store):
+    # DRAM 2, NVMe 2: store 1..6 one by one -> 5,6 in DRAM, 3,4 on NVMe, 1,2 gone
+    store = make_store(dram=2, nvme=2)
+    for i in range(1, 7):
+        put(store, [i])
+        store.check_integrity()
+    assert where(store) == {3: "nvme", 4: "nvme", 5: "dram", 6: "dram"}
+    assert store.stats()["evictions"] == 2 and store.stats()["demotions"] == 4
+
+
+def test_nvme_hit_is_staged_into_dram_and_served(make_store):
+    store = make_store(dram=2, nvme=4)
+    put(store, [1, 2])
+    put(store, [3, 4])  # 1, 2 go down
+    assert where(store) == {1: "nvme", 2: "nvme", 3: "dram", 4: "dram"}
+    acq = acquire(store, [1, 2])
+    assert [e.tier for e in acq.entries] == ["dram", "dram"]
+    assert all(e.address is not None for e in acq.entries)
+    assert [store.read(acq.id, j) for j in (0, 1)] == [data(1), data(2)]
+    assert where(store) == {1: "dram", 2: "dram", 3: "nvme", 4: "nvme"}
+    stats = store.stats()
+    assert stats["stagings"] == 2 and stats["tiers"]["nvme"]["hits"] == 2
+    store.release(acq.id)
+    store.check_integrity()
+
+
+def test_staging_stops_the_prefix_when_dram_is_all_held(make_store):
+    store = make_store(dram=1, nvme=4)
+    put(store, [1])
+    put(store, [2])  # 1 goes down
+    held = acquire(store, [2])
+    acq = acquire(store, [1])  # DRAM's only slot is leased: 1 cannot be staged
+    assert acq.entries == [] and where(store) == {1: "nvme", 2: "dram"}
+    store.release(held.id)
+    assert [e.tier for e in acquire(store, [1]).entries] == ["dram"]
+    store.check_integrity()
+
+
+def test_pinned_entry_stays_in_dram_under_pressure(make_store):
+    store = make_store(dram=2, nvme=4)
+    put(store, [1])
+    store.pin([key(1)])
+    for i in (2, 3, 4):
+        put(store, [i])
+    assert where(store) == {1: "dram", 2: "nvme", 3: "nvme", 4: "dram"}
+
+
+def test_demote_moves_entries_down_now(make_store):
+    store = make_store(dram=4, nvme=4)
+    put(store, [1, 2, 3])
+    store.pin([key(3)])
+    assert store.demote([key(1), key(3), key(99)]) == 1
+    assert where(store) == {1: "nvme", 2: "dram", 3: "dram"}
+    assert store.demote([key(1)]) == 0  # nowhere lower than the last tier
+
+
+def test_gpu_tier_first_then_dram(make_store):
+    pytest.importorskip("tiers.gpu")
+    store = make_store(gpu=2, dram=2, nvme=2)
+    put(store, [1, 2])
+    assert set(where(store).values()) == {"gpu"}
+    put(store, [3])
+    assert where(store) == {1: "dram", 2: "gpu", 3: "gpu"}
+    put(store, [4, 5])
+    assert where(store) == {1: "nvme", 2: "dram", 3: "dram", 4: "gpu", 5: "gpu"}
+    # all five leased at once cannot work: 1 needs a DRAM slot that 2 and 3 hold
+    assert acquire(store, [1, 2, 3, 4, 5]).entries == []
+    acq = acquire(store, [1])  # staged into DRAM: 2 (LRU there) goes down to NVMe
+    assert [e.tier for e in acq.entries] == ["dram"] and store.read(acq.id, 0) == data(1)
+    store.release(acq.id, drop=True)
+    assert where(store) == {2: "nvme", 3: "dram", 4: "gpu", 5: "gpu"}
+    acq = acquire(store, [2, 3, 4, 5])
+    assert [e.tier for e in acq.entries] == ["dram", "dram", "gpu", "gpu"]
+    assert [store.read(acq.id, j) for j in range(4)] == [data(i) for i in range(2, 6)]
+    store.release(acq.id, drop=True)
+    assert where(store) == {}
+    store.check_integrity()
+
+
+def test_staged_entry_keeps_its_nvme_copy_and_goes_back_to_it(make_store):
+    store = make_store(dram=2, nvme=4)
+    put(store, [1, 2])
+    put(store, [3, 4])
+    touch(store, [1])  # staged; 3 (LRU in DRAM) goes down to make room
+    assert where(store) == {1: "dram", 2: "nvme", 3: "nvme", 4: "dram"}
+    stats = store.stats()
+    assert stats["nvme_copies"] == 1 and stats["tiers"]["nvme"]["used"] == 3 * ENTRY
+    assert store.demote([key(1)]) == 1  # back onto its copy: no NVMe space, no write
+    stats = store.stats()
+    assert stats["nvme_copies"] == 0 and stats["tiers"]["nvme"]["used"] == 3 * ENTRY
+    assert where(store)[1] == "nvme"
+    store.check_integrity()
+
+
+def test_nvme_pressure_drops_a_copy_before_an_entry(make_store):
+    store = make_store(dram=2, nvme=2)
+    put(store, [1, 2])
+    put(store, [3, 4])  # 1, 2 on NVMe (full)
+    touch(store, [1])  # staged: 1 served from DRAM, its copy still on NVMe
+    # 3 went down to NVMe, which had to free a slot: 2, the LRU there, went
+    assert where(store) == {1: "dram", 3: "nvme", 4: "dram"}
+    touch(store, [1])
+    put(store, [5])  # 4 goes down; NVMe makes room by dropping 1's copy, not 3
+    assert where(store) == {1: "dram", 3: "nvme", 4: "nvme", 5: "dram"}
+    assert store.stats()["nvme_copies"] == 0
     store.check_integrity()

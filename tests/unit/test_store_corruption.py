@@ -1,0 +1,69 @@
+"""A flipped byte in the NVMe slab is a miss, counted, never served as data."""
+
+import os
+
+import pytest
+
+from kvstore.errors import ChecksumError
+from tests.unit.conftest import key, put, toks, where
+
+
+def flip_byte(store, i: int, at: int = 100) -> None:
+    """Corrupt entry ``i`` in the slab file behind the store's back."""
+    rec = next(r for r in store.entries() if r.key == key(i))
+    assert rec.tier == "nvme"
+    fd = os.open(store.data_dir / "nvme.slab", os.O_RDWR)
+    try:
+        old = os.pread(fd, 1, rec.offset + at)
+        os.pwrite(fd, bytes([old[0] ^ 0xFF]), rec.offset + at)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def on_nvme(make_store):
+    """DRAM 2, NVMe 8: entries 1..4 on NVMe, 5, 6 in DRAM."""
+    store = make_store(dram=2, nvme=8)
+    for batch in ([1, 2], [3, 4], [5, 6]):
+        put(store, batch)
+    assert [i for i, t in where(store).items() if t == "nvme"] == [1, 2, 3, 4]
+    return store
+
+
+def test_corrupt_entry_is_a_miss_and_counted(on_nvme):
+    store = on_nvme
+    flip_byte(store, 2)
+    acq = store.acquire([key(i) for i in (1, 2, 3)], [toks(i) for i in (1, 2, 3)])
+    assert len(acq.entries) == 1  # the prefix ends before the bad entry
+    stats = store.stats()
+    assert stats["checksum_failures"] == 1
+    assert 2 not in where(store)  # dropped, its space returned
+    store.release(acq.id)
+    assert store.acquire([key(3)], [toks(3)]).matched_tokens == 16  # 3 itself is fine
+    store.check_integrity()
+
+
+def test_verify_reports_and_drops_the_bad_entry(on_nvme):
+    store = on_nvme
+    flip_byte(store, 4, at=4000)
+    result = store.verify()
+    assert result.checked == 6 and result.bad == [key(4)]
+    assert sorted(where(store)) == [1, 2, 3, 5, 6]
+    assert store.stats()["checksum_failures"] == 1
+    assert store.verify().bad == []
+    store.check_integrity()
+
+
+def test_local_read_without_staging_verifies_too(make_store):
+    store = make_store(dram=2, nvme=8, stage=False)
+    put(store, [1, 2])
+    put(store, [3, 4])
+    acq = store.acquire([key(1), key(2)], [toks(1), toks(2)])
+    assert [e.tier for e in acq.entries] == ["nvme", "nvme"]
+    assert [e.address for e in acq.entries] == [None, None]
+    flip_byte(store, 2)
+    with pytest.raises(ChecksumError):
+        store.read(acq.id, 1)
+    store.release(acq.id)
+    assert store.acquire([key(1), key(2)], [toks(1), toks(2)]).matched_tokens == 16
