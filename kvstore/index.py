@@ -23,7 +23,7 @@ from typing import NamedTuple
 import lmdb
 import msgpack
 
-from kvstore.errors import ConfigError, IntegrityError
+from kvstore.errors import ConfigError, IntegrityError, TierFullError
 
 log = logging.getLogger(__name__)
 
@@ -106,14 +106,19 @@ class Index:
 
     # -------------------------------------------------------------- writes
     def apply(self, put: Iterable[Record] = (), delete: Iterable[bytes] = ()) -> None:
-        """Write ``put`` and remove ``delete`` in one transaction (deletes first)."""
-        with self._env.begin(write=True) as txn:
-            for key in delete:
-                txn.delete(key)
-            for rec in put:
-                if rec.state != COMMITTED:
-                    raise IntegrityError(f"refusing to persist a {rec.state} record")
-                txn.put(rec.key, encode(rec))
+        """Write ``put`` and remove ``delete`` in one transaction (deletes first).
+        All or nothing; a full map is ``TierFullError`` (grow store.index_map_bytes)."""
+        try:
+            with self._env.begin(write=True) as txn:
+                for key in delete:
+                    txn.delete(key)
+                for rec in put:
+                    if rec.state != COMMITTED:
+                        raise IntegrityError(f"refusing to persist a {rec.state} record")
+                    txn.put(rec.key, encode(rec))
+        except lmdb.MapFullError as exc:
+            raise TierFullError(f"index map is full ({self.path}): raise "
+                                f"store.index_map_bytes") from exc
 
     def put_many(self, records: Iterable[Record]) -> None:
         self.apply(put=records)

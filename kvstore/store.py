@@ -110,7 +110,14 @@ class Store(MovesMixin, AuditMixin):
         self._stats = collections.Counter()
         self._hits = collections.Counter()
         self._closed = False
-        for rec in sorted(recover(self._index, self._tiers).records, key=lambda r: r.last_access):
+        try:
+            recovered = recover(self._index, self._tiers).records
+        except BaseException:
+            self._index.close()
+            for tier in self._tiers.values():
+                tier.close()
+            raise
+        for rec in sorted(recovered, key=lambda r: r.last_access):
             self._records[rec.key] = rec
             self._by_tier[rec.tier][rec.key] = None
 
@@ -210,10 +217,10 @@ class Store(MovesMixin, AuditMixin):
                 deduped += 1
             else:  # its writer gave up, or a different block under the same key
                 lost += 1
+        self._apply(put=list(put.values()))  # first: if the index refuses, nothing changed
         for i in new:
             del self._inflight[op.keys[i]]
         del self._res[op.id]
-        self._apply(put=list(put.values()))
         self._drop_now(self._unhold(op.held))
         self._stats["bytes_in"] += sum(op.extents[i].nbytes for i in new)
         self._stats["commits"] += 1

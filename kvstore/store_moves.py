@@ -75,6 +75,19 @@ class MovesMixin:
             for ext in _owned(rec):
                 self._tiers[ext.tier].free(ext)
 
+    def _apply_or_free(self, put: list[Record], drop: list[bytes]) -> None:
+        """``_apply`` for records moved into freshly allocated extents: if the index
+        refuses the change, those extents go back and the records stay where they were."""
+        try:
+            self._apply(put=put, drop=drop)
+        except BaseException:
+            for rec in put:
+                old = self._records[rec.key]
+                if (rec.tier, rec.offset) != (old.tier, old.offset) and not (
+                        rec.tier == "nvme" and rec.offset == old.nvme_copy):
+                    self._tiers[rec.tier].free(Extent(rec.tier, rec.offset, rec.nbytes))
+            raise
+
     def _hold(self, keys: Sequence[bytes]) -> None:
         for key in keys:
             self._leased[key] = self._leased.get(key, 0) + 1
@@ -202,7 +215,7 @@ class MovesMixin:
             if dst == "nvme" and self.config.tiers.nvme_fsync != "never":
                 self._tiers[dst].flush()  # durable before the index points at it
             recs = [r for r, e in zip(recs, exts) if e is None]
-        self._apply(put=moved, drop=[r.key for r in recs])
+        self._apply_or_free(put=moved, drop=[r.key for r in recs])
         self._stats["demotions"] += len(moved)
         self._stats["evictions"] += len(recs)
 
@@ -238,7 +251,9 @@ class MovesMixin:
             if ext is not None:
                 self._tiers[target].free(ext)
         gone = self._unhold([r.key for r in recs[cut:]])
-        self._apply(put=moved, drop=bad + gone)
+        # A bad entry someone else still holds stays until then (its reads verify).
+        bad = [k for k in bad if not self._leased.get(k)]
+        self._apply_or_free(put=moved, drop=bad + gone)
         self._stats["stagings"] += len(moved)
         self._stats["checksum_failures"] += len(bad)
         staged = {r.key: r for r in moved}

@@ -488,3 +488,11 @@ def test_nvme_pressure_drops_a_copy_before_an_entry(make_store):
     assert where(store) == {1: "dram", 3: "nvme", 4: "nvme", 5: "dram"}
     assert store.stats()["nvme_copies"] == 0
     store.check_integrity()
+
+
+def test_full_index_is_a_clean_tier_full(make_store):
+    store = make_store(dram=64, index_map_bytes=32 << 10)
+    with pytest.raises(TierFullError, match="index"):
+        for i in range(0, 64, 8):
+            put(store, list(range(i, i + 8)), meta=[b"m" * 1000] * 8)
+    store.check_integrity()  # the failed commit left its reservation open, books balance
