@@ -101,40 +101,75 @@ class Registration:
 
 
 class NodeSet:
-    """The live nodes under an etcd prefix, refreshed at most every ``refresh_s``."""
+    """The live nodes under an etcd prefix, refreshed at most every ``refresh_s``.
 
-    def __init__(self, etcd: EtcdClient, prefix: str, refresh_s: float = 1.0) -> None:
+    ``forget(node_id)`` hides a node a client saw fail. Its etcd key outlives it by
+    up to one lease TTL, so the next refresh would bring it straight back and every
+    request in between would pay a timeout; instead the forgotten registration
+    stays hidden until it changes (a restarted server registers a new ``started``
+    and TE segment) or ``forget_s`` passes (a node that was only slow returns).
+    """
+
+    def __init__(self, etcd: EtcdClient, prefix: str, refresh_s: float = 1.0,
+                 forget_s: float = 10.0) -> None:
         self.etcd, self.prefix, self.refresh_s = etcd, prefix.encode(), refresh_s
+        self.forget_s = forget_s
         self._nodes: dict[str, NodeInfo] = {}
+        self._registered: dict[str, NodeInfo] = {}  # as etcd last listed them
+        self._forgotten: dict[str, tuple[NodeInfo, float]] = {}  # id -> (record, until)
         self._fetched_at = float("-inf")
         self._lock = threading.Lock()
         self.refresh(force=True)
 
     def refresh(self, force: bool = False) -> dict[str, NodeInfo]:
         with self._lock:
-            if not force and time.monotonic() - self._fetched_at < self.refresh_s:
-                return self._nodes
-            nodes = {}
-            for kv in self.etcd.get_prefix(self.prefix).kvs:
-                try:
-                    info = NodeInfo.decode(kv.value)
-                except ConfigError as exc:
-                    log.warning("skipping node record %r: %s", kv.key, exc)
-                    continue
-                nodes[info.node_id] = info
-            self._nodes, self._fetched_at = nodes, time.monotonic()
-            return nodes
+            if force or time.monotonic() - self._fetched_at >= self.refresh_s:
+                self._registered = self._fetch()
+                self._fetched_at = time.monotonic()
+            self._nodes = self._visible()
+            return self._nodes
+
+    def _fetch(self) -> dict[str, NodeInfo]:
+        nodes = {}
+        for kv in self.etcd.get_prefix(self.prefix).kvs:
+            try:
+                info = NodeInfo.decode(kv.value)
+            except ConfigError as exc:
+                log.warning("skipping node record %r: %s", kv.key, exc)
+                continue
+            nodes[info.node_id] = info
+        return nodes
+
+    def _visible(self) -> dict[str, NodeInfo]:
+        now = time.monotonic()
+        for node_id, (info, until) in list(self._forgotten.items()):
+            if now >= until or self._registered.get(node_id, info) != info:
+                del self._forgotten[node_id]
+        return {n: i for n, i in self._registered.items() if n not in self._forgotten}
 
     def nodes(self) -> dict[str, NodeInfo]:
         return self.refresh()
 
+    def registered(self) -> dict[str, NodeInfo]:
+        """Every node etcd lists, forgotten ones included (for admin views)."""
+        self.refresh()
+        return dict(self._registered)
+
     def forget(self, node_id: str) -> None:
-        """Drop a node seen dead until etcd lists it again at the next refresh."""
+        """Hide a node seen dead until it registers anew or ``forget_s`` passes."""
         with self._lock:
+            info = self._registered.get(node_id)
+            if info is not None:
+                self._forgotten[node_id] = (info, time.monotonic() + self.forget_s)
+                log.info("forgetting node %s for up to %ss", node_id, self.forget_s)
             self._nodes.pop(node_id, None)
 
     def home(self, placement_key: bytes) -> NodeInfo:
+        return self.order(placement_key)[0]
+
+    def order(self, placement_key: bytes) -> list[NodeInfo]:
+        """Live nodes by rendezvous weight for ``placement_key``; the first is home."""
         nodes = self.nodes()
         if not nodes:
             raise PeerUnavailableError(f"no kvstore nodes registered under {self.prefix!r}")
-        return nodes[rendezvous_order(placement_key, list(nodes))[0]]
+        return [nodes[n] for n in rendezvous_order(placement_key, list(nodes))]

@@ -1,0 +1,56 @@
+"""The server's side of cluster mode: check etcd, register, deregister.
+
+``kvstore-server --cluster etcd://host:2379`` calls ``connect_etcd`` before it opens
+anything (so an unreachable etcd is a one-line error within a few seconds, not a
+half-started node), then ``register_server`` once the control socket and TE are
+up. The registration lives on an etcd lease the server keeps alive; a clean stop
+revokes it, a crash lets it expire after ``cluster.ttl_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from kvstore.cluster import NodeInfo, Registration
+from kvstore.config import KVStoreConfig
+from kvstore.errors import PeerUnavailableError
+from kvstore.etcd import EtcdClient
+
+log = logging.getLogger(__name__)
+
+_WILDCARDS = ("0.0.0.0", "*", "::", "")
+ETCD_TIMEOUT_S = 2.0
+
+
+def connect_etcd(cfg: KVStoreConfig) -> EtcdClient | None:
+    """The cluster's etcd, verified to answer; None in single-node mode."""
+    if not cfg.cluster.etcd:
+        return None
+    etcd = EtcdClient(cfg.cluster.etcd, timeout_s=ETCD_TIMEOUT_S)
+    try:
+        etcd.status()
+    except PeerUnavailableError as exc:
+        raise PeerUnavailableError(f"cluster mode: cannot reach etcd {cfg.cluster.etcd} "
+                                   f"({exc}); start etcd or drop --cluster") from None
+    return etcd
+
+
+def node_info(cfg: KVStoreConfig, server: Any) -> NodeInfo:
+    """What clients need to reach this node: control address, TE segment, tiers."""
+    srv = cfg.server
+    # A wildcard bind is not an address anyone can dial; TE's advertised host is.
+    host = srv.te_host if srv.host in _WILDCARDS else srv.host
+    return NodeInfo(node_id=cfg.cluster.node_id or f"{host}:{srv.port}",
+                    address=f"tcp://{host}:{srv.port}",
+                    te_segment=server.transport.segment,
+                    tiers=server.capacities(), started=time.time())
+
+
+def register_server(etcd: EtcdClient, cfg: KVStoreConfig, server: Any) -> Registration:
+    info = node_info(cfg, server)
+    reg = Registration(etcd, cfg.cluster.prefix, info, cfg.cluster.ttl_s)
+    log.info("joined cluster %s as %s (prefix %s, lease ttl %ss)", cfg.cluster.etcd,
+             info.node_id, cfg.cluster.prefix, cfg.cluster.ttl_s)
+    return reg
