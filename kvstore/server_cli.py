@@ -34,6 +34,8 @@ _FLAGS = {
     "nvme_direct": ("tiers", "nvme_direct"), "nvme_fsync": ("tiers", "nvme_fsync"),
     "gpu": ("tiers", "gpu_bytes"), "gpu_device": ("tiers", "gpu_device"),
     "high_watermark": ("policy", "high_watermark"), "low_watermark": ("policy", "low_watermark"),
+    "cluster": ("cluster", "etcd"), "cluster_prefix": ("cluster", "prefix"),
+    "cluster_ttl": ("cluster", "ttl_s"), "node_id": ("cluster", "node_id"),
 }
 
 
@@ -75,8 +77,11 @@ def _describe(server, cfg: KVStoreConfig) -> str:
 
 
 def _serve(cfg: KVStoreConfig) -> int:
+    from kvstore.cluster_node import connect_etcd, register_server
+
+    etcd = connect_etcd(cfg)  # before opening anything: etcd down is a quick, clear error
     server = open_server(cfg)
-    metrics = None
+    metrics = registration = None
     try:
         if cfg.server.metrics_port:
             from kvstore.metrics import Metrics
@@ -86,10 +91,14 @@ def _serve(cfg: KVStoreConfig) -> int:
             server.observer = metrics.observe
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: server.stop())
+        if etcd is not None:
+            registration = register_server(etcd, cfg, server)
         log.info("%s", _describe(server, cfg))
         server.serve_forever()
         log.info("kvstore-server stopping")
     finally:
+        if registration is not None:
+            registration.close()  # clients stop placing prompts here at once
         if metrics is not None:
             metrics.close()
         server.close()
@@ -118,6 +127,10 @@ def _serve(cfg: KVStoreConfig) -> int:
 @click.option("--high-watermark", type=float, help="Demote above this fill fraction. [0.95]")
 @click.option("--low-watermark", type=float, help="...until under this one. [0.85]")
 @click.option("--max-message-bytes", help="Largest control message accepted. [16MiB]")
+@click.option("--cluster", metavar="etcd://HOST:PORT", help="Register this node in etcd. [off]")
+@click.option("--cluster-prefix", help="etcd key prefix of the node records. [/kvstore/nodes/]")
+@click.option("--cluster-ttl", type=int, help="Seconds a dead node stays registered. [5]")
+@click.option("--node-id", help="This node's name in the cluster. [host:port]")
 @click.option("--metrics-port", type=int, help="Prometheus /metrics port; 0 disables. [0]")
 @click.option("--curve-secret-key", help="Server CURVE key file (.key_secret); enables CURVE.")
 @click.option("--curve-authorized-keys", help="Directory of authorized client public keys.")
