@@ -20,6 +20,8 @@ import click
 from kvstore import protocol as p
 from kvstore.cli_admin import (Admin, KeyType, SizeType, fail, prompt_keys, prompt_options,
                                server_options)
+from kvstore.cli_cluster import cluster_stats, nodes
+from kvstore.cli_cluster import etcd_option as cluster_etcd_option
 from kvstore.cli_views import SORT_FIELDS, ls_table, sort_entries, stats_view
 from kvstore.cliformat import format_bytes, format_count, parse_duration, to_json
 from kvstore.errors import KVStoreError
@@ -78,8 +80,13 @@ def emit(admin: Admin, results: list[tuple[str, Any]], render: Callable[[str, An
 @click.option("--watch", type=click.FloatRange(min=0.1), metavar="SECONDS",
               help="Refresh every SECONDS until interrupted.")
 @click.option("--count", type=click.IntRange(min=1), help="With --watch: stop after COUNT refreshes.")
-def stats(admin: Admin, watch: float | None, count: int | None) -> None:
+@click.option("--cluster", is_flag=True, help="Every node registered in etcd, summed and per node.")
+@cluster_etcd_option
+def stats(admin: Admin, watch: float | None, count: int | None, cluster: bool,
+          etcd: str | None) -> None:
     """Per node and tier: capacity, use, entries, hits, traffic, evictions, leases."""
+    if cluster:
+        return cluster_stats(admin, etcd, watch=watch, count=count)
     shown = 0
     while True:
         results = admin.call_each(lambda: p.Stats())
@@ -221,12 +228,14 @@ def evict(admin: Admin, tier: str | None, nbytes: int | None, fraction: float | 
     verb = "would evict" if dry_run else "evicted"
     emit(admin, [(s, {**r, "dry_run": dry_run, "keys": [k.hex() for k in r["keys"]]})
                  for s, r in results],
-         lambda s, r: _removed_text(s, verb, r["count"], r["nbytes"], r["keys"], dry_run))
+         lambda s, r: _removed_text(s, verb, r, dry_run))
 
 
-def _removed_text(server: str, verb: str, count: int, nbytes: int, keys: list[str],
-                  show_keys: bool) -> str:
-    text = f"{server}: {verb} {format_count(count)} entries, {format_bytes(nbytes)}"
+def _removed_text(server: str, verb: str, reply: dict, show_keys: bool) -> str:
+    count, keys = reply["count"], reply.get("keys", [])
+    text = f"{server}: {verb} {format_count(count)} entries, {format_bytes(reply['nbytes'])}"
+    if reply.get("skipped"):
+        text += f" ({format_count(reply['skipped'])} pinned or being read, kept)"
     if show_keys and keys:
         text += "\n" + "\n".join(f"  {k}" for k in keys)
         if count > len(keys):
@@ -243,13 +252,7 @@ def clear(admin: Admin, yes: bool) -> None:
         click.confirm(f"Remove every entry on {', '.join(admin.servers)}?", abort=True,
                       err=True)
     results = admin.call_each(lambda: p.Clear())
-    out = []
-    for server, reply in results:
-        cleared = reply["cleared"]
-        out.append((server, {"count": len(cleared["keys"]), "nbytes": cleared["nbytes"],
-                             "skipped": len(cleared.get("skipped", []))}))
-    emit(admin, out, lambda s, r: _removed_text(s, "cleared", r["count"], r["nbytes"], [], False)
-         + (f" ({r['skipped']} in use, kept)" if r["skipped"] else ""))
+    emit(admin, results, lambda s, r: _removed_text(s, "cleared", r, False))
 
 
 # ------------------------------------------------------------------ pin / unpin
@@ -347,6 +350,9 @@ def bench(args: tuple[str, ...]) -> None:
 def demo(args: tuple[str, ...]) -> None:
     """Run the two-node demo (tools.demo; arguments pass through, try --help)."""
     _run_tool("tools.demo", args)
+
+
+cli.add_command(nodes)  # the cluster view: kvstore/cli_cluster.py
 
 
 def main(argv: list[str] | None = None) -> None:

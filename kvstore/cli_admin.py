@@ -15,8 +15,6 @@ import click
 from kvstore.cliformat import parse_bytes, parse_key, parse_tokens
 from kvstore.config import load_config
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.hashing import block_keys, namespace_of
-from kvstore.layout import KVLayout
 from kvstore.rpc import Channel, CurveKeys
 
 
@@ -204,6 +202,10 @@ def prompt_keys(opts: dict[str, Any]) -> PromptKeys | None:
         return None
     if tokens is not None and prompt_file is not None:
         fail("give --tokens or --prompt-file, not both")
+    # Imported here: kvstore.layout pulls in torch (seconds), which only prompts need.
+    from kvstore.hashing import block_keys, namespace_of
+    from kvstore.layout import KVLayout
+
     ns = _namespace_settings(opts)
     if prompt_file is not None:
         tokens = _read_prompt(prompt_file, ns["model_id"])

@@ -1,0 +1,326 @@
+"""The ``kvstore`` admin CLI against real kvstore-server processes.
+
+Commands run in-process through click's CliRunner (fast), except the console-script
+checks, which run the installed ``kvstore`` as a subprocess. Data is put in with the
+real client (TE / shared-arena writes), so every listing and count is of real entries.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kvstore import protocol as p
+from kvstore.cli import cli
+from kvstore.hashing import block_keys, namespace_of
+from kvstore.rpc import Channel
+from tests.integration.conftest import LAYOUT, ServerProc, free_port, make_kv, server_argv
+
+pytestmark = pytest.mark.timeout(120)
+
+MODEL = ["--model-id", "cli-test", "--layers", str(LAYOUT.num_layers), "--kv-heads",
+         str(LAYOUT.kv_heads), "--head-dim", str(LAYOUT.head_dim), "--dtype", LAYOUT.dtype,
+         "--block-tokens", str(LAYOUT.block_tokens)]
+PROMPT_A = list(range(100, 112))  # 3 blocks of 4 tokens
+PROMPT_B = list(range(500, 510))  # 2 full blocks + a partial one
+
+
+def run(*args: str, input: str | None = None):
+    return CliRunner().invoke(cli, list(args), input=input, catch_exceptions=False)
+
+
+def run_json(*args: str):
+    result = run(*args, "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def keys_of(tokens: list[int]) -> list[bytes]:
+    ns = namespace_of("cli-test", LAYOUT)
+    return block_keys(ns, tokens, LAYOUT.block_tokens).keys
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    """One real server for the module (starting one per test would triple its time)."""
+    base = tmp_path_factory.mktemp("cli")
+    port = free_port()
+    srv = ServerProc("127.0.0.1", port, base / "data", base / "server.log",
+                     server_argv(port, base / "data"))
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def writer(node):
+    from kvstore.client import KVStoreClient
+
+    client = KVStoreClient(node.address, layout=LAYOUT, model_id="cli-test", timeout_s=10.0,
+                           staging_bytes=1 << 20)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def filled(node, writer):
+    """The server holding exactly PROMPT_A and PROMPT_B (6 entries), inserted by a real
+    client after clearing whatever the previous test left."""
+    channel = Channel(node.address, 10.0)
+    try:
+        channel.call(p.Clear())
+        assert channel.call(p.Stats())["stats"]["entries"] == 0
+    finally:
+        channel.close()
+    writer.insert(PROMPT_A, make_kv(len(PROMPT_A), seed=1))
+    writer.insert(PROMPT_B, make_kv(len(PROMPT_B), seed=2))
+    return node
+
+
+def total_entries(address: str) -> int:
+    return run_json("stats", "--server", address)[0]["entries"]
+
+
+# ------------------------------------------------------------------ stats / health
+def test_stats_table_and_json(filled):
+    result = run("stats", "--server", filled.address)
+    assert result.exit_code == 0, result.output
+    for word in ("TIER", "dram", "nvme", "total", "hits / misses", "open leases",
+                 "checksum failures", filled.address):
+        assert word in result.stdout
+    [node] = run_json("stats", "--server", filled.address)
+    assert node["server"] == filled.address and node["entries"] == 6
+    assert node["tiers"]["dram"]["entries"] == 6 and node["bytes_in"] > 0
+
+
+def test_stats_watch_refreshes(filled):
+    result = run("stats", "--server", filled.address, "--watch", "0.1", "--count", "3")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count(filled.address) == 3
+
+
+def test_stats_of_two_nodes_reports_the_dead_one(filled):
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    result = run("stats", "--server", filled.address, "--server", dead, "--timeout", "1")
+    assert result.exit_code == 1
+    assert "dram" in result.stdout  # the live node is still shown
+    assert result.stderr.strip().count("\n") == 0 and dead in result.stderr
+
+
+def test_health(filled):
+    assert run("health", "--server", filled.address).exit_code == 0
+    assert run("health", "--server", filled.address, "--deep").exit_code == 0
+    [node] = run_json("health", "--server", filled.address)
+    assert node["status"] == "ok"
+
+
+def test_unreachable_server_fails_fast_with_one_line():
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    result = run("health", "--server", dead, "--timeout", "1")
+    assert time.monotonic() - start < 10  # bounded; never hangs
+    assert result.exit_code == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "not reachable" in lines[0]
+
+
+# ------------------------------------------------------------------ ls
+def test_ls_lists_every_entry(filled):
+    result = run("ls", "--server", filled.address)
+    assert result.exit_code == 0, result.output
+    assert "6 of 6 entries" in result.stdout and "PENDING" in result.stdout
+    [node] = run_json("ls", "--server", filled.address)
+    assert node["total"] == 6
+    listed = {e["key"] for e in node["entries"]}
+    assert listed == {k.hex() for k in keys_of(PROMPT_A) + keys_of(PROMPT_B)}
+    assert all(e["tier"] == "dram" and e["pending"] == 1 for e in node["entries"])
+
+
+def test_ls_filters_sort_and_pages(filled):
+    addr = filled.address
+    assert run_json("ls", "--server", addr, "--tier", "nvme")[0]["total"] == 0
+    assert run_json("ls", "--server", addr, "--older-than", "1h")[0]["total"] == 0
+    assert run_json("ls", "--server", addr, "--newer-than", "1h")[0]["total"] == 6
+    assert run_json("ls", "--server", addr, "--pinned")[0]["total"] == 0
+    by_size = run_json("ls", "--server", addr, "--sort", "size")[0]["entries"]
+    sizes = [e["nbytes"] for e in by_size]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1]  # the partial block is smallest
+    page = run_json("ls", "--server", addr, "--sort", "key", "--limit", "2", "--offset", "3")
+    everything = run_json("ls", "--server", addr, "--sort", "key")[0]["entries"]
+    assert [e["key"] for e in page[0]["entries"]] == [e["key"] for e in everything[3:5]]
+
+
+def test_ls_by_prompt_tokens(filled, tmp_path):
+    want = [k.hex() for k in keys_of(PROMPT_B)]
+    node = run_json("ls", "--server", filled.address, "--tokens",
+                    ",".join(map(str, PROMPT_B)), *MODEL)[0]
+    assert [e["key"] for e in node["entries"]] == want  # prompt order
+    prompt_file = tmp_path / "prompt.json"
+    prompt_file.write_text(json.dumps(PROMPT_B[:8]))
+    node = run_json("ls", "--server", filled.address, "--prompt-file", str(prompt_file), *MODEL)[0]
+    assert [e["key"] for e in node["entries"]] == want[:2]
+    text = run("ls", "--server", filled.address, "--tokens", "1,2,3,4,5", *MODEL)
+    assert text.exit_code == 0 and "0 of 0 entries" in text.stdout
+
+
+# ------------------------------------------------------------------ evict / pin / clear
+def test_evict_dry_run_changes_nothing(filled):
+    [node] = run_json("evict", "--server", filled.address, "--all", "--dry-run")
+    assert node["count"] == 6 and node["dry_run"] is True and len(node["keys"]) == 6
+    assert total_entries(filled.address) == 6
+    text = run("evict", "--server", filled.address, "--fraction", "0.5", "--dry-run")
+    assert text.exit_code == 0 and "would evict" in text.stdout
+
+
+def test_evict_by_key_prefix_bytes_and_all(filled):
+    addr = filled.address
+    a_keys = keys_of(PROMPT_A)
+    [node] = run_json("evict", "--server", addr, "--key", a_keys[0].hex())
+    assert node["keys"] == [a_keys[0].hex()]
+    [node] = run_json("evict", "--server", addr, "--prefix", "--tokens",
+                      ",".join(map(str, PROMPT_B)), *MODEL)
+    assert node["count"] == 3
+    assert total_entries(addr) == 2
+    [node] = run_json("evict", "--server", addr, "--bytes", "1")
+    assert node["count"] == 1 and node["nbytes"] >= LAYOUT.block_nbytes
+    result = run("evict", "--server", addr, "--all")
+    assert result.exit_code == 0 and "evicted 1 entries" in result.stdout
+    assert total_entries(addr) == 0
+
+
+def test_pin_protects_from_evict_then_unpin(filled):
+    addr = filled.address
+    tokens = ["--tokens", ",".join(map(str, PROMPT_A)), *MODEL]
+    result = run("pin", "--server", addr, *tokens)
+    assert result.exit_code == 0 and "pinned 3 entries" in result.stdout
+    assert run_json("ls", "--server", addr, "--pinned")[0]["total"] == 3
+    [evicted] = run_json("evict", "--server", addr, "--all")
+    assert evicted["count"] == 3 and evicted["skipped"] == 3  # only B's go
+    assert total_entries(addr) == 3
+    assert run("unpin", "--server", addr, "--key", keys_of(PROMPT_A)[0].hex()).exit_code == 0
+    assert run_json("ls", "--server", addr, "--pinned")[0]["total"] == 2
+
+
+def test_clear_asks_unless_yes(filled):
+    result = run("clear", "--server", filled.address, input="n\n")
+    assert result.exit_code == 1 and total_entries(filled.address) == 6
+    result = run("clear", "--server", filled.address, input="y\n")
+    assert result.exit_code == 0 and "cleared 6 entries" in result.stdout, result.output
+    assert total_entries(filled.address) == 0
+    assert run_json("clear", "--server", filled.address, "--yes")[0]["count"] == 0
+
+
+# ------------------------------------------------------------------ verify
+def test_verify_reports_and_drops_a_corrupt_entry(filled):
+    result = run("verify", "--server", filled.address)
+    assert result.exit_code == 0 and "checked 6 entries, 0 bad" in result.stdout
+    # Flip one byte of one entry in the server's shared DRAM arena.
+    victim = keys_of(PROMPT_A)[1]
+    channel = Channel(filled.address, 5.0)
+    try:
+        entries = channel.call(p.Ls(tier="dram"))["entries"]
+    finally:
+        channel.close()
+    offset = next(e["offset"] for e in entries if e["key"] == victim)
+    [arena] = glob.glob(f"/dev/shm/kvstore-*-{filled.pid}")
+    with open(arena, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    result = run("verify", "--server", filled.address)
+    assert result.exit_code == 1
+    assert "1 bad" in result.stdout and victim.hex() in result.stdout
+    assert total_entries(filled.address) == 5
+    stats = run_json("stats", "--server", filled.address)[0]
+    assert stats["checksum_failures"] >= 1
+
+
+# ------------------------------------------------------------------ keys and CURVE
+def test_keys_and_curve_auth(server_factory, tmp_path):
+    keydir, clients = tmp_path / "keys", tmp_path / "keys" / "clients"
+    assert run("keys", str(keydir), "--name", "server").exit_code == 0
+    assert run("keys", str(keydir), "--name", "good").exit_code == 0
+    assert run("keys", str(keydir), "--name", "bad").exit_code == 0
+    assert (os.stat(keydir / "good.key_secret").st_mode & 0o077) == 0
+    again = run("keys", str(keydir), "--name", "good")
+    assert again.exit_code == 2 and "--force" in again.stderr
+    assert run("keys", str(keydir), "--name", "good", "--force").exit_code == 0
+    clients.mkdir()
+    (clients / "good.key").write_bytes((keydir / "good.key").read_bytes())
+    srv = server_factory(extra=("--curve-secret-key", str(keydir / "server.key_secret"),
+                                "--curve-authorized-keys", str(clients)))
+    server_key = ["--curve-server-key", str(keydir / "server.key")]
+    ok = run("health", "--server", srv.address, *server_key,
+             "--curve-secret-key", str(keydir / "good.key_secret"))
+    assert ok.exit_code == 0, ok.output
+    refused = run("health", "--server", srv.address, *server_key, "--timeout", "2",
+                  "--curve-secret-key", str(keydir / "bad.key_secret"))
+    assert refused.exit_code == 1
+    assert len(refused.stderr.strip().splitlines()) == 1
+    plain = run("health", "--server", srv.address, "--timeout", "2")
+    assert plain.exit_code == 1 and len(plain.stderr.strip().splitlines()) == 1
+    half = run("health", "--server", srv.address, *server_key)
+    assert half.exit_code == 1 and "both" in half.stderr
+
+
+# ------------------------------------------------------------------ bad arguments
+@pytest.mark.parametrize("args,message", [
+    (["evict", "--bytes", "1GiB", "--all"], "exactly one"),
+    (["evict"], "exactly one"),
+    (["evict", "--bytes", "lots"], "not a size"),
+    (["evict", "--fraction", "1.5"], "fraction"),
+    (["evict", "--key", "abc"], "hex"),
+    (["evict", "--prefix"], "--tokens"),
+    (["ls", "--older-than", "soon"], "duration"),
+    (["ls", "--tokens", "1,2,3"], "--model-id"),
+    (["ls", "--tokens", "1,x"], "token id"),
+    (["ls", "--layers", "2"], "only means something"),
+    (["ls", "--tier", "tape"], "tape"),
+    (["pin"], "--key"),
+])
+def test_bad_arguments_exit_2_with_a_reason(args, message):
+    # No server is contacted: arguments are checked first.
+    result = run(*args, "--server", f"tcp://127.0.0.1:{free_port()}", "--timeout", "1")
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr
+    assert "Traceback" not in result.output
+
+
+# ------------------------------------------------------------------ console script
+def _kvstore(*args: str, env: dict | None = None, timeout: float = 60):
+    exe = Path(sys.executable).with_name("kvstore")
+    argv = [str(exe)] if exe.exists() else [sys.executable, "-m", "kvstore.cli"]
+    return subprocess.run([*argv, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def test_console_script_error_is_one_line_no_traceback():
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    proc = _kvstore("stats", "--timeout", "1", env={"KVSTORE_CLIENT_SERVER": dead})
+    assert proc.returncode == 1
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert dead in proc.stderr
+
+
+def test_shell_completion_script():
+    proc = _kvstore(env={"_KVSTORE_COMPLETE": "bash_source"})
+    assert proc.returncode == 0 and "_kvstore_completion" in proc.stdout
+    proc = _kvstore(env={"_KVSTORE_COMPLETE": "bash_complete", "COMP_WORDS": "kvstore ev",
+                         "COMP_CWORD": "1"})
+    assert "evict" in proc.stdout
+
+
+def test_bench_and_demo_delegate_to_tools():
+    for name in ("bench", "demo"):
+        result = CliRunner().invoke(cli, [name, "--help"])
+        assert result.exit_code == 0, result.output
+        assert "usage" in result.output.lower()

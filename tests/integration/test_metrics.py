@@ -1,0 +1,79 @@
+"""A real kvstore-server's Prometheus endpoint, scraped over HTTP before and after
+real client traffic (insert, lookup, drop_select through TE / the shared arena)."""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.conftest import LAYOUT, free_port, make_kv
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        assert resp.status == 200
+        text = resp.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def op_count(samples: dict, op: str) -> float:
+    return sum(v for (name, labels), v in samples.items()
+               if name == "kvstore_request_duration_seconds_count" and ("op", op) in labels)
+
+
+def test_metrics_move_with_traffic(server_factory, client_factory):
+    mport = free_port()
+    srv = server_factory(extra=("--metrics-port", str(mport)))
+    before = scrape(mport)
+    assert before[("kvstore_up", ())] == 1
+    assert before[("kvstore_tier_capacity", (("tier", "dram"),))] == 4 << 20
+    assert before[("kvstore_entries", ())] == 0
+    assert before[("kvstore_bytes_in_total", ())] == 0
+
+    client = client_factory(srv)
+    tokens = list(range(1, 11))  # 2 full blocks + a partial one
+    kv = make_kv(len(tokens), seed=3)
+    assert client.insert(tokens, kv).new_blocks == 3
+    after_insert = scrape(mport)
+    assert after_insert[("kvstore_entries", ())] == 3
+    assert after_insert[("kvstore_tier_entries", (("tier", "dram"),))] == 3
+    assert after_insert[("kvstore_bytes_in_total", ())] == LAYOUT.nbytes(len(tokens))
+    assert op_count(after_insert, "reserve") == 1 and op_count(after_insert, "commit") == 1
+
+    assert client.lookup(tokens).matched_tokens == len(tokens)
+    got = client.drop_select(tokens)
+    assert got.matched_tokens == len(tokens)
+    assert bytes(got.kv.numpy()) == kv.tobytes()
+    assert client.drop_select(list(range(900, 908))).matched_tokens == 0  # a miss
+
+    after = scrape(mport)
+    assert after[("kvstore_entries", ())] == 0  # dropped after its one consumer
+    assert after[("kvstore_hits_total", ())] > before[("kvstore_hits_total", ())]
+    assert after[("kvstore_misses_total", ())] > before[("kvstore_misses_total", ())]
+    assert after[("kvstore_bytes_out_total", ())] >= LAYOUT.nbytes(len(tokens))
+    for op in ("lookup", "acquire", "release"):
+        assert op_count(after, op) >= 1, op
+    ok = after[("kvstore_op_requests_total",
+                (("kind", "drop_select"), ("op", "acquire"), ("outcome", "ok")))]
+    assert ok == 2
+    assert after[("kvstore_request_duration_seconds_sum",
+                  (("kind", "insert"), ("op", "reserve")))] > 0
+    # The server's own request counter (from stats()) counts the scrape-independent ops.
+    assert after[("kvstore_requests_total", ())] >= 6
+
+
+def test_metrics_port_taken_refuses_to_start(server_factory):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        srv = server_factory(extra=("--metrics-port", str(port)), wait=False)
+        code = srv.proc.wait(timeout=60)
+    assert code != 0
+    assert f"metrics port 127.0.0.1:{port} unavailable" in srv.log()
