@@ -144,6 +144,15 @@ def _set_timeouts(timeout_s: float) -> None:
     os.environ["MC_TCP_STATUS_TIMEOUT_SEC"] = str(seconds)
 
 
+def _bound_from_env() -> float:
+    """A stall fails a sync call after the first of TE's two bounds to expire."""
+    try:
+        return float(min(int(os.environ["MC_TRANSFER_TIMEOUT"]),
+                         int(os.environ.get("MC_TCP_PROGRESS_TIMEOUT_SEC", 30))))
+    except ValueError as exc:
+        raise ConfigError(f"MC_TRANSFER_TIMEOUT / MC_TCP_PROGRESS_TIMEOUT_SEC: {exc}") from exc
+
+
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
@@ -181,9 +190,7 @@ class Transport:
         _check_host(host)
         if timeout_s is not None or "MC_TRANSFER_TIMEOUT" not in os.environ:
             _set_timeouts(timeout_s or DEFAULT_TIMEOUT_S)
-        # A stall fails a sync call after the first of TE's two bounds to expire.
-        self.timeout_s = float(min(int(os.environ["MC_TRANSFER_TIMEOUT"]),
-                                   int(os.environ.get("MC_TCP_PROGRESS_TIMEOUT_SEC", 30))))
+        self.timeout_s = _bound_from_env()
         self.p2p = metadata == P2P
         local_name = host if self.p2p else (name or f"{host}:{_free_port(host)}")
         self._te = _import_engine()()
@@ -331,7 +338,7 @@ class Transport:
         nbytes = int(ln.sum())
         self._check_dead(segment, op, nbytes)
         start = time.perf_counter()
-        done = 0
+        done, rc, elapsed = 0, 0, 0.0
         with self._lock:
             self._check_open()
             self._check_local(loc, ln)
@@ -342,25 +349,40 @@ class Transport:
                 batch_start = time.perf_counter()
                 rc = call(segment, loc[lo:hi].tolist(), rem[lo:hi].tolist(), ln[lo:hi].tolist())
                 if rc != 0:
-                    self._fail(op, segment, rc, batch_start, done, nbytes, len(ln))
+                    elapsed = time.perf_counter() - batch_start
+                    break
                 done += int(ln[lo:hi].sum())
-        seconds = time.perf_counter() - start
-        return TransferStats(nbytes, len(ln), seconds)
+            del call  # a traceback keeps this frame: it must not keep the engine alive
+        if rc != 0:  # classified outside the lock: a probe must not hold up other transfers
+            self._fail(f"TE {op} of {nbytes} bytes in {len(ln)} transfer(s) to {segment} "
+                       f"failed (rc {rc} after {elapsed:.2f}s; {done} bytes had landed "
+                       "in earlier batches)", segment, elapsed)
+        return TransferStats(nbytes, len(ln), time.perf_counter() - start)
 
-    def _fail(self, op: str, segment: str, rc: int, start: float, done: int,
-              nbytes: int, entries: int) -> None:
-        elapsed = time.perf_counter() - start
-        what = (f"TE {op} of {nbytes} bytes in {entries} transfer(s) to {segment} failed "
-                f"(rc {rc}, {done} bytes confirmed before the failing batch, {elapsed:.2f}s)")
+    def _fail(self, what: str, segment: str, elapsed: float) -> None:
+        """Raise TransferError if the peer is up, else mark it dead and raise
+        PeerUnavailableError. TE's -1 does not say which, so ask the peer cheaply."""
         if elapsed >= 0.9 * self.timeout_s:
             why = "not answering within the transfer timeout"
-        elif self.p2p and _port_open(segment) is not True:
-            why = "segment unknown, closed or dead (its handshake port is closed)"
+        elif self.p2p:
+            # A TCP connect, not TE's probe: that blocks ~60 s on a stalled peer.
+            up = _port_open(segment)
+            why = "" if up else "segment unknown, closed or dead (its handshake port is closed)"
         else:
+            # The endpoint comes from the metadata server, so it is a TE port: TE's
+            # probe answers in ~1 ms (0 alive, -200 unknown name, -102 gone).
+            probe = self._probe(segment)
+            why = "" if probe == 0 else f"segment unknown or dead (TE probe returned {probe})"
+        if not why:
             raise TransferError(f"{what}: the peer is up but refused the transfer "
                                 "(a remote range outside its registered memory?)")
         self.mark_dead(segment, why)
         raise PeerUnavailableError(f"{what}: {why}")
+
+    def _probe(self, segment: str) -> int:
+        # Its own frame: a traceback through _fail must not keep the engine alive.
+        engine = self._te  # None once closed
+        return engine.send_probe(segment) if engine is not None else -1
 
     # -------------------------------------------------------------- dead peers
     def mark_dead(self, segment: str, why: str = "marked dead") -> None:
@@ -390,14 +412,21 @@ class Transport:
             raise InvalidRequestError(f"transport {self.segment} is closed")
 
     def close(self) -> None:
-        """Unregister everything and free staging buffers. Safe to call twice. The
-        engine itself lives until the process exits (TE offers no shutdown call)."""
+        """Unregister everything and free staging buffers. Safe to call twice.
+
+        With a metadata server the engine is destroyed now (~1 s, holding the GIL), so
+        its segment leaves the shared metadata at once. In P2P mode it is left to the
+        garbage collector: nothing outside this process names it, and the second is
+        not worth paying in every close.
+        """
         with self._lock:
             if self._closed:
                 return
             for address in list(self._regions):
                 self.unregister(address)
             self._closed = True
+            if not self.p2p:
+                self._te = None
         log.info("TE engine %s closed", self.segment)
 
     def __enter__(self) -> "Transport":

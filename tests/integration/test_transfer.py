@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 
@@ -177,6 +178,26 @@ def test_remote_range_outside_registration_fails_and_changes_nothing(te, local, 
     assert np.array_equal(_read_remote(te, local, peer, tail, 4096), before)
 
 
+@pytest.mark.timeout(60)
+def test_threads_share_one_transport(te, local, peer):
+    """Four threads, each its own 256 KiB slice: the lock serialises TE calls."""
+    size = 256 << 10
+    data = _random(4 * size, 6)
+    local.array[:len(data)] = data
+
+    def move(i: int) -> None:
+        for _ in range(5):
+            te.write(peer.segment, [local.address + i * size], [peer.address + i * size], [size])
+
+    threads = [threading.Thread(target=move, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=50)
+    assert not any(t.is_alive() for t in threads)
+    assert np.array_equal(_read_remote(te, local, peer, 0, 4 * size), data)
+
+
 def test_local_range_must_be_registered(te, local, peer):
     junk = np.zeros(64, dtype=np.uint8)
     with pytest.raises(InvalidRequestError, match="not inside a region"):
@@ -290,8 +311,18 @@ def test_bad_configuration_is_refused():
 
 
 # ------------------------------------------------------------ metadata server
-@pytest.mark.timeout(60)
-def test_http_metadata_server_segments_are_names(te):
+@pytest.fixture(params=["http", "etcd"])
+def metadata_url(request):
+    """A throwaway TE metadata server on loopback: the bundled HTTP one, or etcd."""
+    if request.param == "etcd":
+        etcd_proc = pytest.importorskip("tools.etcd_proc")
+        try:
+            etcd = etcd_proc.start_etcd()
+        except FileNotFoundError as exc:
+            pytest.skip(str(exc))
+        yield etcd.url
+        etcd.stop()
+        return
     server = shutil.which("mooncake_http_metadata_server", path=os.path.dirname(sys.executable))
     if server is None:
         pytest.skip("mooncake_http_metadata_server not installed")
@@ -301,16 +332,33 @@ def test_http_metadata_server_segments_are_names(te):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_port(port)
-        url = f"http://127.0.0.1:{port}/metadata"
-        with PeerProcess(1 << 20, fill_seed=9, metadata=url, name="peer-a") as peer, \
-                Transport(metadata=url, timeout_s=5) as mine:
-            assert peer.info.segment == "peer-a"
-            buf = mine.allocate_buffer(1 << 20)
-            mine.read("peer-a", [buf.address], [peer.info.address], [1 << 20])
-            assert np.array_equal(buf.array, _random(1 << 20, 9))
+        yield f"http://127.0.0.1:{port}/metadata"
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_metadata_server_segments_are_names(metadata_url):
+    _transfer_by_name(metadata_url)  # its engines are gone before the server stops
+
+
+def _transfer_by_name(url: str) -> None:
+    with PeerProcess(1 << 20, fill_seed=9, metadata=url, name="127.0.0.1:peer-a") as peer, \
+            Transport(metadata=url, timeout_s=5) as mine:
+        assert peer.info.segment == "127.0.0.1:peer-a" and mine.segment != peer.info.segment
+        buf = mine.allocate_buffer(1 << 20)
+        mine.read(peer.info.segment, [buf.address], [peer.info.address], [1 << 20])
+        assert np.array_equal(buf.array, _random(1 << 20, 9))
+        with pytest.raises(TransferError) as err:  # alive: refused, not "unavailable"
+            mine.write(peer.info.segment, [buf.address], [peer.info.address + (2 << 20)], [8])
+        assert not isinstance(err.value, PeerUnavailableError)
+        with pytest.raises(PeerUnavailableError, match="unknown"):
+            mine.write("no-such-name", [buf.address], [peer.info.address], [8])
+        peer.kill()
+        with pytest.raises(PeerUnavailableError):
+            mine.write(peer.info.segment, [buf.address], [peer.info.address], [8])
+        assert mine.is_dead(peer.info.segment)
 
 
 def _wait_port(port: int, timeout_s: float = 15.0) -> None:
