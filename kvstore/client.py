@@ -24,13 +24,17 @@ import torch
 from kvstore import protocol as p
 from kvstore.config import ClientConfig
 from kvstore.datapath import DataPath, Segment
-from kvstore.errors import ChecksumError, InvalidRequestError, KVStoreError
+from kvstore.errors import (ChecksumError, InvalidRequestError, KVStoreError, KVTimeoutError,
+                            PeerUnavailableError)
 from kvstore.hashing import (block_keys, block_token_bytes, checksum, hidden_key, namespace_of,
                              tokens_to_array)
 from kvstore.layout import KVLayout, dtype_name, pack_hf
 from kvstore.rpc import Channel, CurveKeys
 
 log = logging.getLogger(__name__)
+
+# Abort/release after a failure are courtesies (leases reclaim anyway): wait briefly.
+_CLEANUP_TIMEOUT_S = 2.0
 
 
 class InsertResult(NamedTuple):
@@ -99,9 +103,20 @@ class KVStoreClient:
             self._hello = info
         return self._hello
 
-    def _segment(self) -> Segment:
+    def _segment(self, current: str | None = None) -> Segment:
+        """The server's data segment; ``current`` is the one a reply just named; if
+        it differs from ours the server restarted and we say hello again."""
+        if current is not None and self._hello is not None and current != self._hello["segment"]:
+            self._hello = None
         self.hello()
         return self._data.segment
+
+    def _call(self, req: p.Request, timeout_s: float | None = None) -> dict[str, Any]:
+        try:
+            return self._rpc.call(req, timeout_s)
+        except (PeerUnavailableError, KVTimeoutError):
+            self._hello = None  # the server may come back as a new process
+            raise
 
     def keys_for(self, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
         return self._prompt(tokens).keys
@@ -133,15 +148,20 @@ class KVStoreClient:
             buffers.append(hbuf)
             metas.append(hmeta)
             sizes = [*sizes, hbuf.size]
-        seg = self._segment()
-        res = self._rpc.call(p.Reserve(keys=tuple(keys), sizes=tuple(sizes), tokens=tuple(toks),
-                                       meta=tuple(metas) if hidden is not None else None))
+        self._segment()
+        res = self._call(p.Reserve(keys=tuple(keys), sizes=tuple(sizes), tokens=tuple(toks),
+                                   meta=tuple(metas) if hidden is not None else None))
         rid, placements = res["rid"], res["placements"]
         try:
+            seg = self._segment(res["segment"])
             new = [(buf, pl) for buf, pl in zip(buffers, placements) if pl is not None]
             self._data.write(seg, [b for b, _ in new], [pl for _, pl in new])
             sums = [checksum(buf) for buf, _ in new]
-            self._rpc.call(p.Commit(rid=rid, checksums=tuple(sums)))
+            self._call(p.Commit(rid=rid, checksums=tuple(sums)))
+        except PeerUnavailableError:
+            self._hello = None  # TE or control plane lost the server
+            self._abort(rid)
+            raise
         except BaseException:
             self._abort(rid)
             raise
@@ -165,7 +185,7 @@ class KVStoreClient:
 
     def _abort(self, rid: int) -> None:
         try:
-            self._rpc.call(p.Abort(rid=rid))
+            self._rpc.call(p.Abort(rid=rid), timeout_s=_CLEANUP_TIMEOUT_S)
         except KVStoreError as exc:  # the lease reclaims it anyway
             log.debug("abort of reservation %s failed: %s", rid, exc)
 
@@ -182,22 +202,25 @@ class KVStoreClient:
     def _select(self, tokens: Any, drop: bool, timeout: float | None) -> SelectResult:
         deadline = time.monotonic() + (timeout or self.timeout_s)
         prompt = self._prompt(tokens)
-        seg = self._segment()
+        self._segment()
         keys = [*prompt.keys, hidden_key(prompt.keys[-1])]
         toks = [*prompt.tokens, prompt.tokens[-1]]
-        acq = self._rpc.call(p.Acquire(keys=tuple(keys), tokens=tuple(toks)),
-                             timeout_s=_left(deadline))
+        acq = self._call(p.Acquire(keys=tuple(keys), tokens=tuple(toks)), _left(deadline))
         entries = acq["entries"]
         if not entries:
             return SelectResult(0, None, None)
         aid = acq["aid"]
         try:
-            out = self._data.read(seg, entries)
+            out = self._data.read(self._segment(acq["segment"]), entries)
             _verify(entries, out)
+        except PeerUnavailableError:
+            self._hello = None
+            self._release(aid, drop=False, timeout=_left(deadline))
+            raise
         except BaseException:
             self._release(aid, drop=False, timeout=_left(deadline))
             raise
-        self._rpc.call(p.Release(aid=aid, drop=drop), timeout_s=_left(deadline))
+        self._call(p.Release(aid=aid, drop=drop), _left(deadline))
         nblocks = min(len(entries), len(prompt.keys))
         matched = sum(e[5] for e in entries[:nblocks])
         kv_bytes = sum(e[2] for e in entries[:nblocks])
@@ -206,13 +229,13 @@ class KVStoreClient:
 
     def _release(self, aid: int, drop: bool, timeout: float) -> None:
         try:
-            self._rpc.call(p.Release(aid=aid, drop=drop), timeout_s=max(timeout, 0.5))
+            self._rpc.call(p.Release(aid=aid, drop=drop), timeout_s=min(max(timeout, 0.5), _CLEANUP_TIMEOUT_S))
         except KVStoreError as exc:  # the read lease reclaims it anyway
             log.debug("release of %s failed: %s", aid, exc)
 
     def lookup(self, tokens: Sequence[int] | np.ndarray) -> LookupResult:
         prompt = self._prompt(tokens)
-        res = self._rpc.call(p.Lookup(keys=tuple(prompt.keys), tokens=tuple(prompt.tokens)))
+        res = self._call(p.Lookup(keys=tuple(prompt.keys), tokens=tuple(prompt.tokens)))
         return LookupResult(res["matched_tokens"], res["matched_blocks"], list(res["tiers"]))
 
     # ----------------------------------------------------------------- admin

@@ -15,7 +15,6 @@ that is not a TE peer would otherwise stall TE's handshake for about a minute).
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import threading
 from typing import Any, NamedTuple
@@ -45,8 +44,8 @@ class DataPath:
         self.same_node = same_node
         self.segment: Segment | None = None
         self._transport = None
-        self._staging: mmap.mmap | None = None
         self._stage: np.ndarray | None = None
+        self._stage_address = 0
         self._lock = threading.Lock()
 
     def connect(self, hello: dict[str, Any]) -> None:
@@ -64,6 +63,9 @@ class DataPath:
             shm = map_shared(dram["path"], int(dram["nbytes"]))
             log.info("same-node fast path: mapped %s (%s bytes)", dram["path"], dram["nbytes"])
         self.segment = Segment(hello["segment"], shm)
+        if self._transport is not None:
+            # The control plane just saw this peer: let TE try it again.
+            self._transport.mark_alive(hello["segment"])
 
     @property
     def uses_shared_memory(self) -> bool:
@@ -154,28 +156,18 @@ class DataPath:
 
     def _staging_buffer(self) -> tuple[np.ndarray, int]:
         if self._stage is None:
-            from tiers.base import MemoryRegion
-
-            # mmap: page-aligned, and registered with TE once for the client's life.
-            self._staging = mmap.mmap(-1, self.staging_bytes)
-            self._stage = np.frombuffer(self._staging, dtype=np.uint8)
-            self._te().register(MemoryRegion(int(self._stage.ctypes.data), self.staging_bytes,
-                                             "cpu:0"))
-        return self._stage, int(self._stage.ctypes.data)
+            # Page-aligned and registered with TE once, for the client's life.
+            buf = self._te().allocate_buffer(self.staging_bytes)
+            self._stage, self._stage_address = buf.array, buf.address
+        return self._stage, self._stage_address
 
     def close(self) -> None:
         with self._lock:
+            self._stage = None
             if self._transport is not None:
-                self._transport.close()
+                self._transport.close()  # frees the staging buffer too
                 self._transport = None
             self.segment = None  # drops the shared mapping with the last view of it
-            self._stage = None
-            if self._staging is not None:
-                try:
-                    self._staging.close()
-                except BufferError:
-                    log.debug("staging buffer still referenced; freed with its last view")
-                self._staging = None
 
 
 def _address(item: list) -> int:

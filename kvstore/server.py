@@ -103,9 +103,8 @@ class Server:
 
     def _register_arenas(self) -> None:
         # Only the tier arenas are registered: that is all a TE peer can reach.
-        for regions in self.store.regions().values():
-            for region in regions:
-                self.transport.register(region)
+        regions = [r for rs in self.store.regions().values() for r in rs]
+        self.transport.register_many(regions)
 
     # ---------------------------------------------------------------- serving
     def stop(self) -> None:
@@ -145,9 +144,16 @@ class Server:
         # DEALER peers send [identity, body]; a REQ peer adds an empty delimiter.
         envelope, body = frames[:-1], frames[-1]
         if len(envelope) > 2 or (len(envelope) == 2 and envelope[1] != b""):
+            self._count("invalid", 0.0, False)
             err = InvalidRequestError("a request is exactly one frame")
             return [*envelope[:1], p.encode_error(0, err)]
         return [*envelope, self.handle(body)]
+
+    def _count(self, op: str, seconds: float, ok: bool) -> None:
+        self.counters["requests"] += 1
+        self.counters["errors"] += not ok
+        if self.observer is not None:
+            self.observer(op, seconds, ok)
 
     def handle(self, frame: bytes) -> bytes:
         """One request frame -> one reply frame. Never raises."""
@@ -165,10 +171,7 @@ class Server:
         except Exception as exc:  # noqa: BLE001 - a bug must not take the node down
             log.exception("internal error handling %s", op)
             reply = p.encode_error(rid, KVStoreError(f"internal error in {op}: {exc}"))
-        self.counters["requests"] += 1
-        self.counters["errors"] += not ok
-        if self.observer is not None:
-            self.observer(op, time.perf_counter() - start, ok)
+        self._count(op, time.perf_counter() - start, ok)
         return reply
 
     def _dispatch(self, req: p.Request) -> dict:
@@ -180,7 +183,12 @@ class Server:
             if req.deep:
                 self.store.check_integrity()
             return {"status": "ok", "uptime_s": time.time() - self._started}
-        return HANDLERS[req.OP](self.store, req)
+        result = HANDLERS[req.OP](self.store, req)
+        if isinstance(req, (p.Reserve, p.Acquire)):
+            # Addresses are only meaningful in this segment; a client holding an
+            # older hello (the server restarted) sees the change and re-hellos.
+            result["segment"] = self.transport.segment
+        return result
 
     def hello(self) -> dict:
         path = self.store.dram_shared_path

@@ -1,0 +1,152 @@
+"""KVStoreClient against a real server: exact bytes both ways, on both data paths.
+
+``same_node="auto"`` memcpys through the server's shared DRAM arena (the server is on
+this node); ``same_node=False`` forces real TE transfers over loopback TCP.
+"""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.errors import (ChecksumError, InvalidRequestError, NotFoundError,
+                            PeerUnavailableError, TierFullError)
+from kvstore.layout import unpack_hf
+from tests.integration.conftest import LAYOUT, free_port, make_kv
+
+pytestmark = pytest.mark.timeout(120)
+PATHS = pytest.mark.parametrize("same_node", ["auto", False], ids=["shm", "te"])
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(1000 + seed).integers(0, 50_000, n).tolist()
+
+
+@PATHS
+def test_raw_bytes_round_trip_any_length(clean_server, client_factory, same_node):
+    client = client_factory(clean_server, same_node=same_node)
+    assert client.hello() and client._data.uses_shared_memory is (same_node == "auto")
+    for seed, n in enumerate([1, 3, 4, 5, 16, 37]):  # shorter than, equal to, not a multiple of a block
+        kv = make_kv(n, seed)
+        res = client.insert(prompt(n, seed), kv)
+        assert res == (len(LAYOUT.entry_sizes(n)), 0, n, kv.size)
+        got = client.drop_select(prompt(n, seed))
+        assert got.matched_tokens == n and got.hidden is None
+        assert np.array_equal(got.kv.numpy(), kv)
+    assert client.stats()["entries"] == 0
+
+
+@PATHS
+def test_hf_tensors_and_hidden_round_trip(clean_server, client_factory, same_node):
+    client = client_factory(clean_server, same_node=same_node)
+    n = 11
+    g = torch.Generator().manual_seed(3)
+    past = [(torch.randn(1, 2, n, 8, generator=g).half(), torch.randn(1, 2, n, 8, generator=g).half())
+            for _ in range(LAYOUT.num_layers)]
+    hidden = torch.randn(n, 32, generator=g).bfloat16()
+    client.insert(prompt(n), past, hidden=hidden)
+    got = client.drop_select(prompt(n))
+    assert got.matched_tokens == n
+    for (k, v), (k2, v2) in zip(past, unpack_hf(LAYOUT, got.kv, n)):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+    assert got.hidden.dtype == torch.bfloat16 and torch.equal(got.hidden, hidden)
+    assert client.stats()["entries"] == 0
+
+
+def test_two_consumers_of_one_prefix_both_get_it(clean_server, client_factory):
+    producer, c1, c2 = (client_factory(clean_server, same_node=s) for s in ("auto", False, "auto"))
+    kv = make_kv(9, 1)
+    assert producer.insert(prompt(9), kv).new_blocks == 3
+    assert producer.insert(prompt(9), kv) == (0, 3, 9, 0)  # dedup: nothing moved
+    for consumer in (c1, c2):
+        got = consumer.drop_select(prompt(9))
+        assert got.matched_tokens == 9 and np.array_equal(got.kv.numpy(), kv)
+    assert c1.drop_select(prompt(9)).matched_tokens == 0
+    assert producer.stats()["entries"] == 0
+
+
+@PATHS
+def test_get_is_non_destructive_and_lookup_reports_prefix(clean_server, client_factory, same_node):
+    client = client_factory(clean_server, same_node=same_node)
+    kv = make_kv(10, 2)
+    client.insert(prompt(10), kv)
+    assert client.lookup(prompt(10)).matched_tokens == 10
+    longer = prompt(10) + [7] * 6  # same first 8 tokens (2 full blocks), then differs
+    assert client.lookup(longer) == (8, 2, ["dram", "dram"])
+    for _ in range(2):
+        got = client.get(prompt(10))
+        assert np.array_equal(got.kv.numpy(), kv)
+    got = client.drop_select(longer)
+    assert got.matched_tokens == 8 and np.array_equal(got.kv.numpy(), kv[:LAYOUT.nbytes(8)])
+    assert client.lookup(prompt(10)).matched_tokens == 0
+
+
+def test_miss_returns_zero_quickly(clean_server, client_factory):
+    client = client_factory(clean_server)
+    start = time.monotonic()
+    got = client.drop_select(prompt(40, 9), timeout=2.0)
+    assert got == (0, None, None) and time.monotonic() - start < 2.0
+
+
+def test_prompt_larger_than_staging_buffer(clean_server, client_factory):
+    client = client_factory(clean_server, same_node=False, staging_bytes=16 << 10)  # 32 blocks fit
+    kv = make_kv(400, 4)  # 50 KiB: four staging rounds each way
+    client.insert(prompt(400, 4), kv)
+    got = client.drop_select(prompt(400, 4))
+    assert got.matched_tokens == 400 and np.array_equal(got.kv.numpy(), kv)
+
+
+def test_corrupt_bytes_are_a_checksum_miss_and_nothing_is_dropped(clean_server, client_factory):
+    from tiers.dram import map_shared
+
+    client = client_factory(clean_server, same_node=False)
+    client.insert(prompt(8, 5), make_kv(8, 5))
+    dram = client.hello()["dram"]
+    arena = map_shared(dram["path"], dram["nbytes"])
+    entry = client.ls()[0]
+    arena[entry["offset"]] ^= 0xFF  # flip bits behind the store's back
+    with pytest.raises(ChecksumError):
+        client.drop_select(prompt(8, 5))
+    assert client.lookup(prompt(8, 5)).matched_tokens == 8  # released without drop
+    assert client.stats()["leases"] == 0
+
+
+def test_bad_input_is_refused_and_reserves_nothing(clean_server, client_factory):
+    client = client_factory(clean_server)
+    with pytest.raises(InvalidRequestError, match="bytes of KV"):
+        client.insert(prompt(5), make_kv(4))
+    with pytest.raises(InvalidRequestError, match="empty"):
+        client.insert([], make_kv(1))
+    with pytest.raises(TierFullError):
+        client.insert(prompt(1 << 16), make_kv(1 << 16))  # 8 MiB > the 4 MiB DRAM tier
+    stats = client.stats()
+    assert stats["reservations"] == 0 and stats["entries"] == 0
+    client.insert(prompt(4), make_kv(4))
+    assert client.lookup(prompt(4)).matched_tokens == 4
+
+
+def test_admin_calls(clean_server, client_factory):
+    client = client_factory(clean_server)
+    client.insert(prompt(12, 6), make_kv(12, 6))
+    keys = client.keys_for(prompt(12, 6))
+    entries = client.ls()
+    assert sorted(e["key"] for e in entries) == sorted(keys) and entries[0]["tier"] == "dram"
+    assert len(client.ls(limit=1)) == 3
+    assert client.pin(keys[:1]) == 1
+    res = client.evict(everything=True)
+    assert res["count"] == 2 and res["skipped"] == 1
+    assert client.unpin(keys[:1]) == 1
+    with pytest.raises(NotFoundError):
+        client.pin(keys[1:2])
+    assert client.verify()["bad"] == []
+    assert client.health(deep=True)["status"] == "ok"
+    assert client.clear()["count"] == 1 and client.stats()["entries"] == 0
+
+
+def test_server_absent_is_peer_unavailable_in_bounded_time(client_factory):
+    client = client_factory(f"tcp://127.0.0.1:{free_port()}", timeout_s=1.0)
+    start = time.monotonic()
+    with pytest.raises(PeerUnavailableError):
+        client.lookup(prompt(4))
+    assert time.monotonic() - start < 3.0
