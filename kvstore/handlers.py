@@ -94,7 +94,7 @@ def clear(store: Any, req: p.Clear) -> dict:
 
 
 def verify(store: Any, req: p.Verify) -> dict:
-    return plain(store.verify())
+    return plain(store.verify(keys=None if req.keys is None else list(req.keys)))
 
 
 def ls(store: Any, req: p.Ls) -> dict:

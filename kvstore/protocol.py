@@ -251,7 +251,12 @@ class Ls(Request):
 
 @dataclass(frozen=True)
 class Verify(Request):
+    """``keys``: check only these (the CLI sends batches to show progress); nil: all."""
+
+    keys: tuple[bytes, ...] | None = None
     OP = "verify"
+    CHECKS = {"keys": _opt(_keys)}
+    OPTIONAL = frozenset({"keys"})
 
 
 @dataclass(frozen=True)

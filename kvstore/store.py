@@ -395,12 +395,16 @@ class Store(MovesMixin, AuditMixin):
             self._stats["evictions"] += len(gone)
             return EvictResult(gone, size, skipped)
 
-    def verify(self) -> VerifyResult:
-        """Re-check every entry's checksum; drop bad ones (leased ones when released)."""
+    def verify(self, keys: Sequence[bytes] | None = None) -> VerifyResult:
+        """Re-check every entry's checksum (or only those of ``keys``; keys not stored are
+        skipped); drop bad ones (leased ones when released). ``kvstore verify`` passes
+        batches of keys so the lock is never held for a whole NVMe tier's read."""
+        wanted = None if keys is None else check_keys(keys)
         with self._lock:
-            checked = len(self._records)
-            bad = [k for k, r in self._records.items()
-                   if checksum(self._read_bytes(r)) != r.checksum]
+            recs = (list(self._records.items()) if wanted is None else
+                    [(k, self._records[k]) for k in wanted if k in self._records])
+            checked = len(recs)
+            bad = [k for k, r in recs if checksum(self._read_bytes(r)) != r.checksum]
             self._stats["checksum_failures"] += len(bad)
             self._apply(drop=[k for k in bad if not self._leased.get(k)])
             return VerifyResult(checked, bad)
