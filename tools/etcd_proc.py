@@ -45,19 +45,28 @@ class EtcdProcess:
         self.stop()
 
 
-def start_etcd(host: str = "127.0.0.1", timeout_s: float = 20.0) -> EtcdProcess:
+def etcd_argv(host: str, client_port: int, peer_port: int, data_dir: str) -> list[str]:
+    """A one-member etcd serving clients on ``host:client_port`` (for any launcher,
+    e.g. a network namespace's ``node.popen``)."""
     binary = shutil.which("etcd")
     if binary is None:
         raise FileNotFoundError("etcd not installed (Debian package etcd-server; `make setup`)")
+    client_url, peer_url = f"http://{host}:{client_port}", f"http://{host}:{peer_port}"
+    return [binary, "--name", "kvtest", "--data-dir", data_dir,
+            "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+            "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"kvtest={peer_url}", "--log-level", "error"]
+
+
+def start_etcd(host: str = "127.0.0.1", timeout_s: float = 20.0) -> EtcdProcess:
     client_port, peer_port = free_port(host), free_port(host)
     data_dir = tempfile.mkdtemp(prefix="kvstore-etcd-")
-    client_url, peer_url = f"http://{host}:{client_port}", f"http://{host}:{peer_port}"
-    proc = subprocess.Popen(
-        [binary, "--name", "kvtest", "--data-dir", data_dir,
-         "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
-         "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-         "--initial-cluster", f"kvtest={peer_url}", "--log-level", "error"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        argv = etcd_argv(host, client_port, peer_port, data_dir)
+    except FileNotFoundError:
+        shutil.rmtree(data_dir, ignore_errors=True)
+        raise
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     etcd = EtcdProcess(f"etcd://{host}:{client_port}", proc, data_dir)
     client = EtcdClient(etcd.url, timeout_s=1.0)
     deadline = time.monotonic() + timeout_s

@@ -1,0 +1,187 @@
+"""Cluster mode end to end: real etcd, three real kvstore-server nodes, clients that
+know only the etcd address.
+
+Nodes are network namespaces (tools.netns) where the machine allows it, else
+loopback ports (``make_cluster`` picks; the test prints which). A process in a
+namespace cannot reach the root namespace's 127.0.0.1, so etcd and the client
+processes run on a fourth node: etcd listens on that node's bridge address, which
+every namespace reaches. The clients are long-lived workers
+(tests/integration/cluster_worker.py) driven over stdin/stdout, so a node can be
+killed while they still list it.
+"""
+
+from __future__ import annotations
+
+import json
+import selectors
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.integration.conftest import REPO, ServerFactory, server_env
+from tools.etcd_proc import etcd_argv
+from tools.netns import make_cluster
+
+pytestmark = [pytest.mark.timeout(150), pytest.mark.netns]
+
+TTL_S = 2
+CLIENT_TIMEOUT_S = 2.0  # cluster_worker.TIMEOUT_S
+MISS_BOUND_S = 2 * CLIENT_TIMEOUT_S + 1.0  # a read of a dead node: one timeout, then a miss
+
+
+class Worker:
+    """A cluster_worker process: one JSON job per line, every reply bounded in time."""
+
+    def __init__(self, node, etcd_url: str, log_path) -> None:
+        self._log = open(log_path, "wb")
+        self.proc = node.popen([sys.executable, "-m", "tests.integration.cluster_worker",
+                                etcd_url, node.host], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=self._log, env=server_env(),
+                               cwd=REPO)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self.proc.stdout, selectors.EVENT_READ)
+        self.log_path = log_path
+
+    def reply(self, timeout: float = 60.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._sel.select(timeout=0.1):
+                line = self.proc.stdout.readline()
+                if not line:
+                    break
+                return json.loads(line)
+            if self.proc.poll() is not None:
+                break
+        raise AssertionError(f"worker gave no reply in {timeout}s:\n"
+                             + open(self.log_path, errors="replace").read()[-3000:])
+
+    def __call__(self, op: str, timeout: float = 60.0, **job) -> dict:
+        self.proc.stdin.write((json.dumps({"op": op, **job}) + "\n").encode())
+        self.proc.stdin.flush()
+        return self.reply(timeout)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(b'{"op": "quit"}\n')
+                self.proc.stdin.close()
+                self.proc.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(10)
+        self._sel.close()
+        self._log.close()
+
+
+@pytest.fixture
+def world(tmp_path):
+    """(cluster, etcd_url, [3 ServerProc], producer Worker, consumer Worker)."""
+    with make_cluster(4) as cluster:
+        print(f"cluster kind: {cluster.kind}")
+        hub = cluster.nodes[3]
+        cport, pport = hub.free_port(), hub.free_port()
+        etcd = hub.popen(etcd_argv(hub.host, cport, pport, str(tmp_path / "etcd")),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        hub.wait_port(hub.host, cport, timeout=20, proc=etcd)
+        url = f"etcd://{hub.host}:{cport}"
+        factory = ServerFactory(tmp_path)
+        extra = ("--cluster", url, "--cluster-ttl", str(TTL_S))
+        servers = [factory(host=n.host, port=n.free_port(), wait=False,
+                           prefix=_prefix(n), dram="64KiB", nvme="8MiB", extra=extra)
+                   for n in cluster.nodes[:3]]
+        workers = []
+        try:
+            workers = [Worker(hub, url, tmp_path / f"worker{i}.log") for i in range(2)]
+            for srv in servers:
+                srv.wait_ready()
+            for w in workers:
+                assert w.reply()["ready"]
+            yield cluster, url, servers, workers[0], workers[1]
+        finally:
+            for w in workers:
+                w.close()
+            factory.stop_all()
+
+
+def _prefix(node) -> tuple[str, ...]:
+    netns = getattr(node, "netns", None)  # loopback nodes run processes as they are
+    return ("ip", "netns", "exec", netns) if netns else ()
+
+
+def _ids(reply: dict) -> dict[int, dict]:
+    return {int(k): v for k, v in reply.items()}
+
+
+def _wait_nodes(worker: Worker, expect, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = worker("nodes")
+        if expect(got) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.2)
+
+
+def test_cluster_places_fails_over_and_recovers(world):
+    cluster, url, servers, producer, consumer = world
+    node_ids = {f"{s.host}:{s.port}" for s in servers}
+    assert set(producer("nodes")["live"]) == node_ids
+
+    # Producers and consumers agree on homes without talking: every prompt inserted
+    # is found once, by another process, and the prompts spread over every node.
+    placed = _ids(producer("insert", ids=list(range(45))))
+    assert all("node" in r for r in placed.values()), placed
+    homes = {pid: r["node"] for pid, r in placed.items()}
+    assert set(homes.values()) == node_ids
+    first = _ids(consumer("select", ids=list(range(15))))
+    assert all(r["matched"] == 16 and r["bytes_ok"] for r in first.values()), first
+    again = _ids(producer("select", ids=list(range(15))))
+    assert all(r["matched"] == 0 for r in again.values()), "drop_select served a prompt twice"
+
+    # The CLI's cluster view sees the three nodes alive and the entries on them.
+    cli = cluster.nodes[3].run([sys.executable, "-m", "kvstore.cli", "nodes", "--etcd", url,
+                                "--json", "--timeout", "5"], timeout=60, env=server_env(), cwd=REPO)
+    assert cli.returncode == 0, cli.stderr
+    rows = json.loads(cli.stdout)
+    assert {r["node_id"] for r in rows} == node_ids and all(r["alive"] for r in rows)
+    assert sum(r["entries"] for r in rows) == 30 * 4
+    cli = cluster.nodes[3].run([sys.executable, "-m", "kvstore.cli", "stats", "--cluster",
+                                "--etcd", url, "--json"], timeout=60, env=server_env(), cwd=REPO)
+    assert cli.returncode == 0, cli.stderr
+    total, *per_node = json.loads(cli.stdout)
+    assert total["nodes"] == 3 and total["entries"] == 30 * 4
+    assert {r["server"] for r in per_node} == {s.address for s in servers}
+
+    # Kill a node that holds prompts; take note of what its NVMe tier holds.
+    victim = next(s for s in servers if sum(h == f"{s.host}:{s.port}" for p, h in homes.items()
+                                            if p >= 15) >= 3)
+    victim_id = f"{victim.host}:{victim.port}"
+    theirs = [p for p, h in homes.items() if p >= 15 and h == victim_id]
+    on_nvme = {int(k): v for k, v in producer("nvme_prefix", address=victim.address,
+                                              ids=theirs).items()}
+    assert sum(on_nvme.values()) > 0, "tiny DRAM should have pushed entries to NVMe"
+    victim.kill()
+
+    # Reads of its prompts are misses within a bound (the consumer still lists it);
+    # new inserts go to the live nodes and are read back.
+    lost = _ids(consumer("select", ids=theirs, drop=False))
+    assert all(r["matched"] == 0 for r in lost.values()), lost
+    assert max(r["seconds"] for r in lost.values()) < MISS_BOUND_S, lost
+    fresh = _ids(producer("insert", ids=list(range(100, 130))))
+    assert all(r.get("node") in node_ids - {victim_id} for r in fresh.values()), fresh
+    got = _ids(consumer("select", ids=list(range(100, 130))))
+    assert all(r["matched"] == 16 and r["bytes_ok"] for r in got.values()), got
+
+    # Its lease expires: etcd forgets it.
+    gone = _wait_nodes(consumer, lambda n: victim_id not in n["registered"], 5 * TTL_S)
+    assert victim_id not in gone["registered"]
+
+    # Back on the same data dir: it registers anew, wins its prompts back, and every
+    # entry that was on NVMe is served again (DRAM ones were lost with the process).
+    victim.start()
+    back = _wait_nodes(consumer, lambda n: victim_id in n["live"], 30)
+    assert victim_id in back["live"]
+    served = _ids(consumer("select", ids=theirs))
+    assert all(r["bytes_ok"] for r in served.values()), served
+    assert {p: r["matched"] // 4 for p, r in served.items()} == on_nvme
