@@ -33,7 +33,7 @@ restarted process takes a fresh name (the default picks one).
 
 from __future__ import annotations
 
-import bisect
+import itertools
 import logging
 import math
 import mmap
@@ -41,12 +41,18 @@ import os
 import socket
 import threading
 import time
-from typing import Iterable, NamedTuple, Sequence
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
-from kvstore.errors import (ConfigError, InvalidRequestError, KVStoreError,
-                            PeerUnavailableError, TransferError)
+from kvstore.errors import (
+    ConfigError,
+    InvalidRequestError,
+    KVStoreError,
+    PeerUnavailableError,
+    TransferError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +154,7 @@ def _bound_from_env() -> float:
     """A stall fails a sync call after the first of TE's two bounds to expire."""
     try:
         return float(min(int(os.environ["MC_TRANSFER_TIMEOUT"]),
-                         int(os.environ.get("MC_TCP_PROGRESS_TIMEOUT_SEC", 30))))
+                         int(os.environ.get("MC_TCP_PROGRESS_TIMEOUT_SEC", "30"))))
     except ValueError as exc:
         raise ConfigError(f"MC_TRANSFER_TIMEOUT / MC_TCP_PROGRESS_TIMEOUT_SEC: {exc}") from exc
 
@@ -202,8 +208,8 @@ class Transport:
         self.segment = f"{host}:{self._te.get_rpc_port()}" if self.p2p else local_name
         self._lock = threading.RLock()  # every TE call and the region books
         self._regions: dict[int, Region] = {}
-        self._starts: list[int] = []  # sorted region addresses, for overlap checks
-        self._ends = np.zeros(0, dtype=np.int64)  # region ends in _starts order
+        self._starts = np.zeros(0, dtype=np.int64)  # sorted region addresses
+        self._ends = np.zeros(0, dtype=np.int64)  # their ends, same order
         self._buffers: dict[int, mmap.mmap] = {}
         self._dead: dict[str, str] = {}  # segment -> why; own lock: checks never wait on TE
         self._dead_lock = threading.Lock()
@@ -228,7 +234,8 @@ class Transport:
             new = [Region(int(r[0]), int(r[1]), str(r[2]) if len(r) > 2 else "cpu:0")
                    for r in regions]
         except (TypeError, ValueError, IndexError) as exc:
-            raise InvalidRequestError(f"regions must be (address, nbytes[, location]): {exc}")
+            raise InvalidRequestError(
+                f"regions must be (address, nbytes[, location]): {exc}") from exc
         with self._lock:
             self._check_open()
             self._check_free(new)
@@ -293,21 +300,20 @@ class Transport:
         for r in new:
             if r.address <= 0 or r.nbytes <= 0:
                 raise InvalidRequestError(f"bad region {r}: address and size must be > 0")
-        for (_, end), (start, _) in zip(spans, spans[1:]):
+        for (_, end), (start, _) in itertools.pairwise(spans):
             if start < end:
                 raise InvalidRequestError(
                     f"region at {start:#x} overlaps one already registered (or in this "
                     "call); TE does not support overlapping registrations")
 
     def _reindex(self) -> None:
-        self._starts = sorted(self._regions)
-        self._ends = np.array([a + self._regions[a].nbytes for a in self._starts],
-                              dtype=np.int64)
+        starts = sorted(self._regions)
+        self._starts = np.array(starts, dtype=np.int64)
+        self._ends = np.array([a + self._regions[a].nbytes for a in starts], dtype=np.int64)
 
     def _check_local(self, loc: np.ndarray, ln: np.ndarray) -> None:
         """Every local range inside one registered region (vectorised)."""
-        starts = np.array(self._starts, dtype=np.int64)
-        idx = np.searchsorted(starts, loc, side="right") - 1
+        idx = np.searchsorted(self._starts, loc, side="right") - 1
         ok = idx >= 0
         ok[ok] &= loc[ok] + ln[ok] <= self._ends[idx[ok]]
         if not ok.all():
@@ -429,7 +435,7 @@ class Transport:
                 self._te = None
         log.info("TE engine %s closed", self.segment)
 
-    def __enter__(self) -> "Transport":
+    def __enter__(self) -> Transport:
         return self
 
     def __exit__(self, *exc: object) -> None:

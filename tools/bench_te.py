@@ -17,11 +17,11 @@ import time
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from kvstore.config import format_size, parse_size  # noqa: E402
-from kvstore.transfer import Transport  # noqa: E402
-from tests.integration.te_peer import PeerProcess  # noqa: E402
+from kvstore.config import format_size, parse_size
+from kvstore.transfer import Transport
+from tests.integration.te_peer import PeerProcess
 
 DEFAULT_BLOCKS = ("4KiB", "64KiB", "1MiB", "16MiB")
 

@@ -23,11 +23,10 @@ from typing import NamedTuple
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from kvstore.config import parse_size  # noqa: E402
-from kvstore.transfer import Transport  # noqa: E402
-
+from kvstore.config import parse_size
+from kvstore.transfer import Transport
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 30.0
@@ -88,7 +87,7 @@ class PeerProcess:
             if pipe is not None and not pipe.closed:
                 pipe.close()
 
-    def __enter__(self) -> "PeerProcess":
+    def __enter__(self) -> PeerProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:

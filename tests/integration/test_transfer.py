@@ -64,7 +64,7 @@ def runs(draw):
 @given(runs())
 def test_coalesce_merges_each_contiguous_run_into_one(case):
     local, remote, lengths, nruns = case
-    out_local, out_remote, out_len = coalesce(local, remote, lengths)
+    _, _, out_len = coalesce(local, remote, lengths)
     assert len(out_len) == nruns
     assert int(out_len.sum()) == sum(lengths)
 
