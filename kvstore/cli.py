@@ -67,9 +67,9 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 def emit(admin: Admin, results: list[tuple[str, Any]], render: Callable[[str, Any], str]) -> None:
     """Print each node's result (JSON list or rendered text), then fail if any node failed."""
-    if admin.as_json:
+    if results and admin.as_json:
         click.echo(to_json([{"server": s, **r} for s, r in results]))
-    else:
+    elif results:
         click.echo("\n\n".join(render(s, r) for s, r in results))
     admin.finish()
 

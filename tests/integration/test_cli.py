@@ -167,8 +167,21 @@ def test_ls_by_prompt_tokens(filled, tmp_path):
     prompt_file.write_text(json.dumps(PROMPT_B[:8]))
     node = run_json("ls", "--server", filled.address, "--prompt-file", str(prompt_file), *MODEL)[0]
     assert [e["key"] for e in node["entries"]] == want[:2]
+    ns_file = tmp_path / "ns.toml"
+    ns_file.write_text(f'[namespace]\nmodel_id = "cli-test"\nnum_layers = {LAYOUT.num_layers}\n'
+                       f'kv_heads = {LAYOUT.kv_heads}\nhead_dim = {LAYOUT.head_dim}\n'
+                       f'dtype = "{LAYOUT.dtype}"\nblock_tokens = {LAYOUT.block_tokens}\n')
+    bare = filled.address.removeprefix("tcp://")  # the scheme is optional
+    node = run_json("ls", "--server", bare, "--tokens", ",".join(map(str, PROMPT_B)),
+                    "--namespace-config", str(ns_file))[0]
+    assert [e["key"] for e in node["entries"]] == want
+    assert node["prompt_blocks"] == 3 and node["stored_prefix_blocks"] == 3
+    other_model = run_json("ls", "--server", bare, "--tokens", ",".join(map(str, PROMPT_B)),
+                           "--namespace-config", str(ns_file), "--model-id", "other")[0]
+    assert other_model["total"] == 0  # a flag overrides the file; other keys, nothing stored
     text = run("ls", "--server", filled.address, "--tokens", "1,2,3,4,5", *MODEL)
     assert text.exit_code == 0 and "0 of 0 entries" in text.stdout
+    assert "the first 0 stored" in text.stdout
 
 
 # ------------------------------------------------------------------ evict / pin / clear
