@@ -1,14 +1,27 @@
-"""etcd gateway client, registration with leases, rendezvous placement (real etcd)."""
+"""etcd gateway client, registration with leases, rendezvous placement, and the cluster
+pieces around one node: server registration, ClusterClient edge cases, the CLI view.
+
+Real etcd on a loopback port; servers are real processes on loopback ports (the
+multi-node scenario with network namespaces is in test_cluster.py)."""
 
 import collections
+import json
+import subprocess
 import time
 
 import pytest
+from click.testing import CliRunner
 
+from kvstore.cli import cli
+from kvstore.client import KVStoreClient
 from kvstore.cluster import NodeInfo, NodeSet, Registration, rendezvous_order
+from kvstore.cluster_client import ClusterClient
 from kvstore.etcd import EtcdClient
-from kvstore.errors import PeerUnavailableError
+from kvstore.errors import InvalidRequestError, PeerUnavailableError
+from tests.integration.conftest import LAYOUT, make_kv
 from tools.etcd_proc import free_port, start_etcd
+
+pytestmark = pytest.mark.timeout(90)
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +101,104 @@ def test_rendezvous_is_stable_and_spreads():
         if home != "node3":
             assert new_home == home
     assert rendezvous_order(keys[0], nodes) == rendezvous_order(keys[0], list(reversed(nodes)))
+
+
+# ------------------------------------------------------------ servers, clients, CLI
+def test_server_with_etcd_down_fails_fast_with_one_line(tmp_path):
+    from tests.integration.conftest import server_argv, server_env
+
+    argv = server_argv(free_port(), tmp_path / "data",
+                       extra=("--cluster", f"etcd://127.0.0.1:{free_port()}"))
+    start = time.monotonic()
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=server_env())
+    assert proc.returncode == 2
+    assert time.monotonic() - start < 30  # interpreter start-up included; etcd's check is 2 s
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot reach etcd" in lines[0], proc.stderr
+
+
+def test_cluster_client_with_etcd_down_is_a_quick_error():
+    start = time.monotonic()
+    with pytest.raises(PeerUnavailableError, match="unreachable"):
+        ClusterClient(f"etcd://127.0.0.1:{free_port()}", LAYOUT, timeout_s=1.0)
+    assert time.monotonic() - start < 5
+
+
+def test_without_nodes_reads_miss_and_inserts_fail(etcd):
+    with ClusterClient(etcd.url, LAYOUT, prefix="/empty/", timeout_s=1.0) as client:
+        assert client.get(list(range(8))).matched_tokens == 0
+        assert client.lookup(list(range(8))).matched_tokens == 0
+        with pytest.raises(PeerUnavailableError, match="no kvstore nodes"):
+            client.insert(list(range(8)), make_kv(8))
+
+
+def test_placement_key_is_the_key_of_block_p(etcd):
+    shared = list(range(100, 104))  # one block of "system prompt"
+    a, b = shared + [1, 2, 3, 4, 5], shared + [6, 7, 8, 9]
+    with ClusterClient(etcd.url, LAYOUT, prefix="/p1/") as p1, \
+            ClusterClient(etcd.url, LAYOUT, prefix="/p2/", placement_blocks=2) as p2:
+        assert p1.placement_key(a) == p1.placement_key(b) == p1.placement_key(shared)
+        assert p2.placement_key(a) != p2.placement_key(b)
+        # A prompt shorter than P blocks is placed by its last block.
+        assert p2.placement_key(shared) == p1.placement_key(shared)
+        with pytest.raises(InvalidRequestError):
+            ClusterClient(etcd.url, LAYOUT, placement_blocks=0)
+
+
+def test_registered_server_serves_both_modes_and_leaves_on_stop(etcd, server_factory):
+    prefix = "/serve/"
+    server = server_factory(extra=("--cluster", etcd.url, "--cluster-prefix", prefix,
+                                   "--node-id", "alpha"))
+    nodes = NodeSet(EtcdClient(etcd.url), prefix, refresh_s=0)
+    info = nodes.nodes()["alpha"]
+    assert info.address == server.address and set(info.tiers) == {"dram", "nvme"}
+    tokens, kv = list(range(10)), make_kv(10, seed=3)
+    with ClusterClient(etcd.url, LAYOUT, prefix=prefix, timeout_s=5.0,
+                       staging_bytes=1 << 20) as cluster, \
+            KVStoreClient(server.address, layout=LAYOUT, staging_bytes=1 << 20) as direct:
+        assert cluster.insert(tokens, kv).new_blocks == 3
+        assert cluster.lookup(tokens).matched_tokens == 10
+        # The explicit-address mode finds what the cluster client placed, and vice versa.
+        got = direct.drop_select(tokens)
+        assert got.matched_tokens == 10 and bytes(got.kv.numpy()) == kv.tobytes()
+        assert cluster.get(tokens).matched_tokens == 0
+    out = CliRunner().invoke(cli, ["nodes", "--etcd", etcd.url, "--prefix", prefix])
+    assert out.exit_code == 0 and "alpha" in out.output and "UP" in out.output, out.output
+    server.stop()  # clean stop revokes the lease: gone now, not after the TTL
+    assert nodes.nodes() == {}
+
+
+def test_nodes_cli_shows_a_registered_silent_node_as_down(etcd):
+    info = NodeInfo("ghost", f"tcp://127.0.0.1:{free_port()}", "127.0.0.1:1", {"dram": 1 << 20})
+    reg = Registration(EtcdClient(etcd.url), "/ghost/", info, ttl_s=10)
+    try:
+        args = ["nodes", "--etcd", etcd.url, "--prefix", "/ghost/", "--timeout", "0.5"]
+        out = CliRunner().invoke(cli, [*args, "--json"])
+        assert out.exit_code == 0, out.output
+        (row,) = json.loads(out.output)
+        assert row["node_id"] == "ghost" and row["alive"] is False
+        text = CliRunner().invoke(cli, args).output
+        assert "ghost" in text and "DOWN" in text
+        empty = CliRunner().invoke(cli, ["nodes", "--etcd", etcd.url, "--prefix", "/none/"])
+        assert empty.exit_code == 0 and "no nodes registered" in empty.output
+    finally:
+        reg.close()
+
+
+def test_forgotten_node_stays_hidden_until_it_registers_anew(etcd):
+    client = EtcdClient(etcd.url)
+    old = _info(5)
+    reg = Registration(client, "/fg/", old, ttl_s=5)
+    nodes = NodeSet(client, "/fg/", refresh_s=0, forget_s=30)
+    brief = NodeSet(client, "/fg/", refresh_s=0, forget_s=0.3)
+    nodes.forget("node5")
+    brief.forget("node5")
+    assert nodes.nodes() == {} and brief.nodes() == {}
+    assert set(nodes.registered()) == {"node5"}  # etcd still lists it
+    time.sleep(0.4)
+    assert set(brief.nodes()) == {"node5"}  # forget_s passed: maybe it was only slow
+    reg.close()
+    new = NodeInfo(old.node_id, old.address, "127.0.0.1:9", old.tiers, old.started + 1)
+    reg = Registration(client, "/fg/", new, ttl_s=5)  # the node restarted
+    assert nodes.nodes() == {"node5": new}
+    reg.close()
