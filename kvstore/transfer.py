@@ -123,6 +123,8 @@ def _as_arrays(local: Addrs, remote: Addrs, lengths: Addrs
 
 
 def _import_engine():
+    if os.environ.get("MC_LOG_DIR"):  # glog double init: SIGABRT inside the import
+        raise ConfigError("unset MC_LOG_DIR: the TE import aborts the process when it is set")
     try:
         from mooncake.engine import TransferEngine
     except ImportError as exc:

@@ -18,6 +18,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
@@ -52,8 +53,10 @@ class PeerProcess:
                 cmd += [flag, str(value)]
         env = dict(os.environ, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "ERROR"),
                    PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        # stderr to a file, not a pipe: TE's log lines must never fill a pipe and block it.
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in _close_pipes
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                                     stdout=subprocess.PIPE, stderr=self._stderr)
         try:
             self.info = PeerInfo(**json.loads(self._first_line()))
         except BaseException:
@@ -64,8 +67,10 @@ class PeerProcess:
         ready, _, _ = select.select([self.proc.stdout], [], [], START_TIMEOUT_S)
         line = self.proc.stdout.readline() if ready else b""
         if not line:
+            self._stderr.seek(0)
+            tail = self._stderr.read()[-2000:].decode(errors="replace")
             raise RuntimeError(f"te_peer did not start within {START_TIMEOUT_S}s "
-                               f"(exit code {self.proc.poll()})")
+                               f"(exit code {self.proc.poll()}): {tail}")
         return line.decode()
 
     def kill(self) -> None:
@@ -83,7 +88,7 @@ class PeerProcess:
             self.kill()
 
     def _close_pipes(self) -> None:
-        for pipe in (self.proc.stdin, self.proc.stdout):
+        for pipe in (self.proc.stdin, self.proc.stdout, self._stderr):
             if pipe is not None and not pipe.closed:
                 pipe.close()
 

@@ -301,13 +301,16 @@ def test_close_twice_and_use_after_close():
         t.register(buf.address, 4096)
 
 
-def test_bad_configuration_is_refused():
+def test_bad_configuration_is_refused(monkeypatch):
     with pytest.raises(ConfigError, match="metadata"):
         Transport(metadata="bogus")
     with pytest.raises(ConfigError, match="not an address of this machine"):
         Transport(host="192.0.2.1")
     with pytest.raises(ConfigError, match="timeout"):
         Transport(timeout_s=0)
+    monkeypatch.setenv("MC_LOG_DIR", "/tmp")  # would abort the whole test process
+    with pytest.raises(ConfigError, match="MC_LOG_DIR"):
+        Transport()
 
 
 # ------------------------------------------------------------ metadata server
