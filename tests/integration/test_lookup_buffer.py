@@ -1,0 +1,160 @@
+"""The v0 lookup buffer against real kvstore-server processes (loopback ports).
+
+In the spirit of vLLM's own lookup-buffer tests: the [1, 2, 3] round trip, the store
+empty afterwards; a shuffled many-request stress test through a server too small to
+hold them all at once; bounded misses; exact-key matching.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from kvstore.client import KVStoreClient
+from kvstore.connector.lookup_buffer import KVStoreLookupBuffer
+from kvstore.errors import InvalidRequestError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _buffer(server, **opts) -> KVStoreLookupBuffer:
+    opts.setdefault("block_tokens", 4)
+    opts.setdefault("staging_bytes", 1 << 20)
+    return KVStoreLookupBuffer(server.address, **opts)
+
+
+def _entries(server) -> int:
+    with KVStoreClient(server.address, timeout_s=10.0) as admin:
+        return admin.stats()["entries"]
+
+
+@pytest.mark.parametrize("same_node", ["auto", False], ids=["shm", "te"])
+def test_vllm_round_trip_then_store_empty(clean_server, same_node):
+    server = clean_server
+    provider, consumer = _buffer(server), _buffer(server, same_node=same_node)
+    assert _entries(server) == 0
+    tokens = torch.tensor([1, 2, 3])
+    roi = tokens > 0
+    key, value = 2.0 * torch.ones([5, 6]), 3.0 * torch.ones([5, 6])
+    provider.insert(tokens, roi, key, value, torch.tensor([1]))
+    assert _entries(server) > 0
+
+    tok, roi_, key_, value_, hidden = consumer.drop_select(tokens, roi)
+    assert torch.equal(tok, tokens) and torch.equal(roi_, roi)
+    assert torch.allclose(key_, 2.0 * torch.ones([5, 6]))
+    assert torch.allclose(value_, 3.0 * torch.ones([5, 6]))
+    assert torch.equal(hidden, torch.tensor([1]))
+    assert _entries(server) == 0  # dropped: the buffer is empty again
+    provider.close(), consumer.close()
+
+
+def test_miss_returns_nones_within_timeout(clean_server):
+    server = clean_server
+    buf = _buffer(server, select_timeout_s=0.3)
+    start = time.monotonic()
+    assert buf.drop_select(torch.tensor([7, 8, 9]), None) == [None] * 5
+    assert 0.3 <= time.monotonic() - start < 3.0
+    buf.close()
+
+
+def test_exact_tokens_only_never_a_neighbours_kv(clean_server):
+    server = clean_server
+    """A shorter, longer or differently masked prompt is a miss, not someone's prefix."""
+    provider, consumer = _buffer(server), _buffer(server, select_timeout_s=0.2)
+    tokens = torch.arange(100, 110)
+    provider.insert(tokens, torch.ones(10, dtype=torch.bool), torch.zeros(3), torch.ones(3), None)
+    assert consumer.drop_select(tokens[:9], None) == [None] * 5
+    assert consumer.drop_select(torch.arange(100, 111), None) == [None] * 5
+    half = torch.arange(10) < 5
+    assert consumer.drop_select(tokens, half) == [None] * 5
+    got = consumer.drop_select(tokens, torch.ones(10, dtype=torch.bool))
+    assert torch.equal(got[3], torch.ones(3)) and got[4] is None
+    assert _entries(server) == 0
+
+
+def test_roi_selects_the_key_tokens(clean_server):
+    server = clean_server
+    provider, consumer = _buffer(server), _buffer(server, select_timeout_s=0.2)
+    tokens, roi = torch.tensor([5, 6, 7, 8, 9]), torch.tensor([False, True, True, True, False])
+    provider.insert(tokens, roi, torch.full((2, 3), 4.0), torch.full((2, 3), 5.0), None)
+    # Same masked tokens ([6, 7, 8]) under a different padding: the same entry.
+    got = consumer.drop_select(torch.tensor([0, 6, 7, 8]), torch.tensor([False, True, True, True]))
+    assert torch.equal(got[0], tokens) and torch.equal(got[2], torch.full((2, 3), 4.0))
+
+
+def test_bad_input_is_a_typed_error(clean_server):
+    server = clean_server
+    buf = _buffer(server)
+    with pytest.raises(InvalidRequestError):
+        buf.insert(torch.tensor([1, 2]), torch.tensor([True]), torch.ones(1), torch.ones(1), None)
+    with pytest.raises(InvalidRequestError):
+        buf.drop_select(torch.tensor([1, 2]), torch.tensor([False, False]))
+    with pytest.raises(InvalidRequestError):
+        buf.drop_select(torch.tensor([-1, 2]), None)
+    assert _entries(server) == 0
+
+
+def _stress_requests(n: int) -> list[tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(100)
+    reqs = []
+    for i in range(n):
+        ntok = int(torch.randint(3, 40, (1,), generator=g))
+        tokens = torch.randint(0, 50_000, (ntok,), generator=g)
+        tokens[0] = i  # distinct prompts
+        reqs.append((tokens, torch.ones(ntok, dtype=torch.bool),
+                     torch.rand(2, ntok, 4, 8, generator=g), torch.rand(2, ntok, 4, 8, generator=g),
+                     torch.rand(ntok, 16, generator=g)))
+    return reqs
+
+
+@pytest.mark.timeout(180)
+def test_shuffled_stress_through_a_small_server(server_factory):
+    """200 requests (~2.5 MiB of records) through a 1 MiB DRAM tier and no NVMe.
+
+    As in vLLM's stress test, provider and consumer walk the requests in different
+    shuffled orders. The provider must wait while the server is full of unconsumed
+    entries (never evicting one); the consumer answers misses quickly and comes back
+    to them later. Nothing deadlocks, nothing is lost, each request gets its own KV.
+    """
+    server = server_factory(dram="1MiB", nvme="0")
+    reqs = _stress_requests(200)
+    produce_order, consume_order = list(range(len(reqs))), list(range(len(reqs)))
+    random.Random(0).shuffle(produce_order)
+    random.Random(1).shuffle(consume_order)
+    provider = _buffer(server, block_tokens=16, insert_timeout_s=60.0)
+    consumer = _buffer(server, block_tokens=16, select_timeout_s=0.02)
+    errors: list[BaseException] = []
+
+    def produce() -> None:
+        try:
+            for i in produce_order:
+                provider.insert(*reqs[i])
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=produce, daemon=True)
+    thread.start()
+    pending, misses, deadline = consume_order, 0, time.monotonic() + 150
+    while pending and time.monotonic() < deadline and not errors:
+        left = []
+        for i in pending:
+            out = consumer.drop_select(reqs[i][0], reqs[i][1])
+            if out[0] is None:
+                assert out == [None] * 5
+                left.append(i)
+                continue
+            for want, have in zip(reqs[i], out):
+                assert torch.equal(want, have), f"request {i} got wrong tensors"
+        misses += len(left)
+        pending = left
+    thread.join(30)
+    assert not errors and not thread.is_alive()
+    assert not pending, f"{len(pending)} requests never arrived"
+    assert misses > 0  # the orders differ: the consumer did have to come back
+    assert provider.full_waits > 0  # and the provider did have to wait for room
+    assert _entries(server) == 0
+    provider.close(), consumer.close()
