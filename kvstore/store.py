@@ -263,8 +263,11 @@ class Store(MovesMixin, AuditMixin):
             now = time.time()
             if not recs:
                 return Acquisition(0, [], 0, now)
+            # Re-read: room-making while staging may have dropped NVMe copies of
+            # these (held) entries; nothing else about them can have changed.
+            recs = [self._records[r.key]._replace(last_access=now) for r in recs]
             for rec in recs:
-                self._records[rec.key] = rec._replace(last_access=now)
+                self._records[rec.key] = rec
             aid = new_id()
             self._acqs[aid] = Lease([r.key for r in recs], now + lease)
             self._next_reap = min(self._next_reap, now + lease)

@@ -200,10 +200,14 @@ class MovesMixin:
     def _move_down(self, name: str, keys: list[bytes]) -> None:
         recs = [self._records[k] for k in keys]
         below = [n for n in TIER_ORDER[TIER_ORDER.index(name) + 1:] if n in self._tiers]
-        # An entry with an NVMe copy goes straight back to it: no write needed.
-        moved = [r._replace(tier="nvme", offset=r.nvme_copy, nvme_copy=None)
-                 for r in recs if r.nvme_copy is not None]
+        # An entry with an NVMe copy goes straight back to it: no write needed. Done
+        # first, before room-making below could drop those very copies.
+        back = [r._replace(tier="nvme", offset=r.nvme_copy, nvme_copy=None)
+                for r in recs if r.nvme_copy is not None]
+        self._apply(put=back)
+        self._stats["demotions"] += len(back)
         recs = [r for r in recs if r.nvme_copy is None]
+        moved: list[Record] = []
         for dst in below:
             if not recs:
                 break
