@@ -111,7 +111,10 @@ def coalesce(local: Addrs, remote: Addrs, lengths: Addrs
 def _as_arrays(local: Addrs, remote: Addrs, lengths: Addrs
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     try:
-        arrays = [np.asarray(a, dtype=np.int64).reshape(-1) for a in (local, remote, lengths)]
+        raw = [np.asarray(a).reshape(-1) for a in (local, remote, lengths)]
+        if any(a.size and a.dtype.kind not in "iu" for a in raw):
+            raise TypeError(f"got dtypes {[a.dtype.name for a in raw]}")
+        arrays = [a.astype(np.int64, copy=False) for a in raw]
     except (TypeError, ValueError, OverflowError) as exc:
         raise InvalidRequestError(f"addresses and lengths must be integers: {exc}") from exc
     if not len(arrays[0]) == len(arrays[1]) == len(arrays[2]):
@@ -337,6 +340,8 @@ class Transport:
 
     def _transfer(self, op: str, segment: str, local: Addrs, remote: Addrs, lengths: Addrs,
                   merge: bool) -> TransferStats:
+        if not isinstance(segment, str) or not segment:
+            raise InvalidRequestError(f"segment must be a non-empty str, got {segment!r}")
         if merge:
             loc, rem, ln = coalesce(local, remote, lengths)
         else:  # raw: one TE entry per given range (benchmarks)

@@ -92,6 +92,9 @@ def test_coalesce_rejects_bad_input():
         coalesce([0], [0], [-1])
     with pytest.raises(InvalidRequestError):
         coalesce(["x"], [0], [1])
+    with pytest.raises(InvalidRequestError):
+        coalesce([0.5], [0], [1])  # never silently truncated to an address
+    assert len(coalesce([], [], [])[2]) == 0
 
 
 # ------------------------------------------------------------------ fixtures
@@ -206,6 +209,8 @@ def test_local_range_must_be_registered(te, local, peer):
         te.write(peer.segment, [local.address + LOCAL_BYTES - 8], [peer.address], [64])
     with pytest.raises(InvalidRequestError):
         te.write(peer.segment, [local.address], [peer.address, peer.address], [8])
+    with pytest.raises(InvalidRequestError, match="segment"):
+        te.write(b"127.0.0.1:1", [local.address], [peer.address], [8])
 
 
 def test_empty_transfer_is_a_no_op(te, peer):
