@@ -88,6 +88,10 @@ class ClusterClient:
         """Live nodes in the order this prompt tries them; the first is its home."""
         return self.nodes.order(self.placement_key(tokens))
 
+    def keys_for(self, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
+        """The prompt's chained block keys (as KVStoreClient.keys_for; no node needed)."""
+        return block_keys(self.namespace, tokens_to_array(tokens), self.layout.block_tokens).keys
+
     def client_for(self, node: NodeInfo) -> KVStoreClient:
         """The (lazily made) client of ``node``; remade when its address changed."""
         with self._lock:
@@ -125,6 +129,24 @@ class ClusterClient:
     def lookup(self, tokens: Sequence[int] | np.ndarray) -> LookupResult:
         return self._read(tokens, None, lambda c, t: c.lookup(tokens), LookupResult(0, 0, []))
 
+    def pin(self, keys: Sequence[bytes]) -> Any:
+        """Pin on the home node of the prompt whose chain ``keys`` starts with (a
+        prompt's ``keys_for``, optionally followed by its hidden key when P == 1)."""
+        return self._on_home_of(keys, lambda c: c.pin(keys))
+
+    def unpin(self, keys: Sequence[bytes]) -> Any:
+        return self._on_home_of(keys, lambda c: c.unpin(keys))
+
+    def _on_home_of(self, keys: Sequence[bytes], call: Callable[[KVStoreClient], T]) -> T:
+        if not keys:
+            raise InvalidRequestError("no keys given")
+        node = self.nodes.home(keys[min(self.placement_blocks, len(keys)) - 1])
+        try:
+            return call(self.client_for(node))
+        except NODE_FAILURES as exc:
+            self._node_failed(node, exc)
+            raise
+
     def _read(self, tokens: Any, timeout: float | None,
               call: Callable[[KVStoreClient, float], T], miss: T) -> T:
         """``call`` on the home node; a failed node is forgotten and the next one tried
@@ -161,3 +183,11 @@ class ClusterClient:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def connect(address: str, layout: KVLayout, **opts: Any) -> ClusterClient | KVStoreClient:
+    """``etcd://host:port`` -> a ClusterClient; ``tcp://host:port`` -> a KVStoreClient of
+    that one server (the explicit-address mode). ``opts`` go to the chosen class."""
+    if address.startswith("etcd://"):
+        return ClusterClient(address, layout, **opts)
+    return KVStoreClient(address, layout=layout, **opts)

@@ -49,6 +49,12 @@ def node_info(cfg: KVStoreConfig, server: Any) -> NodeInfo:
 
 
 def register_server(etcd: EtcdClient, cfg: KVStoreConfig, server: Any) -> Registration:
+    if cfg.server.te_metadata != "P2PHANDSHAKE":
+        # transfer.Transport supports a metadata server, but KVStoreClient's data path
+        # always runs TE in P2P-handshake mode and cannot resolve such a segment name.
+        log.warning("server.te_metadata=%s: clients (P2P handshake) cannot reach this "
+                    "node's TE segment; keep P2PHANDSHAKE in cluster mode",
+                    cfg.server.te_metadata)
     info = node_info(cfg, server)
     reg = Registration(etcd, cfg.cluster.prefix, info, cfg.cluster.ttl_s)
     log.info("joined cluster %s as %s (prefix %s, lease ttl %ss)", cfg.cluster.etcd,

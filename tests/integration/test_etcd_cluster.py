@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from kvstore.cli import cli
 from kvstore.client import KVStoreClient
 from kvstore.cluster import NodeInfo, NodeSet, Registration, rendezvous_order
-from kvstore.cluster_client import ClusterClient
+from kvstore.cluster_client import ClusterClient, connect
 from kvstore.etcd import EtcdClient
 from kvstore.errors import InvalidRequestError, PeerUnavailableError
 from tests.integration.conftest import LAYOUT, make_kv
@@ -158,10 +158,16 @@ def test_registered_server_serves_both_modes_and_leaves_on_stop(etcd, server_fac
             KVStoreClient(server.address, layout=LAYOUT, staging_bytes=1 << 20) as direct:
         assert cluster.insert(tokens, kv).new_blocks == 3
         assert cluster.lookup(tokens).matched_tokens == 10
+        keys = cluster.keys_for(tokens)
+        assert keys == direct.keys_for(tokens)
+        assert cluster.pin(keys) == 3 and cluster.unpin(keys) == 3
         # The explicit-address mode finds what the cluster client placed, and vice versa.
         got = direct.drop_select(tokens)
         assert got.matched_tokens == 10 and bytes(got.kv.numpy()) == kv.tobytes()
         assert cluster.get(tokens).matched_tokens == 0
+    with connect(etcd.url, LAYOUT, prefix=prefix) as by_etcd, \
+            connect(server.address, LAYOUT) as by_address:
+        assert isinstance(by_etcd, ClusterClient) and isinstance(by_address, KVStoreClient)
     out = CliRunner().invoke(cli, ["nodes", "--etcd", etcd.url, "--prefix", prefix])
     assert out.exit_code == 0 and "alpha" in out.output and "UP" in out.output, out.output
     server.stop()  # clean stop revokes the lease: gone now, not after the TTL
