@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import msgpack
 import numpy as np
@@ -69,6 +69,8 @@ class KVStoreClient:
     ``same_node``: "auto" memcpys through the server's shared DRAM arena when the
     server is on this node (same host id and the arena file exists), True requires
     that, False always uses TE. ``layout`` is needed for insert/select, not for admin.
+    ``observer(op, seconds, ok)`` hears each TE move's duration (``te_write`` /
+    ``te_read``), e.g. ``kvstore.metrics.Metrics().observe``: the server cannot see them.
     """
 
     def __init__(self, server: str | None = None, layout: KVLayout | None = None,
@@ -77,7 +79,8 @@ class KVStoreClient:
                  te_host: str | None = None, same_node: bool | str = "auto",
                  staging_bytes: int | None = None, curve_secret_key: str | None = None,
                  curve_server_public_key: str | None = None,
-                 config: ClientConfig | None = None) -> None:
+                 config: ClientConfig | None = None,
+                 observer: Callable[[str, float, bool], None] | None = None) -> None:
         cfg = config or ClientConfig()
         self.server = server or cfg.server
         self.layout = layout
@@ -90,7 +93,7 @@ class KVStoreClient:
         curve = CurveKeys.load(secret, server_key) if secret or server_key else None
         self._rpc = Channel(self.server, self.timeout_s, curve=curve)
         self._data = DataPath(te_host or cfg.te_host, staging_bytes or cfg.staging_bytes,
-                              same_node)
+                              same_node, observer)
         self._hello: dict[str, Any] | None = None
 
     # ------------------------------------------------------------ connection

@@ -14,10 +14,12 @@ that is not a TE peer would otherwise stall TE's handshake for about a minute).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
-from typing import Any, NamedTuple
+import time
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -36,12 +38,19 @@ class Segment(NamedTuple):
 
 
 class DataPath:
-    def __init__(self, te_host: str, staging_bytes: int, same_node: bool | str = "auto") -> None:
+    """``observer(op, seconds, ok)`` (e.g. ``kvstore.metrics.Metrics.observe``) is told
+    how long each TE move took, as ``te_write`` / ``te_read``: staging copy plus the
+    batched transfers (the first one also starts the TE engine). Same-node memcpys
+    are not reported."""
+
+    def __init__(self, te_host: str, staging_bytes: int, same_node: bool | str = "auto",
+                 observer: Callable[[str, float, bool], None] | None = None) -> None:
         if same_node not in (True, False, "auto"):
             raise ConfigError(f"same_node must be True, False or 'auto', got {same_node!r}")
         self.te_host = te_host
         self.staging_bytes = staging_bytes
         self.same_node = same_node
+        self.observer = observer
         self.segment: Segment | None = None
         self._transport = None
         self._stage: np.ndarray | None = None
@@ -81,7 +90,7 @@ class DataPath:
             else:
                 remote.append((buf, pl))
         if remote:
-            with self._lock:
+            with self._lock, self._timed("te_write"):
                 for group in self._groups([pl[_NBYTES] for _, pl in remote]):
                     self._te_write(seg.name, [remote[i] for i in group])
 
@@ -97,10 +106,20 @@ class DataPath:
             else:
                 remote.append((start, e))
         if remote:
-            with self._lock:
+            with self._lock, self._timed("te_read"):
                 for group in self._groups([e[_NBYTES] for _, e in remote]):
                     self._te_read(seg.name, out, [remote[i] for i in group])
         return out
+
+    @contextlib.contextmanager
+    def _timed(self, op: str) -> Iterator[None]:
+        start, ok = time.perf_counter(), False
+        try:
+            yield
+            ok = True
+        finally:
+            if self.observer is not None:
+                self.observer(op, time.perf_counter() - start, ok)
 
     def _groups(self, sizes: list[int]) -> list[list[int]]:
         """Consecutive runs of entries that fit the staging buffer together."""
