@@ -77,3 +77,27 @@ def test_metrics_port_taken_refuses_to_start(server_factory):
         code = srv.proc.wait(timeout=60)
     assert code != 0
     assert f"metrics port 127.0.0.1:{port} unavailable" in srv.log()
+
+
+def test_client_side_te_transfer_histogram(server_factory, client_factory):
+    """TE moves are one-sided, so only the client can time them: a client process
+    exposes its own Metrics, fed through KVStoreClient(observer=...)."""
+    from kvstore.metrics import Metrics
+
+    srv = server_factory()
+    metrics = Metrics()  # no stats_fn: a client has no store
+    port = metrics.serve("127.0.0.1", 0)
+    try:
+        client = client_factory(srv, same_node=False, observer=metrics.observe)
+        tokens = list(range(40, 52))
+        kv = make_kv(len(tokens), seed=4)
+        client.insert(tokens, kv)
+        got = client.drop_select(tokens)
+        assert bytes(got.kv.numpy()) == kv.tobytes()
+        samples = scrape(port)
+    finally:
+        metrics.close()
+    assert op_count(samples, "te_write") == 1 and op_count(samples, "te_read") == 1
+    assert samples[("kvstore_request_duration_seconds_sum",
+                    (("kind", "transfer"), ("op", "te_read")))] > 0
+    assert ("kvstore_up", ()) not in samples
