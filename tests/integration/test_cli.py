@@ -278,9 +278,10 @@ def test_keys_and_curve_auth(server_factory, tmp_path):
     refused = run("health", "--server", srv.address, *server_key, "--timeout", "2",
                   "--curve-secret-key", str(keydir / "bad.key_secret"))
     assert refused.exit_code == 1
-    assert len(refused.stderr.strip().splitlines()) == 1
+    assert len(refused.stderr.strip().splitlines()) == 1 and "not authorized" in refused.stderr
     plain = run("health", "--server", srv.address, "--timeout", "2")
     assert plain.exit_code == 1 and len(plain.stderr.strip().splitlines()) == 1
+    assert "CURVE" in plain.stderr
     half = run("health", "--server", srv.address, *server_key)
     assert half.exit_code == 1 and "both" in half.stderr
 
