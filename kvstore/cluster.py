@@ -103,6 +103,12 @@ class Registration:
 class NodeSet:
     """The live nodes under an etcd prefix, refreshed at most every ``refresh_s``.
 
+    Synchronous by default (``nodes()`` re-reads etcd when the listing is older than
+    ``refresh_s``); after ``watch()`` a background thread re-reads it every
+    ``refresh_s`` and ``nodes()`` never waits on etcd. Either way, once a listing
+    exists an unreachable etcd keeps the last one (logged): etcd is the single
+    point for *membership*, not for serving data.
+
     ``forget(node_id)`` hides a node a client saw fail. Its etcd key outlives it by
     up to one lease TTL, so the next refresh would bring it straight back and every
     request in between would pay a timeout; instead the forgotten registration
@@ -118,16 +124,54 @@ class NodeSet:
         self._registered: dict[str, NodeInfo] = {}  # as etcd last listed them
         self._forgotten: dict[str, tuple[NodeInfo, float]] = {}  # id -> (record, until)
         self._fetched_at = float("-inf")
+        self._etcd_down = False
         self._lock = threading.Lock()
-        self.refresh(force=True)
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self.refresh(force=True)  # no listing yet: an unreachable etcd raises here
+
+    def watch(self) -> "NodeSet":
+        """Re-read etcd every ``refresh_s`` in a daemon thread from now on."""
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch_loop, name="kvstore-nodeset",
+                                             daemon=True)
+            self._watcher.start()
+        return self
+
+    def _watch_loop(self) -> None:
+        while not self._stop.wait(self.refresh_s):
+            self.refresh(force=True)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=self.etcd.timeout_s + self.refresh_s)
 
     def refresh(self, force: bool = False) -> dict[str, NodeInfo]:
+        due = force or (self._watcher is None
+                        and time.monotonic() - self._fetched_at >= self.refresh_s)
+        if due:
+            self._try_fetch()
         with self._lock:
-            if force or time.monotonic() - self._fetched_at >= self.refresh_s:
-                self._registered = self._fetch()
-                self._fetched_at = time.monotonic()
             self._nodes = self._visible()
             return self._nodes
+
+    def _try_fetch(self) -> None:
+        # Outside the lock: a slow etcd must not hold up readers of the last listing.
+        try:
+            listing = self._fetch()
+        except PeerUnavailableError as exc:
+            if self._fetched_at == float("-inf"):
+                raise
+            if not self._etcd_down:
+                log.warning("etcd unreachable, keeping the last node list: %s", exc)
+            self._etcd_down = True
+            self._fetched_at = time.monotonic()  # retry after refresh_s, not per call
+            return
+        if self._etcd_down:
+            log.info("etcd reachable again")
+        with self._lock:
+            self._registered, self._fetched_at, self._etcd_down = listing, time.monotonic(), False
 
     def _fetch(self) -> dict[str, NodeInfo]:
         nodes = {}

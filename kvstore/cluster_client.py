@@ -72,7 +72,7 @@ class ClusterClient:
                                  tp_size=tp_size, salt=salt, timeout_s=timeout_s,
                                  **client_opts)
         self.nodes = NodeSet(EtcdClient(etcd, timeout_s=min(timeout_s, 2.0)), prefix,
-                             refresh_s=refresh_s, forget_s=forget_s)
+                             refresh_s=refresh_s, forget_s=forget_s).watch()
         self._clients: dict[str, tuple[NodeInfo, KVStoreClient]] = {}
         self._lock = threading.Lock()
 
@@ -173,6 +173,7 @@ class ClusterClient:
 
     # ------------------------------------------------------------ lifecycle
     def close(self) -> None:
+        self.nodes.close()
         with self._lock:
             clients, self._clients = list(self._clients.values()), {}
         for _, client in clients:

@@ -208,3 +208,20 @@ def test_forgotten_node_stays_hidden_until_it_registers_anew(etcd):
     reg = Registration(client, "/fg/", new, ttl_s=5)  # the node restarted
     assert nodes.nodes() == {"node5": new}
     reg.close()
+
+
+def test_node_list_outlives_an_etcd_outage():
+    with start_etcd() as proc:
+        client = EtcdClient(proc.url, timeout_s=1.0)
+        reg = Registration(client, "/out/", _info(6), ttl_s=30)
+        sync = NodeSet(client, "/out/", refresh_s=0)
+        watched = NodeSet(client, "/out/", refresh_s=0.1).watch()
+        reg._stop.set()  # no keepalives against a stopped etcd
+        reg._thread.join()
+    # etcd is gone: both keep serving the last listing instead of failing requests.
+    assert set(sync.nodes()) == {"node6"}
+    time.sleep(0.3)
+    start = time.monotonic()
+    assert set(watched.nodes()) == {"node6"}
+    assert time.monotonic() - start < 0.1  # the watcher, not the caller, waits on etcd
+    watched.close()
