@@ -13,6 +13,7 @@ import importlib
 import logging
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import click
@@ -320,6 +321,11 @@ def keys(directory: str, name: str, force: bool) -> None:
 
 
 def _run_tool(module: str, args: tuple[str, ...]) -> None:
+    # tools/ is not part of the installed package; an editable install (or a run from
+    # the checkout) has it beside kvstore/, whatever the current directory is.
+    checkout = Path(__file__).resolve().parent.parent
+    if (checkout / "tools" / "__init__.py").exists() and str(checkout) not in sys.path:
+        sys.path.insert(0, str(checkout))
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as exc:
