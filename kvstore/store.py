@@ -102,6 +102,7 @@ class Store(MovesMixin, AuditMixin):
         self._by_tier: dict[str, dict[bytes, None]] = {name: {} for name in self._tiers}
         self._copies: dict[bytes, None] = {}  # keys served from memory with an NVMe copy
         self._leased: dict[bytes, int] = {}  # key -> number of holders (acquisitions, dedup)
+        self._claims: dict[bytes, int] = {}  # key -> pending consumers claimed by open leases
         self._acqs: dict[int, Lease] = {}
         self._res: dict[int, Open] = {}
         self._inflight: dict[bytes, int] = {}  # key being written -> reservation id
@@ -242,11 +243,17 @@ class Store(MovesMixin, AuditMixin):
             return LookupResult(len(recs), sum(r.ntokens for r in recs), [r.tier for r in recs])
 
     def acquire(self, keys: Sequence[bytes], tokens: Sequence[bytes],
-                lease_s: float | None = None) -> Acquisition:
+                lease_s: float | None = None, claim: bool = False) -> Acquisition:
         """Longest stored prefix, leased (cannot move or go) until ``release``.
 
         NVMe entries are staged into a memory tier and checksum-verified first; a
         bad one is dropped and counted, and the prefix ends before it.
+
+        ``claim`` (drop_select): also reserve one of each entry's pending consumers
+        for this lease, and end the prefix at an entry whose pending consumers are
+        all claimed by open leases. So N concurrent drop_selects of an entry
+        inserted once get it exactly once. ``release(drop=True)`` spends the claim;
+        ``release(drop=False)`` or an expired lease gives it back.
         """
         keys = check_keys(keys)
         tokens = check_tokens(tokens, len(keys))
@@ -254,6 +261,8 @@ class Store(MovesMixin, AuditMixin):
         with self._lock:
             self._maybe_reap()
             recs = self._walk(keys, tokens)
+            if claim:
+                recs = self._claimable_prefix(recs)
             found_in = [r.tier for r in recs]
             self._hold([r.key for r in recs])
             recs = self._stage_prefix(recs)
@@ -269,7 +278,10 @@ class Store(MovesMixin, AuditMixin):
             for rec in recs:
                 self._records[rec.key] = rec
             aid = new_id()
-            self._acqs[aid] = Lease([r.key for r in recs], now + lease)
+            self._acqs[aid] = Lease([r.key for r in recs], now + lease, claim)
+            if claim:
+                for rec in recs:
+                    self._claims[rec.key] = self._claims.get(rec.key, 0) + 1
             self._next_reap = min(self._next_reap, now + lease)
             self._stats["bytes_out"] += sum(r.nbytes for r in recs)
             return Acquisition(aid, [self._info(r) for r in recs],
@@ -299,7 +311,20 @@ class Store(MovesMixin, AuditMixin):
             del self._acqs[acquisition_id]
             return self._end_lease(lease, drop)
 
+    def _claimable_prefix(self, recs: list[Record]) -> list[Record]:
+        for i, rec in enumerate(recs):
+            if rec.pending - self._claims.get(rec.key, 0) <= 0:
+                return recs[:i]
+        return recs
+
     def _end_lease(self, lease: Lease, drop: bool) -> int:
+        if lease.claim:
+            for key in lease.keys:
+                left = self._claims[key] - 1
+                if left:
+                    self._claims[key] = left
+                else:
+                    del self._claims[key]
         put = []
         if drop:
             for key in lease.keys:

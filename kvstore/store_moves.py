@@ -46,6 +46,7 @@ class Open:
 class Lease(NamedTuple):
     keys: list[bytes]
     expires_at: float
+    claim: bool = False  # holds one pending consumer of each key (drop_select)
 
 
 class MovesMixin:
