@@ -126,7 +126,9 @@ def _wait_nodes(worker: Worker, expect, timeout: float) -> dict:
 def test_cluster_places_fails_over_and_recovers(world):
     cluster, url, servers, producer, consumer = world
     node_ids = {f"{s.host}:{s.port}" for s in servers}
-    assert set(producer("nodes")["live"]) == node_ids
+    for worker in (producer, consumer):  # each watches etcd; registrations just happened
+        assert set(_wait_nodes(worker, lambda n: set(n["live"]) == node_ids, 10)["live"]) \
+            == node_ids
 
     # Producers and consumers agree on homes without talking: every prompt inserted
     # is found once, by another process, and the prompts spread over every node.
