@@ -183,10 +183,14 @@ class Lookup(Request):
 
 @dataclass(frozen=True)
 class Acquire(Lookup):
+    """``claim``: the caller will release with drop (drop_select); entries whose
+    pending consumers are all claimed by other open acquisitions end the prefix."""
+
     lease_s: float | None = None
+    claim: bool = False
     OP = "acquire"
-    CHECKS = {"keys": _keys, "tokens": _tokens, "lease_s": _lease}
-    OPTIONAL = frozenset({"lease_s"})
+    CHECKS = {"keys": _keys, "tokens": _tokens, "lease_s": _lease, "claim": _bool}
+    OPTIONAL = frozenset({"lease_s", "claim"})
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ Runs one job and prints one JSON line. Jobs:
 * ``consume``: drop_select every prompt in ``ids`` (from its server), retrying misses
   until every id is claimed in ``taken_dir`` (by anyone) or ``deadline_s`` passes;
   reports each full match with the digest of the bytes it got;
+* ``select``: drop_select each id once, report what came back;
 * ``stats``: every server's stats;
 * ``wait_nvme``: wait until ``servers[0]`` has at least ``min_entries`` on NVMe;
 * ``hang_after_reserve``: reserve a prompt's blocks, write the first, print, sleep.
@@ -90,6 +91,15 @@ def consume(job: dict, clients: list[KVStoreClient]) -> dict:
     return {"got": got, "partial": partial, "unfinished": ids}
 
 
+def select(job: dict, clients: list[KVStoreClient]) -> dict:
+    """drop_select each id once: [[id, matched_tokens, digest or None], ...]."""
+    n, out = job["ntokens"], []
+    for pid in job["ids"]:
+        res = clients[pid % len(clients)].drop_select(prompt_tokens(pid, n), timeout=5)
+        out.append([pid, res.matched_tokens, None if res.kv is None else digest(res.kv.numpy())])
+    return {"selected": out}
+
+
 def stats(job: dict, clients: list[KVStoreClient]) -> dict:
     return {"stats": [c.stats() for c in clients]}
 
@@ -121,7 +131,7 @@ def hang_after_reserve(job: dict, clients: list[KVStoreClient]) -> dict:
     return {}
 
 
-JOBS = {"insert": insert, "consume": consume, "stats": stats, "wait_nvme": wait_nvme,
+JOBS = {"insert": insert, "consume": consume, "select": select, "stats": stats, "wait_nvme": wait_nvme,
         "hang_after_reserve": hang_after_reserve}
 
 

@@ -150,3 +150,21 @@ def test_server_absent_is_peer_unavailable_in_bounded_time(client_factory):
     with pytest.raises(PeerUnavailableError):
         client.lookup(prompt(4))
     assert time.monotonic() - start < 3.0
+
+
+def test_concurrent_drop_selects_claim_each_pending_consumer_once(clean_server, client_factory):
+    from kvstore import protocol as p
+
+    client = client_factory(clean_server)
+    client.insert(prompt(8, 7), make_kv(8, 7))
+    keys = tuple(client.keys_for(prompt(8, 7)))
+    toks = tuple(client._prompt(prompt(8, 7)).tokens)
+    first = client._rpc.call(p.Acquire(keys=keys, tokens=toks, claim=True))
+    assert len(first["entries"]) == 2
+    # A second drop_select while the first is in flight finds nothing left to claim...
+    assert client._rpc.call(p.Acquire(keys=keys, tokens=toks, claim=True))["entries"] == []
+    # ...while a non-destructive get still can read it.
+    assert client.get(prompt(8, 7)).matched_tokens == 8
+    client._rpc.call(p.Release(aid=first["aid"], drop=False))  # gives the claim back
+    assert client.drop_select(prompt(8, 7)).matched_tokens == 8
+    assert client.lookup(prompt(8, 7)).matched_tokens == 0

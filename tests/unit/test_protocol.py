@@ -26,6 +26,7 @@ def test_reserve_round_trip():
 @pytest.mark.parametrize("req", [
     p.Hello(), p.Commit(rid=3, checksums=(0, (1 << 64) - 1)), p.Abort(rid=1),
     p.Lookup(keys=(K[0],), tokens=(b"",)), p.Acquire(keys=(K[0],), tokens=(b"abcd",)),
+    p.Acquire(keys=(K[0],), tokens=(b"abcd",), lease_s=3.0, claim=True),
     p.Release(aid=9, drop=True), p.Pin(keys=(K[1],)), p.Unpin(keys=(K[1],)),
     p.Evict(tier="dram", fraction=0.5), p.Evict(everything=True, dry_run=True),
     p.Evict(keys=(K[2],)), p.Clear(), p.Stats(), p.Ls(tier="nvme", cursor=5, limit=10),
