@@ -19,8 +19,8 @@ from typing import Any, Callable
 import click
 
 from kvstore import protocol as p
-from kvstore.cli_admin import (Admin, KeyType, SizeType, fail, prompt_keys, prompt_options,
-                               server_options)
+from kvstore.cli_admin import (Admin, KeyType, SizeType, TokensType, fail, prompt_keys,
+                               prompt_options, server_options)
 from kvstore.cli_cluster import cluster_stats, nodes
 from kvstore.cli_cluster import etcd_option as cluster_etcd_option
 from kvstore.cli_views import SORT_FIELDS, ls_table, sort_entries, stats_view
@@ -205,20 +205,24 @@ def _public(e: dict, now: float) -> dict:
 @click.option("--fraction", type=click.FloatRange(0, 1, min_open=True),
               help="Free this fraction of the (tier's) entries' bytes, LRU first.")
 @click.option("--key", "keys", type=KeyType(), multiple=True, help="This entry (hex); repeatable.")
-@click.option("--prefix", "by_prefix", is_flag=True,
-              help="The entries of the prompt given by --tokens/--prompt-file.")
+@click.option("--prefix", "prefix", type=TokensType(), metavar="TOKENS",
+              help="The entries of this prompt (token ids; same as --tokens).")
 @click.option("--all", "everything", is_flag=True, help="Every entry (of --tier).")
 @prompt_options
 @click.option("--dry-run", is_flag=True, help="Only show what would go.")
 def evict(admin: Admin, tier: str | None, nbytes: int | None, fraction: float | None,
-          keys: tuple[bytes, ...], by_prefix: bool, everything: bool, dry_run: bool,
+          keys: tuple[bytes, ...], prefix: list[int] | None, everything: bool, dry_run: bool,
           **prompt: Any) -> None:
-    """Remove entries for good, least recently used first; pinned and leased stay."""
+    """Remove entries for good, least recently used first; pinned and leased stay.
+
+    Select exactly one way: --bytes, --fraction, --key, a prompt (--prefix/--tokens
+    or --prompt-file, with the model options), or --all.
+    """
+    if prefix is not None:
+        if prompt.get("tokens") is not None:
+            fail("--prefix and --tokens are the same option; give one")
+        prompt["tokens"] = prefix
     wanted = prompt_keys(prompt)
-    if by_prefix and wanted is None:
-        fail("--prefix needs --tokens or --prompt-file (with the model options)")
-    if wanted is not None and not by_prefix:
-        fail("--tokens/--prompt-file select entries only with --prefix")
     selected = list(keys) + (wanted.keys if wanted else [])
     chosen = [nbytes is not None, fraction is not None, bool(selected), everything]
     if sum(chosen) != 1:

@@ -198,7 +198,7 @@ def test_evict_by_key_prefix_bytes_and_all(filled):
     a_keys = keys_of(PROMPT_A)
     [node] = run_json("evict", "--server", addr, "--key", a_keys[0].hex())
     assert node["keys"] == [a_keys[0].hex()]
-    [node] = run_json("evict", "--server", addr, "--prefix", "--tokens",
+    [node] = run_json("evict", "--server", addr, "--prefix",
                       ",".join(map(str, PROMPT_B)), *MODEL)
     assert node["count"] == 3
     assert total_entries(addr) == 2
@@ -293,7 +293,8 @@ def test_keys_and_curve_auth(server_factory, tmp_path):
     (["evict", "--bytes", "lots"], "not a size"),
     (["evict", "--fraction", "1.5"], "fraction"),
     (["evict", "--key", "abc"], "hex"),
-    (["evict", "--prefix"], "--tokens"),
+    (["evict", "--prefix", "1,2"], "--model-id"),
+    (["evict", "--prefix", "1,2", "--tokens", "3"], "same option"),
     (["ls", "--older-than", "soon"], "duration"),
     (["ls", "--tokens", "1,2,3"], "--model-id"),
     (["ls", "--tokens", "1,x"], "token id"),
