@@ -225,3 +225,16 @@ def test_node_list_outlives_an_etcd_outage():
     assert set(watched.nodes()) == {"node6"}
     assert time.monotonic() - start < 0.1  # the watcher, not the caller, waits on etcd
     watched.close()
+
+
+def test_registration_comes_back_when_etcd_forgot_its_lease(etcd):
+    client = EtcdClient(etcd.url)
+    reg = Registration(client, "/again/", _info(7), ttl_s=1)
+    nodes = NodeSet(client, "/again/", refresh_s=0)
+    client.revoke(reg.lease)  # as if the lease expired while etcd was unreachable
+    assert nodes.nodes() == {}
+    deadline = time.monotonic() + 5
+    while not nodes.nodes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert set(nodes.nodes()) == {"node7"}
+    reg.close()
