@@ -1,0 +1,120 @@
+"""Settings of the vLLM v1 connector: ``kv_connector_extra_config`` keys, checked once.
+
+Every key (docs/vllm.md lists them with examples):
+
+* ``server`` — this node's kvstore-server (``tcp://host:port``). A producer saves
+  there and names it in ``kv_transfer_params``; a consumer loads from the address a
+  request's ``kv_transfer_params`` names, else from here. [tcp://127.0.0.1:7700]
+* ``model_id`` — part of the key namespace; producer and consumer must agree.
+  [the served model's name]
+* ``salt`` — optional tenant salt, also in the namespace. [""]
+* ``timeout_s`` — bound of every store call; a late answer is a miss. [5.0]
+* ``te_host`` — the address this worker's Transfer Engine binds and advertises
+  (the node's RDMA/TCP interface on real clusters). [127.0.0.1]
+* ``staging_bytes`` — the worker's registered TE staging buffer. [256MiB]
+* ``same_node`` — "auto" memcpys through a same-node server's shared DRAM arena;
+  false forces TE. ["auto"]
+* ``load_mode`` — "drop" (disaggregated: the store forgets what a decode took) or
+  "keep" (prefix cache: non-destructive reads). ["drop" for kv_consumer, else "keep"]
+* ``save`` — save finished prompts' KV. [true for kv_producer / kv_both]
+* ``load`` — load prompt KV from the store. [true for kv_consumer / kv_both]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from kvstore.config import parse_size
+from kvstore.errors import ConfigError
+from kvstore.layout import KVLayout, dtype_name
+
+_KEYS = {"server", "model_id", "salt", "timeout_s", "te_host", "staging_bytes", "same_node",
+         "load_mode", "save", "load"}
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    server: str
+    model_id: str
+    salt: str
+    timeout_s: float
+    te_host: str
+    staging_bytes: int
+    same_node: bool | str
+    load_mode: str
+    save: bool
+    load: bool
+
+    @classmethod
+    def from_extra(cls, role: str, extra: Mapping[str, Any] | None,
+                   default_model_id: str) -> "ConnectorSettings":
+        """``role`` is vLLM's kv_role: kv_producer, kv_consumer or kv_both."""
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - _KEYS)
+        if unknown:
+            raise ConfigError(f"unknown kv_connector_extra_config keys {unknown}; "
+                              f"known: {sorted(_KEYS)}")
+        if role not in ("kv_producer", "kv_consumer", "kv_both"):
+            raise ConfigError(f"kv_role must be kv_producer, kv_consumer or kv_both, got {role!r}")
+        same_node = extra.get("same_node", "auto")
+        if isinstance(same_node, str) and same_node.lower() in ("true", "false"):
+            same_node = same_node.lower() == "true"
+        settings = cls(
+            server=str(extra.get("server", "tcp://127.0.0.1:7700")),
+            model_id=str(extra.get("model_id", default_model_id)),
+            salt=str(extra.get("salt", "")),
+            timeout_s=float(extra.get("timeout_s", 5.0)),
+            te_host=str(extra.get("te_host", "127.0.0.1")),
+            staging_bytes=parse_size(extra.get("staging_bytes", "256MiB")),
+            same_node=same_node,
+            load_mode=str(extra.get("load_mode", "drop" if role == "kv_consumer" else "keep")),
+            save=_flag(extra.get("save", role != "kv_consumer")),
+            load=_flag(extra.get("load", role != "kv_producer")),
+        )
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        if not self.server.startswith("tcp://"):
+            raise ConfigError(f"server must be tcp://host:port, got {self.server!r}")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.load_mode not in ("drop", "keep"):
+            raise ConfigError(f"load_mode must be 'drop' or 'keep', got {self.load_mode!r}")
+        if self.same_node not in (True, False, "auto"):
+            raise ConfigError(f"same_node must be true, false or 'auto', got {self.same_node!r}")
+
+
+def _flag(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+def layout_from_kv_cache_config(kv_cache_config: Any) -> tuple[KVLayout, list[str]]:
+    """The entry layout and the ordered attention layer names of a vLLM KVCacheConfig.
+
+    vLLM 0.33 views each layer's cache as ``[blocks, kv_heads, block_size, C]`` with
+    ``C = head_size + head_size_v`` (K then V). An entry keeps ``C`` split in two
+    halves as ``[layers, 2, tokens, kv_heads, C/2]``: for ordinary attention that is
+    exactly K and V; for MLA (one latent vector) it is a byte-exact split that the
+    loading side joins back. Only a single cache group of one spec is supported.
+    """
+    groups = [g for g in kv_cache_config.kv_cache_groups
+              if getattr(g, "enable_kv_transfer", True)]
+    if len(groups) != 1:
+        raise ConfigError(f"KVStoreConnectorV1 supports one KV cache group, got {len(groups)} "
+                          "(hybrid models are not supported)")
+    spec = groups[0].kv_cache_spec
+    heads, head = getattr(spec, "num_kv_heads", None), getattr(spec, "head_size", None)
+    if heads is None or head is None:
+        raise ConfigError(f"KV cache spec {type(spec).__name__} is not an attention spec")
+    head_v = getattr(spec, "head_size_v", head)
+    channels = head + (head if head_v is None else head_v)
+    if channels % 2:
+        raise ConfigError(f"K+V channels {channels} are odd; cannot split into K/V halves")
+    layout = KVLayout(num_layers=len(groups[0].layer_names), kv_heads=int(heads),
+                      head_dim=channels // 2, dtype=dtype_name(spec.dtype),
+                      block_tokens=int(spec.block_size))
+    return layout, list(groups[0].layer_names)

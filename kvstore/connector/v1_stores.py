@@ -1,0 +1,124 @@
+"""The v1 connector's kvstore calls, each turned into a result vLLM can use.
+
+One ``KVStoreClient`` per server address. Every method here returns normally
+whatever the store or the network does: a lookup that fails is 0 tokens, a load
+that fails names the blocks vLLM must recompute, a save that fails is logged and
+skipped (a later reader recomputes). A server that timed out or is gone is skipped
+for ``_DOWN_S`` seconds, so a dead peer costs one timeout, not one per request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Sequence
+
+import torch
+
+from kvstore.client import KVStoreClient
+from kvstore.connector.paged_io import gather_blocks, scatter_blocks
+from kvstore.connector.v1_config import ConnectorSettings
+from kvstore.errors import KVTimeoutError, MissError, PeerUnavailableError
+from kvstore.layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+_DOWN_S = 5.0
+
+
+class StoreClients:
+    def __init__(self, settings: ConnectorSettings, layout: KVLayout, tp_rank: int,
+                 tp_size: int, worker: bool) -> None:
+        self.settings, self.layout = settings, layout
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        # The scheduler only looks up: its clients never move bytes.
+        self._staging = settings.staging_bytes if worker else 1 << 20
+        self._clients: dict[str, KVStoreClient] = {}
+        self._down_until: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def client(self, server: str) -> KVStoreClient:
+        with self._lock:
+            if server not in self._clients:
+                s = self.settings
+                self._clients[server] = KVStoreClient(
+                    server, layout=self.layout, model_id=s.model_id, tp_rank=self.tp_rank,
+                    tp_size=self.tp_size, salt=s.salt, timeout_s=s.timeout_s,
+                    te_host=s.te_host, same_node=s.same_node, staging_bytes=self._staging)
+            return self._clients[server]
+
+    def _usable(self, server: str) -> bool:
+        return time.monotonic() >= self._down_until.get(server, 0.0)
+
+    def _failed(self, server: str, what: str, exc: BaseException) -> None:
+        if not isinstance(exc, MissError):
+            log.exception("kvstore %s via %s failed unexpectedly", what, server)
+        else:
+            log.warning("kvstore %s via %s: %s (recomputing)", what, server, exc)
+        if isinstance(exc, (PeerUnavailableError, KVTimeoutError)):
+            self._down_until[server] = time.monotonic() + _DOWN_S
+
+    # ------------------------------------------------------------------ calls
+    def lookup(self, server: str, tokens: Sequence[int]) -> int:
+        """Prompt tokens the store holds (a non-binding answer); 0 on any failure."""
+        if not tokens or not self._usable(server):
+            return 0
+        try:
+            return self.client(server).lookup(tokens).matched_tokens
+        except Exception as exc:  # noqa: BLE001 - never into the scheduler
+            self._failed(server, "lookup", exc)
+            return 0
+
+    def load(self, order: Any, caches: Sequence[torch.Tensor]) -> set[int]:
+        """Load ``order.ntokens`` prompt tokens into ``order.block_ids``; returns the
+        block ids that did not get their KV (vLLM recomputes from the first one)."""
+        bt = self.layout.block_tokens
+        nblocks = -(-order.ntokens // bt)
+        wanted = order.block_ids[order.first_block:nblocks]
+        got = 0
+        try:
+            client = self.client(order.server)
+            if not self._usable(order.server):
+                raise MissError(f"{order.server} failed recently")
+            fetch = client.drop_select if self.settings.load_mode == "drop" else client.get
+            res = fetch(order.token_ids)
+            held = res.matched_tokens
+            got = min(held, order.ntokens)
+            # A partially received block is recomputed whole: keep only full ones.
+            good = got if got == order.ntokens else got - got % bt
+            if good > order.first_block * bt:
+                scatter_blocks(self.layout, res.kv, caches, order.block_ids, good,
+                               order.first_block, data_tokens=held)
+            got = good
+        except Exception as exc:  # noqa: BLE001 - reported as load errors, never raised
+            self._failed(order.server, f"load of {order.req_id}", exc)
+            got = 0
+        if got >= order.ntokens:
+            return set()
+        first_bad = max(order.first_block, got // bt)
+        log.info("request %s: %d of %d tokens loaded; %d blocks to recompute", order.req_id,
+                 got, order.ntokens, nblocks - first_bad)
+        return set(order.block_ids[first_bad:nblocks]) & set(wanted)
+
+    def save(self, order: Any, caches: Sequence[torch.Tensor]) -> bool:
+        """Insert a finished prompt's KV into this node's server; False if skipped."""
+        server = self.settings.server
+        if not self._usable(server):
+            return False
+        try:
+            data = gather_blocks(self.layout, caches, order.block_ids, len(order.token_ids))
+            self.client(server).insert(order.token_ids, data)
+            return True
+        except Exception as exc:  # noqa: BLE001 - a failed save only costs a later miss
+            self._failed(server, f"save of {order.req_id}", exc)
+            return False
+
+    def close(self) -> None:
+        with self._lock:
+            for client in self._clients.values():
+                try:
+                    client.close()
+                except Exception:  # noqa: BLE001 - closing is best effort
+                    log.debug("closing a kvstore client failed", exc_info=True)
+            self._clients.clear()

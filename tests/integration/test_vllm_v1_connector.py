@@ -1,0 +1,201 @@
+"""KVStoreConnectorV1 driven through vLLM's own API against real kvstore-servers.
+
+vLLM's connector factory builds the connector from a KVTransferConfig inside a CPU
+VllmConfig; its scheduler-side methods get real ``vllm.v1.request.Request``,
+``KVCacheBlocks`` and ``SchedulerOutput`` objects, its worker side real CPU paged
+caches in vLLM 0.33's per-layer ``[blocks, kv_heads, block_size, 2 * head_size]``
+view. The model forward itself is not run (vLLM has no CPU kernels in this wheel):
+the producer's caches are filled with random KV as a forward would leave them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # before vLLM picks a platform
+pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.factory")
+
+from vllm.config import CacheConfig, KVTransferConfig, VllmConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
+from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput  # noqa: E402
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noqa: E402
+                                        KVCacheGroupSpec)
+from vllm.v1.request import Request  # noqa: E402
+
+from kvstore.client import KVStoreClient  # noqa: E402
+from kvstore.connector.vllm_v1 import PARAM_SERVER, KVStoreConnectorV1  # noqa: E402
+from tests.integration.conftest import free_port  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+HEADS, HEAD, BS, NUM_BLOCKS = 2, 8, 4, 16  # block size = the test servers' block_tokens
+
+
+def kv_cache_config() -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD,
+                             dtype=torch.float16)
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
+
+
+def make_connectors(role: str, **extra):
+    extra.setdefault("timeout_s", 3.0)
+    extra.setdefault("staging_bytes", "1MiB")
+    extra.setdefault("model_id", "tiny-llama")
+    kvt = KVTransferConfig(kv_connector="KVStoreConnectorV1",
+                           kv_connector_module_path="kvstore.connector.vllm_v1",
+                           kv_role=role, kv_load_failure_policy="recompute",
+                           kv_connector_extra_config=extra)
+    cfg = VllmConfig(kv_transfer_config=kvt, cache_config=CacheConfig(block_size=BS))
+    kcc = kv_cache_config()
+    sched = KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kcc)
+    worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kcc)
+    caches = {name: torch.zeros(NUM_BLOCKS, HEADS, BS, 2 * HEAD, dtype=torch.float16)
+              for name in LAYERS}
+    worker.register_kv_caches(caches)
+    return sched, worker, caches
+
+
+def request(req_id: str, prompt: list[int], params: dict | None = None) -> Request:
+    sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params} if params else None)
+    return Request(req_id, prompt, sp, None)
+
+
+def schedule(sched, worker, req: Request, block_ids: list[int], num_external: int,
+             local: int = 0) -> set[int]:
+    """One engine step for ``req`` (new, rest of its prompt), ``local`` tokens being
+    vLLM's own prefix-cache hit: the scheduler's calls, then the worker's around the
+    (omitted) forward; returns the worker's load errors."""
+    blocks = KVCacheBlocks(([KVCacheBlock(b) for b in block_ids],))
+    sched.update_state_after_alloc(req, blocks, num_external)
+    req.num_computed_tokens = local + num_external  # as vLLM's scheduler sets it
+    out = SchedulerOutput.make_empty()
+    out.scheduled_new_reqs = [NewRequestData.from_request(req, (list(block_ids),))]
+    out.num_scheduled_tokens = {req.request_id: len(req.prompt_token_ids) - local - num_external}
+    out.total_num_scheduled_tokens = out.num_scheduled_tokens[req.request_id]
+    meta = sched.build_connector_meta(out)
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    for name in LAYERS:
+        worker.wait_for_layer_load(name)
+    worker.wait_for_save()
+    errors = worker.get_block_ids_with_load_errors()
+    worker.clear_connector_metadata()
+    return errors
+
+
+def fill_random(caches: dict, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for t in caches.values():
+        t.copy_(torch.randn(t.shape, generator=g).half())
+
+
+def entries(server) -> int:
+    with KVStoreClient(server.address, timeout_s=5.0) as admin:
+        return admin.stats()["entries"]
+
+
+def prefill(server, prompt: list[int], blocks: list[int], req_id: str = "p1"):
+    """A producer prefills ``prompt`` into ``blocks`` and saves it; its caches, params."""
+    sched, worker, caches = make_connectors("kv_producer", server=server.address)
+    fill_random(caches, seed=len(prompt))
+    req = request(req_id, prompt)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # producers don't load
+    assert schedule(sched, worker, req, blocks, 0) == set()
+    free_now, params = sched.request_finished(req, blocks)
+    worker.shutdown(), sched.shutdown()
+    assert free_now is False and params[PARAM_SERVER] == server.address
+    return caches, params
+
+
+def test_factory_builds_our_class_from_the_config(clean_server):
+    sched, worker, _ = make_connectors("kv_both", server=clean_server.address)
+    assert type(sched) is KVStoreConnectorV1 and type(worker) is KVStoreConnectorV1
+    assert sched.layout.token_nbytes == len(LAYERS) * 2 * HEADS * HEAD * 2
+    worker.shutdown(), sched.shutdown()
+
+
+def test_producer_saves_consumer_loads_exact_bytes_into_other_blocks(clean_server):
+    prompt = list(range(1000, 1011))  # 11 tokens: 2 full blocks and a partial one
+    src_blocks, dst_blocks = [3, 7, 1], [5, 9, 2]
+    p_caches, params = prefill(clean_server, prompt, src_blocks)
+    assert entries(clean_server) == 3
+
+    # The consumer's own server is somewhere else (here: nowhere): the request's
+    # kv_transfer_params name the producer's server.
+    sched, worker, caches = make_connectors("kv_consumer",
+                                            server=f"tcp://127.0.0.1:{free_port()}")
+    req = request("d1", prompt, params)
+    matched, is_async = sched.get_num_new_matched_tokens(req, 0)
+    assert (matched, is_async) == (len(prompt) - 1, False)  # vLLM computes the last one
+    assert schedule(sched, worker, req, dst_blocks, matched) == set()
+    for name in LAYERS:
+        src, dst = p_caches[name], caches[name]
+        assert torch.equal(dst[5], src[3]) and torch.equal(dst[9], src[7])
+        assert torch.equal(dst[2, :, :2], src[1, :, :2])  # tokens 8, 9 of the partial block
+        assert not dst[[0, 1, 3, 4, 6, 7, 8]].any()  # nothing else written
+    assert entries(clean_server) == 0  # drop_select: the store forgot it
+    worker.shutdown(), sched.shutdown()
+
+
+def test_miss_is_zero_matched_and_nothing_loaded(clean_server):
+    sched, worker, caches = make_connectors("kv_consumer", server=clean_server.address)
+    req = request("d2", list(range(50, 61)))
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert schedule(sched, worker, req, [1, 2, 3], 0) == set()
+    assert not any(c.any() for c in caches.values())
+    worker.shutdown(), sched.shutdown()
+
+
+def test_dead_server_reports_load_errors_and_never_raises(server_factory):
+    server = server_factory()
+    prompt = list(range(7, 20))  # 13 tokens
+    _, params = prefill(server, prompt, [0, 1, 2, 3])
+    sched, worker, caches = make_connectors("kv_consumer", server=server.address, timeout_s=1.0)
+    req = request("d3", prompt, params)
+    matched, _ = sched.get_num_new_matched_tokens(req, 0)
+    assert matched == 12
+    server.kill()  # between the scheduler's lookup and the worker's load
+    start = time.monotonic()
+    errors = schedule(sched, worker, req, [4, 5, 6, 8], matched)
+    assert errors == {4, 5, 6}  # every block the load was to fill: vLLM recomputes them
+    assert time.monotonic() - start < 10
+    assert sched.get_num_new_matched_tokens(request("d4", prompt, params), 0) == (0, False)
+    worker.shutdown(), sched.shutdown()
+
+
+def test_kv_both_is_a_prefix_cache(clean_server):
+    """Blocks saved by one request serve a later one that shares a prefix, and stay."""
+    sched, worker, caches = make_connectors("kv_both", server=clean_server.address)
+    fill_random(caches, seed=5)
+    first = list(range(300, 310))  # 10 tokens
+    req = request("a", first)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert schedule(sched, worker, req, [1, 2, 3], 0) == set()
+    sched.request_finished(req, [1, 2, 3])
+    saved = {n: c.clone() for n, c in caches.items()}
+
+    second = first[:8] + [999, 998, 997]  # shares two full blocks
+    req2 = request("b", second)
+    matched, _ = sched.get_num_new_matched_tokens(req2, 0)
+    assert matched == 8
+    # vLLM already had the first block locally (prefix-cache hit of 4 tokens).
+    assert sched.get_num_new_matched_tokens(req2, 4) == (4, False)
+    caches[LAYERS[0]][11].zero_()
+    assert schedule(sched, worker, req2, [1, 11, 12], 4, local=4) == set()
+    for name in LAYERS:
+        assert torch.equal(caches[name][11], saved[name][2])
+        assert torch.equal(caches[name][12], saved[name][12])  # tokens 8.. are vLLM's to compute
+    # Kept (a prefix cache, not a hand-off), and the second prompt's own partial
+    # block was saved beside the first's: 2 shared full blocks + 2 partial ones.
+    assert entries(clean_server) == 4
+    worker.shutdown(), sched.shutdown()
