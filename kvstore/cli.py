@@ -140,7 +140,7 @@ def ls(admin: Admin, tier: str | None, older: float | None, newer: float | None,
         entries = _all_entries(channel, tier)
         keep = [e for e in entries if _matches(e, now, older, newer, idle, pinned, wanted)]
         ordered = sort_entries(keep, sort_by or ("prompt" if wanted else "age"), reverse,
-                               wanted.keys if wanted else None)
+                               wanted.all_keys if wanted else None)
         page = ordered[offset:offset + limit] if limit else ordered[offset:]
         result = {"total": len(keep), "offset": offset,
                   "entries": [_public(e, now) for e in page]}
@@ -223,7 +223,8 @@ def evict(admin: Admin, tier: str | None, nbytes: int | None, fraction: float | 
             fail("--prefix and --tokens are the same option; give one")
         prompt["tokens"] = prefix
     wanted = prompt_keys(prompt)
-    selected = list(keys) + (wanted.keys if wanted else [])
+    # A prompt's entries include its hidden-state entry, if the writer stored one.
+    selected = list(keys) + (wanted.all_keys if wanted else [])
     chosen = [nbytes is not None, fraction is not None, bool(selected), everything]
     if sum(chosen) != 1:
         fail("give exactly one of --bytes, --fraction, --key/--prefix, --all")

@@ -165,11 +165,17 @@ def server_options(f: Callable) -> Callable:
 # ------------------------------------------------------------------ prompts -> keys
 @dataclass(frozen=True)
 class PromptKeys:
-    """A prompt's block keys in chain order, and each key's position."""
+    """A prompt's block keys in chain order, the key its optional hidden-state entry
+    would have, and each key's position (the hidden key last)."""
 
     keys: list[bytes]
     token_counts: list[int]
+    hidden: bytes
     position: dict[bytes, int]
+
+    @property
+    def all_keys(self) -> list[bytes]:
+        return [*self.keys, self.hidden]
 
 
 _NS_FIELDS = ("model_id", "layers", "kv_heads", "head_dim", "dtype", "block_tokens",
@@ -203,7 +209,7 @@ def prompt_keys(opts: dict[str, Any]) -> PromptKeys | None:
     if tokens is not None and prompt_file is not None:
         fail("give --tokens or --prompt-file, not both")
     # Imported here: kvstore.layout pulls in torch (seconds), which only prompts need.
-    from kvstore.hashing import block_keys, namespace_of
+    from kvstore.hashing import block_keys, hidden_key, namespace_of
     from kvstore.layout import KVLayout
 
     ns = _namespace_settings(opts)
@@ -217,7 +223,11 @@ def prompt_keys(opts: dict[str, Any]) -> PromptKeys | None:
     except KVStoreError as exc:
         fail(str(exc))
     chain = block_keys(namespace, tokens, layout.block_tokens)
-    return PromptKeys(chain.keys, chain.token_counts, {k: i for i, k in enumerate(chain.keys)})
+    if not chain.keys:
+        fail("the prompt has no tokens")
+    hidden = hidden_key(chain.keys[-1])
+    order = [*chain.keys, hidden]
+    return PromptKeys(chain.keys, chain.token_counts, hidden, {k: i for i, k in enumerate(order)})
 
 
 def _refuse_stray_model_options(opts: dict[str, Any]) -> None:

@@ -209,6 +209,19 @@ def test_evict_by_key_prefix_bytes_and_all(filled):
     assert total_entries(addr) == 0
 
 
+def test_prompt_selection_includes_its_hidden_state_entry(filled, writer):
+    import torch
+
+    tokens = list(range(700, 708))
+    writer.insert(tokens, make_kv(len(tokens), seed=5), hidden=torch.arange(6.0))
+    args = ["--server", filled.address, *MODEL]
+    listed = run_json("ls", *args, "--tokens", ",".join(map(str, tokens)))[0]
+    assert listed["total"] == 3 and listed["stored_prefix_blocks"] == 2  # 2 blocks + hidden
+    [node] = run_json("evict", *args, "--prefix", ",".join(map(str, tokens)))
+    assert node["count"] == 3
+    assert total_entries(filled.address) == 6  # PROMPT_A and PROMPT_B untouched
+
+
 def test_pin_protects_from_evict_then_unpin(filled):
     addr = filled.address
     tokens = ["--tokens", ",".join(map(str, PROMPT_A)), *MODEL]
