@@ -28,9 +28,10 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ def run_sections(names: list[str] | None, opts: BenchOptions) -> dict[str, Any]:
             rows = _load(section.target)(_with_workdir(opts, workdir))
             results[section.name] = rows
             print_rows(section.name, rows)
-        except Exception as exc:  # noqa: BLE001 - report and go on with the next section
+        except Exception as exc:  # report it and go on with the next section
             log.debug("section %s failed", section.name, exc_info=True)
             traceback.print_exc()
             results[section.name] = {"error": f"{type(exc).__name__}: {exc}"}

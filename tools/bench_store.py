@@ -8,6 +8,7 @@ the ratio says what kvstore's book-keeping costs, whatever the machine.
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 from pathlib import Path
@@ -42,7 +43,8 @@ def bench_hashing(opts: BenchOptions) -> list[Row]:
     floor = measure(lambda: xxhash.xxh3_128_digest(raw), repeat=opts.repeat * 4)
     rows: list[Row] = []
     for form, tokens in forms.items():
-        t = measure(lambda: block_keys(ns, tokens, BIG.block_tokens), repeat=opts.repeat * 2)
+        t = measure(lambda tokens=tokens: block_keys(ns, tokens, BIG.block_tokens),
+                    repeat=opts.repeat * 2)
         rows.append({"table": "block_keys, 128k tokens, 16-token blocks", "input": form,
                      "keys": ntokens // BIG.block_tokens, "best ms": t.best * 1e3,
                      "median ms": t.median * 1e3, "target ms": 10.0,
@@ -61,7 +63,7 @@ def _checksum_rows(opts: BenchOptions) -> list[Row]:
     rows = []
     for size in (BIG.block_nbytes, nbytes):
         view = src[:size]
-        t = measure(lambda: checksum(view), repeat=opts.repeat)
+        t = measure(lambda view=view: checksum(view), repeat=opts.repeat)
         base = copy.best * size / nbytes
         rows.append({"table": "xxh3_64 checksum vs memcpy", "bytes": size,
                      "checksum GB/s": size / t.best / 1e9,
@@ -90,7 +92,7 @@ def make_prompt(layout: KVLayout, nbytes: int, seed: int) -> Prompt:
     sizes = layout.entry_sizes(ntokens)
     data = rng.integers(0, 256, size=sum(sizes), dtype=np.uint8)
     bounds = np.cumsum([0, *sizes])
-    chunks = [data[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    chunks = [data[a:b] for a, b in itertools.pairwise(bounds)]
     return Prompt(keys, block_token_bytes(ids, layout.block_tokens), sizes, chunks, sum(sizes))
 
 
@@ -174,7 +176,6 @@ def _dram_rows(store: Store, p: Prompt, repeat: int) -> list[Row]:
     rows.append(_copy_row("get via shared map", p,
                           measure(lambda: get_shared(store, arena, p, dst), repeat=repeat), copy))
     store.check_integrity()
-    del arena
     return rows
 
 
@@ -309,7 +310,7 @@ def _aligned(nbytes: int) -> np.ndarray:
 
 def _slices(buf: np.ndarray, sizes: list[int]) -> list[memoryview]:
     bounds = np.cumsum([0, *sizes])
-    return [memoryview(buf[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    return [memoryview(buf[a:b]) for a, b in itertools.pairwise(bounds)]
 
 
 def _drop_cache(path: Path) -> None:

@@ -18,6 +18,7 @@ Every step prints a row; the run fails (exit 1) if any comparison fails.
 from __future__ import annotations
 
 import argparse
+import itertools
 import shutil
 import sys
 import tempfile
@@ -72,7 +73,7 @@ def insert(store: Store, p: Prompt) -> None:
     data = pack_hf(LAYOUT, p.past).numpy()
     sizes = LAYOUT.entry_sizes(p.ntokens)
     bounds = np.cumsum([0, *sizes])
-    chunks = [data[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    chunks = [data[a:b] for a, b in itertools.pairwise(bounds)]
     res = store.reserve(p.keys, sizes, p.tokens)
     for i, place in enumerate(res.placements):
         if place is not None:

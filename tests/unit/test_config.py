@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
-from kvstore.config import (KVStoreConfig, PolicyConfig, StoreConfig, TiersConfig,
-                            describe_options, format_size, load_config, parse_size,
-                            resolve_data_path)
+from kvstore.config import (
+    KVStoreConfig,
+    PolicyConfig,
+    StoreConfig,
+    TiersConfig,
+    describe_options,
+    format_size,
+    load_config,
+    parse_size,
+    resolve_data_path,
+)
 from kvstore.errors import ConfigError
 
 
@@ -79,7 +88,7 @@ def test_replace_returns_a_new_tree():
     new = base.replace(store={"block_tokens": 32}, tiers={"dram_bytes": "1MiB"})
     assert new.store.block_tokens == 32 and new.tiers.dram_bytes == 1 << 20
     assert base.store.block_tokens == 16
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         new.store.block_tokens = 8  # frozen
 
 

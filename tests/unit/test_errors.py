@@ -5,8 +5,17 @@ from __future__ import annotations
 import pytest
 
 from kvstore import errors
-from kvstore.errors import (ChecksumError, ConfigError, IntegrityError, InvalidRequestError,
-                            KVStoreError, MissError, TierFullError, error_from_code, is_miss)
+from kvstore.errors import (
+    ChecksumError,
+    ConfigError,
+    IntegrityError,
+    InvalidRequestError,
+    KVStoreError,
+    MissError,
+    TierFullError,
+    error_from_code,
+    is_miss,
+)
 
 
 def _all_error_classes() -> list[type]:

@@ -61,10 +61,11 @@ def test_entry_sizes_sum_to_nbytes(layout, ntokens):
 
 
 @pytest.mark.parametrize("kwargs", [
-    dict(num_layers=0, kv_heads=1, head_dim=1), dict(num_layers=1, kv_heads=-1, head_dim=1),
-    dict(num_layers=1, kv_heads=1, head_dim=1.5), dict(num_layers=1, kv_heads=1, head_dim=1,
-                                                       dtype="float64"),
-    dict(num_layers=1, kv_heads=1, head_dim=1, block_tokens=0),
+    {"num_layers": 0, "kv_heads": 1, "head_dim": 1},
+    {"num_layers": 1, "kv_heads": -1, "head_dim": 1},
+    {"num_layers": 1, "kv_heads": 1, "head_dim": 1.5},
+    {"num_layers": 1, "kv_heads": 1, "head_dim": 1, "dtype": "float64"},
+    {"num_layers": 1, "kv_heads": 1, "head_dim": 1, "block_tokens": 0},
 ])
 def test_bad_layouts_are_config_errors(kwargs):
     with pytest.raises(ConfigError):
