@@ -12,7 +12,8 @@ Both reuse the CLI's server options for the per-node channels (CURVE keys,
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import click
 

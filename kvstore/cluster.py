@@ -17,8 +17,8 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
 
 import xxhash
 
@@ -40,7 +40,7 @@ class NodeInfo:
         return json.dumps(asdict(self), sort_keys=True).encode()
 
     @classmethod
-    def decode(cls, data: bytes) -> "NodeInfo":
+    def decode(cls, data: bytes) -> NodeInfo:
         try:
             raw = json.loads(data)
             return cls(node_id=str(raw["node_id"]), address=str(raw["address"]),
@@ -130,7 +130,7 @@ class NodeSet:
         self._watcher: threading.Thread | None = None
         self.refresh(force=True)  # no listing yet: an unreachable etcd raises here
 
-    def watch(self) -> "NodeSet":
+    def watch(self) -> NodeSet:
         """Re-read etcd every ``refresh_s`` in a daemon thread from now on."""
         if self._watcher is None:
             self._watcher = threading.Thread(target=self._watch_loop, name="kvstore-nodeset",

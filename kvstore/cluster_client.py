@@ -30,14 +30,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
 from kvstore.client import InsertResult, KVStoreClient, LookupResult, SelectResult
 from kvstore.cluster import NodeInfo, NodeSet
-from kvstore.errors import (InvalidRequestError, KVTimeoutError, PeerUnavailableError,
-                            TransferError)
+from kvstore.errors import InvalidRequestError, KVTimeoutError, PeerUnavailableError, TransferError
 from kvstore.etcd import EtcdClient
 from kvstore.hashing import block_keys, namespace_of, tokens_to_array
 from kvstore.layout import KVLayout
@@ -179,10 +179,10 @@ class ClusterClient:
         for _, client in clients:
             client.close()
 
-    def __enter__(self) -> "ClusterClient":
+    def __enter__(self) -> ClusterClient:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

@@ -12,8 +12,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from kvstore.etcd import EtcdClient
 from kvstore.errors import PeerUnavailableError
+from kvstore.etcd import EtcdClient
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -38,7 +38,7 @@ class EtcdProcess:
                 self.proc.wait(timeout=10)
         shutil.rmtree(self.data_dir, ignore_errors=True)
 
-    def __enter__(self) -> "EtcdProcess":
+    def __enter__(self) -> EtcdProcess:
         return self
 
     def __exit__(self, *exc) -> None:

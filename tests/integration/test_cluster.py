@@ -24,7 +24,7 @@ from tests.integration.conftest import REPO, ServerFactory, server_env
 from tools.etcd_proc import etcd_argv
 from tools.netns import make_cluster
 
-pytestmark = [pytest.mark.timeout(150), pytest.mark.netns]
+pytestmark = [pytest.mark.timeout(150), pytest.mark.netns, pytest.mark.slow]
 
 TTL_S = 2
 CLIENT_TIMEOUT_S = 2.0  # cluster_worker.TIMEOUT_S
@@ -35,7 +35,7 @@ class Worker:
     """A cluster_worker process: one JSON job per line, every reply bounded in time."""
 
     def __init__(self, node, etcd_url: str, log_path) -> None:
-        self._log = open(log_path, "wb")
+        self._log = open(log_path, "wb")  # noqa: SIM115 - lives as long as the worker
         self.proc = node.popen([sys.executable, "-m", "tests.integration.cluster_worker",
                                 etcd_url, node.host], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, stderr=self._log, env=server_env(),
@@ -54,8 +54,8 @@ class Worker:
                 return json.loads(line)
             if self.proc.poll() is not None:
                 break
-        raise AssertionError(f"worker gave no reply in {timeout}s:\n"
-                             + open(self.log_path, errors="replace").read()[-3000:])
+        log = self.log_path.read_text(errors="replace")[-3000:]
+        raise AssertionError(f"worker gave no reply in {timeout}s:\n{log}")
 
     def __call__(self, op: str, timeout: float = 60.0, **job) -> dict:
         self.proc.stdin.write((json.dumps({"op": op, **job}) + "\n").encode())
