@@ -199,3 +199,44 @@ def test_kv_both_is_a_prefix_cache(clean_server):
     # block was saved beside the first's: 2 shared full blocks + 2 partial ones.
     assert entries(clean_server) == 4
     worker.shutdown(), sched.shutdown()
+
+
+def test_chunked_prefill_saves_once_the_last_chunk_is_computed(clean_server):
+    """A prompt prefilled in two steps (vLLM's chunked prefill) is saved in the second,
+    with the block the second step added; the first step saves nothing."""
+    from vllm.v1.core.sched.output import CachedRequestData
+
+    sched, worker, caches = make_connectors("kv_producer", server=clean_server.address)
+    fill_random(caches, seed=9)
+    prompt = list(range(400, 411))  # 11 tokens
+    req = request("c1", prompt)
+    sched.update_state_after_alloc(req, KVCacheBlocks(([],)), 0)
+    step1 = SchedulerOutput.make_empty()
+    step1.scheduled_new_reqs = [NewRequestData.from_request(req, ([6, 2],))]
+    step1.num_scheduled_tokens = {"c1": 8}
+    meta1 = sched.build_connector_meta(step1)
+    assert meta1.saves == [] and meta1.loads == []
+
+    step2 = SchedulerOutput.make_empty()
+    step2.scheduled_cached_reqs = CachedRequestData(
+        req_ids=["c1"], resumed_req_ids=set(), new_token_ids=[[]], all_token_ids={},
+        new_block_ids=[([13],)], num_computed_tokens=[8], num_output_tokens=[0])
+    step2.num_scheduled_tokens = {"c1": 3}
+    meta2 = sched.build_connector_meta(step2)
+    assert [(s.req_id, s.block_ids) for s in meta2.saves] == [("c1", [6, 2, 13])]
+    worker.bind_connector_metadata(meta2)
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    assert entries(clean_server) == 3
+    worker.shutdown(), sched.shutdown()
+
+    # What was saved is those blocks' bytes: a keep-mode reader gets them back.
+    reader, rworker, rcaches = make_connectors("kv_both", server=clean_server.address)
+    req2 = request("c2", prompt)
+    assert reader.get_num_new_matched_tokens(req2, 0) == (10, False)
+    assert schedule(reader, rworker, req2, [0, 1, 3], 10) == set()
+    for name in LAYERS:
+        assert torch.equal(rcaches[name][0], caches[name][6])
+        assert torch.equal(rcaches[name][1], caches[name][2])
+        assert torch.equal(rcaches[name][3, :, :2], caches[name][13, :, :2])
+    rworker.shutdown(), reader.shutdown()

@@ -1,0 +1,48 @@
+"""paged_io: vLLM 0.33 [B, H, N, C] caches <-> entry bytes, against kvstore.layout."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.connector.paged_io import gather_blocks, scatter_blocks
+from kvstore.layout import KVLayout, pack_paged
+
+LAYOUT = KVLayout(num_layers=3, kv_heads=2, head_dim=4, dtype="float16", block_tokens=4)
+
+
+def _caches(seed: int, nblocks: int = 12) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(nblocks, 2, 4, 8, generator=g).half() for _ in range(3)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(ntokens=st.integers(1, 16), extra=st.integers(0, 3), seed=st.integers(0, 99),
+       perm=st.permutations(range(12)))
+def test_gather_matches_layout_and_scatter_inverts_it(ntokens, extra, seed, perm):
+    held = min(16, ntokens + extra)  # the store may hold more of the last block
+    src_ids, dst_ids = list(perm[:4]), list(perm[4:8])
+    src = _caches(seed)
+    data = gather_blocks(LAYOUT, src, src_ids, held)
+    # Same bytes as layout.pack_paged over the equivalent [2, B, N, H, D] caches.
+    legacy = [c.unflatten(-1, (2, 4)).permute(3, 0, 2, 1, 4) for c in src]
+    assert torch.equal(data, pack_paged(LAYOUT, legacy, src_ids, held))
+    dst = [torch.zeros_like(c) for c in src]
+    scatter_blocks(LAYOUT, data, dst, dst_ids, ntokens, data_tokens=held)
+    full, rest = divmod(ntokens, 4)
+    for s, d in zip(src, dst):
+        for i in range(full):
+            assert torch.equal(d[dst_ids[i]], s[src_ids[i]])
+        if rest:
+            assert torch.equal(d[dst_ids[full], :, :rest], s[src_ids[full], :, :rest])
+            assert not d[dst_ids[full], :, rest:].any()
+        untouched = [b for b in range(12) if b not in dst_ids[:full + bool(rest)]]
+        assert not d[untouched].any()
+
+
+def test_first_block_skips_local_prefix_blocks():
+    src = _caches(1)
+    data = gather_blocks(LAYOUT, src, [5, 6, 7], 10)
+    dst = [torch.zeros_like(c) for c in src]
+    scatter_blocks(LAYOUT, data, dst, [0, 1, 2], 10, first_block=1)
+    for s, d in zip(src, dst):
+        assert not d[0].any() and torch.equal(d[1], s[6])
