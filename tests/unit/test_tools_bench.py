@@ -71,3 +71,21 @@ def test_walkthrough_tells_the_whole_story(tmp_path, capsys):
     assert "NVMe entries survived the restart" in out
     assert "MISMATCH" not in out
     assert not data_dir.exists()  # removed unless --keep
+
+
+def test_plots_are_drawn_from_bench_json(tmp_path):
+    from tools import bench_plot
+
+    doc = {"sections": {
+        "dram": [{"table": "t", "op": "put", "entry KiB": 64.0, "store GB/s": 1.0,
+                  "store/memcpy": 0.4}],
+        "index": [{"entries": n, "acquire+release /s": 5e4, "reserve+commit /s": 2e3,
+                   "lmdb txn /s": 3e3, "RSS B/entry": 550.0, "LMDB B/entry": 260.0,
+                   "store/lmdb": 0.6} for n in (10, 100)],
+        "broken": {"error": "x"}}}
+    src = tmp_path / "run.json"
+    src.write_text(json.dumps(doc))
+    assert bench_plot.main([str(src), "--out", str(tmp_path / "img")]) == 0
+    assert {p.name for p in (tmp_path / "img").iterdir()} == {"bench-ratios.png",
+                                                              "bench-index.png"}
+    assert [b[1] for b in bench_plot.ratio_bars(bench_plot.load([src]))] == [0.4, 0.6, 0.6]
