@@ -5,6 +5,8 @@ PIP := .venv/bin/pip
 STAMP := .venv/.kvstore-installed
 SYS_PACKAGES := libibverbs1 librdmacm1 etcd-server iproute2
 PYTEST_ARGS ?=
+# make bench BENCH_ARGS="--quick --only dram,nvme" (python -m tools.bench --help)
+BENCH_ARGS ?=
 
 .PHONY: all setup sys venv test run bench clean
 
@@ -38,7 +40,7 @@ run: setup
 	$(PY) -m tools.demo
 
 bench: setup
-	$(PY) -m tools.bench
+	$(PY) -m tools.bench $(BENCH_ARGS)
 
 clean:
 	rm -rf .venv build *.egg-info .pytest_cache
