@@ -16,7 +16,7 @@ def _ms(seconds: float) -> str:
 
 
 def _gbps(nbytes: int, seconds: float) -> str:
-    return f"{nbytes / seconds / 1e9:.3f}" if seconds > 0 and nbytes else "-"
+    return f"{nbytes / seconds / 1e9:.2g}" if seconds > 0 and nbytes else "-"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -68,6 +68,8 @@ def render(result, elapsed_s: float) -> str:
         "after the first; KV moved A -> B by drop_select over Mooncake TE (TCP)",
         "",
         *_prompt_rows(result),
+        "transfer: drop_select on B (acquire, TE read, checksum check, release); the first "
+        "from a peer includes TE's connection set-up",
         "",
         *_occupancy_rows(result),
         "",
