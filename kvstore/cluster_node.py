@@ -15,7 +15,7 @@ from typing import Any
 
 from kvstore.cluster import NodeInfo, Registration
 from kvstore.config import KVStoreConfig
-from kvstore.errors import PeerUnavailableError
+from kvstore.errors import ConfigError, PeerUnavailableError
 from kvstore.etcd import EtcdClient
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,25 @@ def register_server(etcd: EtcdClient, cfg: KVStoreConfig, server: Any) -> Regist
                     "node's TE segment; keep P2PHANDSHAKE in cluster mode",
                     cfg.server.te_metadata)
     info = node_info(cfg, server)
+    _refuse_duplicate(etcd, cfg.cluster.prefix, info)
     reg = Registration(etcd, cfg.cluster.prefix, info, cfg.cluster.ttl_s)
     log.info("joined cluster %s as %s (prefix %s, lease ttl %ss)", cfg.cluster.etcd,
              info.node_id, cfg.cluster.prefix, cfg.cluster.ttl_s)
     return reg
+
+
+def _refuse_duplicate(etcd: EtcdClient, prefix: str, info: NodeInfo) -> None:
+    """Two live servers under one node id would overwrite each other's record and the
+    first to stop would deregister both. The same id *at the same address* is this
+    node's crashed predecessor (its lease not yet expired): we hold its port now."""
+    key = (prefix + info.node_id).encode()
+    for kv in etcd.get_prefix(key).kvs:
+        if kv.key != key:
+            continue
+        try:
+            other = NodeInfo.decode(kv.value)
+        except ConfigError:
+            return  # a malformed record is overwritten
+        if other.address != info.address:
+            raise ConfigError(f"node id {info.node_id!r} is already registered by "
+                              f"{other.address}; give this server its own --node-id")

@@ -239,3 +239,41 @@ def test_registration_comes_back_when_etcd_forgot_its_lease(etcd):
         time.sleep(0.1)
     assert set(nodes.nodes()) == {"node7"}
     reg.close()
+
+
+class _FakeServer:
+    """What register_server reads from a Server: its TE segment and capacities."""
+
+    class transport:
+        segment = "127.0.0.1:1"
+
+    @staticmethod
+    def capacities() -> dict[str, int]:
+        return {"dram": 1 << 20}
+
+
+def test_a_node_id_taken_at_another_address_is_refused(etcd):
+    from kvstore.cluster_node import register_server
+    from kvstore.config import KVStoreConfig
+    from kvstore.errors import ConfigError
+
+    def config(port: int) -> KVStoreConfig:
+        return KVStoreConfig().replace(server={"port": port}, cluster={
+            "etcd": etcd.url, "prefix": "/dup/", "node_id": "same", "ttl_s": 5})
+
+    client = EtcdClient(etcd.url)
+    first = register_server(client, config(7001), _FakeServer())
+    with pytest.raises(ConfigError, match="already registered by tcp://127.0.0.1:7001"):
+        register_server(client, config(7002), _FakeServer())
+    # Same address: the crashed predecessor's record, taken over.
+    again = register_server(client, config(7001), _FakeServer())
+    assert NodeSet(client, "/dup/").nodes()["same"].address == "tcp://127.0.0.1:7001"
+    first.close()  # revokes the first lease only: the key now lives on the second
+    assert set(NodeSet(client, "/dup/").nodes()) == {"same"}
+    again.close()
+
+
+def test_nodes_cli_with_etcd_down_is_one_line():
+    out = CliRunner().invoke(cli, ["nodes", "--etcd", f"etcd://127.0.0.1:{free_port()}"])
+    assert out.exit_code == 1 and "unreachable" in out.output
+    assert len(out.output.strip().splitlines()) == 1, out.output
