@@ -8,16 +8,18 @@ binds 127.0.0.1:7700 with a DRAM tier and a file-backed NVMe tier under
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
+import socket
 import sys
 from typing import Any
 
 import click
 
 from kvstore.config import KVStoreConfig, format_size, load_config
-from kvstore.errors import KVStoreError
+from kvstore.errors import ConfigError, KVStoreError
 
 log = logging.getLogger("kvstore.server")
 
@@ -48,6 +50,20 @@ def _overrides(flags: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Refuse in a fraction of a second, before arenas are mapped, when the port is
+    held. The real bind in Server still decides; this only fails early (and binds
+    the way libzmq does, with SO_REUSEADDR, so a restart on the same port works)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host if host != "*" else "0.0.0.0", port))
+        except OSError as exc:
+            reason = "port in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+            raise ConfigError(f"cannot listen on {host}:{port}: {reason}") from None
+
+
 def open_server(cfg: KVStoreConfig):
     """Bind, open the store (data-dir lock), start TE; undo everything on failure."""
     from kvstore.server import Server
@@ -58,6 +74,7 @@ def open_server(cfg: KVStoreConfig):
     if srv.host in ("0.0.0.0", "*", "::") and not srv.te_host:
         raise KVStoreError("server.te_host is required when binding a wildcard address "
                            "(TE must advertise an address peers can reach)")
+    _check_port_free(srv.host, srv.port)
     store = transport = None
     try:
         store = Store(cfg)

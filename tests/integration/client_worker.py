@@ -7,6 +7,7 @@ Runs one job and prints one JSON line. Jobs:
   reports each full match with the digest of the bytes it got;
 * ``select``: drop_select each id once, report what came back;
 * ``stats``: every server's stats;
+* ``seq``: the jobs in ``steps`` one after the other, in this one process;
 * ``wait_nvme``: wait until ``servers[0]`` has at least ``min_entries`` on NVMe;
 * ``hang_after_reserve``: reserve a prompt's blocks, write the first, print, sleep.
 
@@ -131,7 +132,12 @@ def hang_after_reserve(job: dict, clients: list[KVStoreClient]) -> dict:
     return {}
 
 
-JOBS = {"insert": insert, "consume": consume, "select": select, "stats": stats, "wait_nvme": wait_nvme,
+def seq(job: dict, clients: list[KVStoreClient]) -> dict:
+    """Run ``steps`` (jobs without servers) in order with the same clients."""
+    return {"steps": [JOBS[step["job"]]({**job, **step}, clients) for step in job["steps"]]}
+
+
+JOBS = {"seq": seq, "insert": insert, "consume": consume, "select": select, "stats": stats, "wait_nvme": wait_nvme,
         "hang_after_reserve": hang_after_reserve}
 
 

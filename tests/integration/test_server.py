@@ -37,7 +37,8 @@ def req(**fields) -> bytes:
     return msgpack.packb({"v": 1, "id": 11, **fields}, use_bin_type=True)
 
 
-def test_starts_logs_one_line_and_says_hello(server):
+def test_starts_logs_one_line_and_says_hello(shared_server):
+    server = shared_server
     lines = [l for l in server.log().splitlines() if "listening on" in l]
     assert len(lines) == 1
     assert "dram 4.0MiB" in lines[0] and "nvme 8.0MiB" in lines[0] and "TE segment" in lines[0]
@@ -67,11 +68,11 @@ def test_bad_requests_get_typed_errors_and_change_nothing(clean_server, frames, 
     assert raw_call(server.address, [req(op="health", deep=True)])["ok"] is True
 
 
-def test_oversized_message_is_refused_with_a_reply(server_factory):
-    srv = server_factory(extra=("--max-message-bytes", "4KiB"))
-    reply = raw_call(srv.address, [req(op="pin", keys=[b"k" * 16] * 400)])
+def test_oversized_message_is_refused_with_a_reply(shared_server):
+    # Over max_message_bytes (16 MiB) but under libzmq's hard cap: a typed reply.
+    reply = raw_call(shared_server.address, [req(op="hello", pad=b"x" * (17 << 20))])
     assert reply["ok"] is False and reply["code"] == "invalid" and "exceeds" in reply["message"]
-    assert raw_call(srv.address, [req(op="hello")])["ok"] is True
+    assert raw_call(shared_server.address, [req(op="hello")])["ok"] is True
 
 
 def test_sigterm_closes_cleanly_and_releases_everything(server_factory, client_factory):
@@ -90,14 +91,16 @@ def _refused(argv: list[str]) -> subprocess.CompletedProcess:
                           cwd=REPO)
 
 
-def test_port_taken_is_a_clear_refusal(server, tmp_path):
+def test_port_taken_is_a_clear_refusal(shared_server, tmp_path):
+    server = shared_server
     res = _refused([sys.executable, "-m", "kvstore.server", "--port", str(server.port),
                     "--data-dir", str(tmp_path / "other"), "--dram", "1MiB", "--nvme", "1MiB"])
     assert res.returncode != 0
     assert f"cannot listen on 127.0.0.1:{server.port}: port in use" in res.stderr
 
 
-def test_data_dir_taken_is_a_clear_refusal(server):
+def test_data_dir_taken_is_a_clear_refusal(shared_server):
+    server = shared_server
     res = _refused([sys.executable, "-m", "kvstore.server", "--port", str(free_port()),
                     "--data-dir", str(server.data_dir), "--dram", "1MiB", "--nvme", "1MiB"])
     assert res.returncode != 0 and "is in use" in res.stderr
@@ -113,14 +116,21 @@ def test_help_documents_the_options():
         assert flag in res.stdout
 
 
-def test_config_file_and_env_apply(server_factory, tmp_path):
+def test_config_file_env_and_metrics_endpoint(server_factory, client_factory, tmp_path):
     cfg = tmp_path / "kv.toml"
-    cfg.write_text('[tiers]\ndram_bytes = "2MiB"\n')
+    port = free_port()
+    cfg.write_text(f'[tiers]\ndram_bytes = "2MiB"\n[server]\nmetrics_port = {port}\n')
     srv = server_factory(dram=None, nvme=None, extra=("--config", str(cfg)),
                          env={"KVSTORE_TIERS_NVME_BYTES": "3MiB"})
     assert raw_call(srv.address, [req(op="hello")])["dram"]["nbytes"] == 2 << 20
     tiers = raw_call(srv.address, [req(op="stats")])["stats"]["tiers"]
     assert tiers["nvme"]["capacity"] == 3 << 20
+
+    client = client_factory(srv)
+    client.insert([5, 6, 7, 8, 9], make_kv(5))
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert 'kvstore_request_duration_seconds_count{kind="insert",op="reserve"} 1.0' in text
+    assert "kvstore_entries 2.0" in text
 
 
 @pytest.fixture
@@ -159,14 +169,3 @@ def test_gen_keys_flag_writes_a_keypair(tmp_path):
     res = _refused([sys.executable, "-m", "kvstore.server", "--gen-keys", str(tmp_path / "k")])
     assert res.returncode == 0
     assert (tmp_path / "k" / "server.key").exists() and (tmp_path / "k" / "server.key_secret").exists()
-
-
-def test_metrics_endpoint_sees_requests(server_factory, client_factory):
-    port = free_port()
-    srv = server_factory(extra=("--metrics-port", str(port)))
-    client = client_factory(srv)
-    client.insert([5, 6, 7, 8, 9], make_kv(5))
-    client.stats()
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    assert 'kvstore_request_duration_seconds_count{kind="insert",op="reserve"} 1.0' in text
-    assert "kvstore_entries 2.0" in text
