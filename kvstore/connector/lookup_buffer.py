@@ -105,7 +105,10 @@ class KVStoreLookupBuffer:
                 time.sleep(min(pause, left))
                 pause = min(pause * 2, _POLL_MAX_S)
         if self.hold_until_consumed:
-            self._client.pin(masked.keys)
+            try:
+                self._client.pin(masked.keys)
+            except MissError as exc:  # evicted in the instant before the pin: unprotected
+                log.warning("could not pin %d tokens' entry: %s", masked.ids.size, exc)
 
     # ------------------------------------------------------------ consumer
     def drop_select(self, input_tokens: torch.Tensor,

@@ -24,7 +24,7 @@ from kvstore.layout import KVLayout
 
 log = logging.getLogger(__name__)
 
-_DOWN_S = 5.0
+_DOWN_S = 10.0
 
 
 class StoreClients:

@@ -92,10 +92,8 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
                  kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         kvt = self._kv_transfer_config
-        model = getattr(vllm_config.model_config, "served_model_name", None) or \
-            getattr(vllm_config.model_config, "model", None) or "default"
         self.settings = ConnectorSettings.from_extra(kvt.kv_role, kvt.kv_connector_extra_config,
-                                                     str(model))
+                                                     _model_name(vllm_config))
         self.layout, self.layer_names = layout_from_kv_cache_config(kv_cache_config)
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         tp_rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
@@ -216,6 +214,14 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self.stores.close()
+
+
+def _model_name(vllm_config: "VllmConfig") -> str:
+    model_config = vllm_config.model_config
+    name = getattr(model_config, "served_model_name", None) or getattr(model_config, "model", None)
+    if isinstance(name, (list, tuple)):
+        name = name[0] if name else None
+    return str(name or "default")
 
 
 def _tp_rank() -> int:
