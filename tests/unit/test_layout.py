@@ -233,3 +233,22 @@ def test_unpack_paged_rejects_wrong_byte_count():
     with pytest.raises(InvalidRequestError):
         unpack_paged(LAY, torch.zeros(LAY.nbytes(3) + 1, dtype=torch.uint8), caches, [0], 3)
     assert all(int(c.count_nonzero()) == 0 for c in caches)
+
+
+# ------------------------------------------------------------------ CUDA
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_paged_round_trip_on_cuda(dtype):
+    layout = KVLayout(num_layers=2, kv_heads=2, head_dim=8, dtype=dtype, block_tokens=4)
+    src = [c.cuda() for c in paged_caches(layout, 6, seed=5)]
+    ids, ntokens = [4, 1, 3], 10
+    packed = pack_paged(layout, src, ids, ntokens)
+    assert packed.is_cuda and packed.numel() == layout.nbytes(ntokens)
+    dst = [torch.zeros_like(c) for c in src]
+    unpack_paged(layout, packed.cpu(), dst, ids, ntokens)  # entry bytes from host memory
+    for s, d in zip(src, dst):
+        assert torch.equal(as_bytes(d[:, [4, 1]]), as_bytes(s[:, [4, 1]]))
+        assert torch.equal(as_bytes(d[:, 3, :2]), as_bytes(s[:, 3, :2]))
+        assert int(as_bytes(d[:, [0, 2, 5]]).count_nonzero()) == 0
+    with pytest.raises(InvalidRequestError):  # layers on different devices
+        pack_paged(layout, [src[0], src[1].cpu()], ids, ntokens)
