@@ -183,11 +183,18 @@ class Node:
 
 class LoopbackNode(Node):
     def free_port(self) -> int:
-        # The OS picks a port no one holds now; a race with another binder is possible
-        # but rare, and the server then fails loudly instead of sharing the port.
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((self.host, 0))
-            return s.getsockname()[1]
+        # The OS picks a port no one holds now; never the same one twice per cluster
+        # (all nodes share 127.0.0.1). A race with another binder on the machine is
+        # possible but rare, and the server then fails loudly instead of sharing it.
+        given = self.cluster.ports_given
+        for _ in range(100):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((self.host, 0))
+                port = s.getsockname()[1]
+            if port not in given:
+                given.add(port)
+                return port
+        raise ClusterError("no free loopback port found")
 
     def _probe(self, host: str, port: int, timeout: float) -> bool:
         try:
@@ -221,6 +228,7 @@ class _Cluster:
         self.n = n
         self.nodes: list[Node] = []
         self.processes: list[subprocess.Popen] = []
+        self.ports_given: set[int] = set()
         self._closed = False
 
     def __enter__(self) -> "_Cluster":
