@@ -136,7 +136,8 @@ def cluster_stats(admin: Admin, etcd: str | None, prefix: str | None = None,
         cluster = node_admin(admin, infos)
         try:
             results = [(s, r["stats"]) for s, r in cluster.call_each(lambda: p.Stats())]
-            total = ("cluster total", sum_stats([st for _, st in results]))
+            total = (f"cluster total ({len(results)} nodes)",
+                     sum_stats([st for _, st in results]))
             if cluster.as_json:
                 click.echo(to_json([{"server": s, **r} for s, r in [total, *results]]))
             else:
