@@ -67,3 +67,34 @@ def test_local_read_without_staging_verifies_too(make_store):
         store.read(acq.id, 1)
     store.release(acq.id)
     assert store.acquire([key(1), key(2)], [toks(1), toks(2)]).matched_tokens == 16
+
+
+def test_index_records_that_overlap_are_dropped_at_restart(tmp_path):
+    from kvstore.index import Index
+    from kvstore.store import Store
+    from tests.unit.conftest import data, store_config
+
+    cfg = store_config(tmp_path / "data", dram=4, nvme=8)
+    with Store(cfg) as store:
+        put(store, [1, 2, 3])
+        store.demote([key(1), key(2), key(3)])
+        offset_of_1 = next(r.offset for r in store.entries() if r.key == key(1))
+    index = Index(tmp_path / "data" / "index", map_size=64 << 20)
+    index.put_many([index.get(key(2))._replace(offset=offset_of_1),  # claims 1's bytes
+                    index.get(key(3))._replace(offset=1 << 40)])  # outside the slab
+    index.close()
+    with Store(cfg) as store:
+        assert where(store) == {1: "nvme"}
+        acq = store.acquire([key(1)], [toks(1)])
+        assert store.read(acq.id, 0) == data(1)
+        store.release(acq.id)
+        store.check_integrity()
+
+
+def test_a_writer_deduping_onto_a_colliding_key_stores_nothing(make_store):
+    store = make_store()
+    put(store, [1])
+    res = store.reserve([key(1)], [4096], [toks(2)])  # same key, other tokens
+    assert res.placements == [None]
+    assert store.commit(res.id, [0]) == (0, 0, 1)
+    assert [r.pending for r in store.entries()] == [1]
