@@ -74,6 +74,12 @@ SECTIONS: list[Section] = [
             "NVMe tier and store demote/stage vs plain file I/O"),
     Section("index", "tools.bench_index:bench_index",
             "ops/s and index size at 10k / 100k (/ 1M with --full) entries"),
+    Section("limits", "tools.bench_cluster:bench_limits",
+            "the machine: memcpy and plain file write/read GB/s"),
+    Section("transfer", "tools.bench_cluster:bench_transfer",
+            "two nodes: kvstore vs Mooncake Store vs raw TE, prompts of growing length"),
+    Section("entries", "tools.bench_cluster:bench_entries",
+            "two nodes: put/get latency as the stores hold more entries"),
 ]
 
 

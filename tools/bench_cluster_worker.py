@@ -1,0 +1,227 @@
+"""One side (producer or consumer) of one system in the two-node benchmark.
+
+    python -m tools.bench_cluster_worker '{"system": "kvstore", "role": "producer", ...}'
+
+Reads one JSON command per stdin line and answers one JSON line on stdout, so the
+parent (tools/bench_cluster.py) drives producer and consumer in lock step and
+times each operation *inside* the process that does it (the pipe is not timed).
+
+Commands: ``{"op": "put", "pid", "ntokens", "layout"}`` -> ``{"s", "nbytes", "digest"}``;
+``{"op": "get", "pid", "ntokens", "layout", "digest"}`` -> ``{"s", "nbytes"}`` (the
+bytes are checked against the producer's digest, untimed); ``{"op": "fill", "start",
+"count", "layout", "ntokens"}`` stores ``count`` prompts that stay (index growth);
+``{"op": "exit"}``. An error answers ``{"error": ...}`` and the worker goes on.
+
+Prompt ``pid`` of ``n`` tokens is a pure function of (pid, n): token ids start with
+the pid (no shared prefixes), and its KV bytes are one random buffer per layout
+with the pid stamped into the first 8 bytes of every block.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+import numpy as np
+import xxhash
+
+from kvstore.layout import KVLayout
+
+LAYOUTS = {
+    # Llama-3-8B-like, one TP rank: 2 MiB per 16-token block.
+    "large": KVLayout(num_layers=32, kv_heads=8, head_dim=128, dtype="bfloat16", block_tokens=16),
+    # A small model: 64 KiB per block.
+    "small": KVLayout(num_layers=8, kv_heads=2, head_dim=64, dtype="bfloat16", block_tokens=16),
+    # Index filler: 512-byte entries, so tens of thousands of them cost little memory.
+    "tiny": KVLayout(num_layers=1, kv_heads=1, head_dim=8, dtype="float16", block_tokens=16),
+}
+
+
+def prompt_tokens(pid: int, ntokens: int) -> np.ndarray:
+    toks = (np.arange(ntokens, dtype=np.int64) * 7919 + pid * 104729) % 50_000
+    toks[0] = 100_000 + pid
+    return toks
+
+
+class PromptData:
+    """The producer's KV bytes: one random buffer per layout, restamped per prompt."""
+
+    def __init__(self, layout: KVLayout, max_tokens: int, buffer: np.ndarray | None = None):
+        self.layout = layout
+        nbytes = layout.nbytes(max_tokens)
+        self.buf = buffer[:nbytes] if buffer is not None else np.empty(nbytes, np.uint8)
+        self.buf[:] = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
+
+    def make(self, pid: int, ntokens: int) -> np.ndarray:
+        data = self.buf[:self.layout.nbytes(ntokens)]
+        block = self.layout.block_nbytes
+        whole = data.size // block
+        stamp = np.frombuffer(np.int64(pid).tobytes(), np.uint8)
+        data[:whole * block].reshape(whole, block)[:, :8] = stamp
+        return data
+
+
+def digest(data: np.ndarray) -> str:
+    return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(data))
+
+
+# ------------------------------------------------------------------ systems
+class KVStoreSide:
+    """KVStoreClient against the server on node A (same-node path for the producer)."""
+
+    def __init__(self, cfg: dict) -> None:
+        from kvstore.client import KVStoreClient
+
+        self.clients = {name: KVStoreClient(cfg["server"], layout=LAYOUTS[name],
+                                            te_host=cfg["host"], same_node=cfg["same_node"],
+                                            timeout_s=120.0, staging_bytes=cfg["staging_bytes"])
+                        for name in cfg["layouts"]}
+
+    def put(self, name: str, pid: int, ntokens: int, data: np.ndarray) -> None:
+        res = self.clients[name].insert(prompt_tokens(pid, ntokens), data)
+        if res.existing_blocks:
+            raise RuntimeError(f"prompt {pid} was already stored ({res})")
+
+    def get(self, name: str, pid: int, ntokens: int) -> np.ndarray:
+        res = self.clients[name].drop_select(prompt_tokens(pid, ntokens))
+        if res.matched_tokens != ntokens:
+            raise RuntimeError(f"drop_select matched {res.matched_tokens}/{ntokens} tokens")
+        return res.kv.numpy()
+
+    def close(self) -> None:
+        for c in self.clients.values():
+            c.close()
+
+
+class RawTESide:
+    """The floor: the producer copies the bytes into a registered buffer (what the
+    same-node path does), the consumer reads them in one TE batch (one entry per
+    block, contiguous runs coalesced by Transport, as kvstore's are)."""
+
+    def __init__(self, cfg: dict) -> None:
+        from kvstore.transfer import Transport
+
+        self.te = Transport(cfg["host"])
+        self.buf = self.te.allocate_buffer(cfg["max_bytes"])
+        self.peer = cfg.get("peer")  # consumer: the producer's {"segment", "address"}
+
+    def info(self) -> dict:
+        return {"segment": self.te.segment, "address": self.buf.address}
+
+    def put(self, name: str, pid: int, ntokens: int, data: np.ndarray) -> None:
+        np.copyto(self.buf.array[:data.size], data)
+
+    def get(self, name: str, pid: int, ntokens: int) -> np.ndarray:
+        sizes = np.asarray(LAYOUTS[name].entry_sizes(ntokens), dtype=np.int64)
+        offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        self.te.read(self.peer["segment"], self.buf.address + offsets,
+                     self.peer["address"] + offsets, sizes)
+        return self.buf.array[:int(sizes.sum())]
+
+    def close(self) -> None:
+        self.te.close()
+
+
+def make_side(cfg: dict):
+    if cfg["system"] == "kvstore":
+        return KVStoreSide(cfg)
+    if cfg["system"] == "rawte":
+        return RawTESide(cfg)
+    if cfg["system"] == "mooncake":
+        from tools.bench_mooncake import MooncakeSide
+
+        return MooncakeSide(cfg, LAYOUTS)
+    raise ValueError(f"unknown system {cfg['system']!r}")
+
+
+# ------------------------------------------------------------------ loop
+class Worker:
+    def __init__(self, cfg: dict) -> None:
+        self.cfg = cfg
+        self.side = make_side(cfg)
+        self.data: dict[str, PromptData] = {}
+
+    def _data(self, name: str, ntokens: int) -> PromptData:
+        if name not in self.data:
+            max_tokens = self.cfg["max_tokens"].get(name, ntokens)
+            pinned = getattr(self.side, "source_buffer", None)
+            buf = pinned(LAYOUTS[name].nbytes(max_tokens), name) if pinned else None
+            self.data[name] = PromptData(LAYOUTS[name], max_tokens, buf)
+        return self.data[name]
+
+    def put(self, cmd: dict) -> dict:
+        data = self._data(cmd["layout"], cmd["ntokens"]).make(cmd["pid"], cmd["ntokens"])
+        start = time.perf_counter()
+        self.side.put(cmd["layout"], cmd["pid"], cmd["ntokens"], data)
+        return {"s": time.perf_counter() - start, "nbytes": int(data.size),
+                "digest": digest(data)}
+
+    def get(self, cmd: dict) -> dict:
+        start = time.perf_counter()
+        out = self.side.get(cmd["layout"], cmd["pid"], cmd["ntokens"])
+        seconds = time.perf_counter() - start
+        if cmd.get("digest") and digest(out) != cmd["digest"]:
+            raise RuntimeError(f"prompt {cmd['pid']}: the bytes that arrived differ")
+        return {"s": seconds, "nbytes": int(out.size)}
+
+    def fill(self, cmd: dict) -> dict:
+        start = time.perf_counter()
+        for pid in range(cmd["start"], cmd["start"] + cmd["count"]):
+            self.put({**cmd, "pid": pid})
+        return {"s": time.perf_counter() - start}
+
+    def handle(self, cmd: dict) -> dict:
+        op = cmd["op"]
+        if op == "info":
+            return self.side.info() if hasattr(self.side, "info") else {}
+        if op == "peer":
+            self.side.peer = cmd["peer"]
+            return {}
+        return getattr(self, op)(cmd)
+
+
+def main(argv: list[str]) -> int:
+    cfg = json.loads(argv[0])
+    worker = Worker(cfg)
+    profiler = _profiler(cfg)
+    print(json.dumps({"ready": os.getpid()}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "exit":
+            break
+        try:
+            reply = worker.handle(cmd)
+        except Exception as exc:  # noqa: BLE001 - report to the parent, keep serving
+            traceback.print_exc()
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(reply), flush=True)
+    if profiler is not None:
+        profiler.stop()
+        path = f"{cfg['profile']}/{cfg['system']}-{cfg['role']}"
+        with open(f"{path}.txt", "w") as f:
+            f.write(profiler.output_text(unicode=False, show_all=False))
+        with open(f"{path}.html", "w") as f:
+            f.write(profiler.output_html())
+    worker.side.close()
+    return 0
+
+
+def _profiler(cfg: dict):
+    """pyinstrument over the whole command loop when the parent asks (--profile)."""
+    if not cfg.get("profile"):
+        return None
+    from pyinstrument import Profiler
+
+    profiler = Profiler(interval=0.0005)
+    profiler.start()
+    return profiler
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,140 @@
+"""PNG plots of the two-node benchmark rows (matplotlib, Agg: no display needed).
+
+``render(section, rows, outdir)`` is called by tools/bench_cluster.py after each
+section; ``python -m tools.bench_plots [bench-results] [--out docs/img]`` re-renders
+from the JSON files a run left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
+
+Row = dict[str, Any]
+STYLE = {"kvstore": ("tab:blue", "o"), "mooncake": ("tab:orange", "s"),
+         "rawte": ("tab:green", "^")}
+LABEL = {"kvstore": "kvstore", "mooncake": "Mooncake Store", "rawte": "raw TE (floor)"}
+
+
+def render(section: str, rows: list[Row], outdir: Path) -> list[Path]:
+    outdir.mkdir(parents=True, exist_ok=True)
+    if section == "transfer":
+        return [*_transfer(rows, outdir)]
+    if section == "entries":
+        return [_entries(rows, outdir)]
+    return []
+
+
+def _series(rows: list[Row], table: str, x: str, y: str, **match: Any) -> dict[str, tuple]:
+    out: dict[str, tuple[list, list]] = {}
+    for r in rows:
+        if r.get("table") == table and all(r.get(k) == v for k, v in match.items()):
+            xs, ys = out.setdefault(r["system"], ([], []))
+            xs.append(r[x])
+            ys.append(r[y])
+    return out
+
+
+def _plot(ax, series: dict[str, tuple], ylabel: str, title: str, logy: bool = False) -> None:
+    for system, (xs, ys) in series.items():
+        color, marker = STYLE.get(system, ("gray", "x"))
+        ax.plot(xs, ys, marker=marker, color=color, label=LABEL.get(system, system))
+    ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+
+
+def _transfer(rows: list[Row], outdir: Path) -> list[Path]:
+    paths = []
+    layouts = sorted({r["layout"] for r in rows if r.get("table") == "prompts"})
+    for layout in layouts:
+        fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+        for ax, op in zip(axes[0], ("put", "get")):
+            _plot(ax, _series(rows, "prompts", "tokens", "GB/s", layout=layout, op=op),
+                  "GB/s (median run)", f"{op}: throughput, {layout} layout")
+        _plot(axes[1][0], _series(rows, "prompts", "tokens", "p50 ms", layout=layout,
+                                  op="put+get"),
+              "ms per prompt (p50)", f"put + get latency, {layout} layout", logy=True)
+        _plot(axes[1][1], _series(rows, "prompts", "tokens", "CPU s/GB", layout=layout,
+                                  op="put+get"),
+              "CPU s per GB (all processes)", f"put + get CPU cost, {layout} layout")
+        for ax in axes[1]:
+            ax.set_xlabel("prompt tokens")
+        axes[0][0].legend()
+        fig.tight_layout()
+        path = outdir / f"transfer-{layout}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    paths.append(_ratio_plot(rows, outdir))
+    return paths
+
+
+def _ratio_plot(rows: list[Row], outdir: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r_key, style in (("kv/rawte", "-"), ("kv/mooncake", "--")):
+        for layout in sorted({r["layout"] for r in rows if r.get("table") == "ratios"}):
+            pts = [(r["tokens"], r[r_key]) for r in rows if r.get("table") == "ratios"
+                   and r["layout"] == layout and r["op"] == "get" and not math.isnan(r[r_key])]
+            if pts:
+                xs, ys = zip(*sorted(pts))
+                ax.plot(xs, ys, style, marker="o", label=f"get, {layout}: {r_key}")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.axhline(0.9, color="gray", lw=0.8, ls=":")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("kvstore GB/s / other GB/s")
+    ax.set_title("kvstore relative to raw TE (floor) and Mooncake Store; > 1: kvstore faster",
+                 fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = outdir / "transfer-ratios.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _entries(rows: list[Row], outdir: Path) -> Path:
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for ax, op in zip(axes[:2], ("put", "get")):
+        _plot(ax, _series(rows, "entries", "entries", "p50 ms", op=op), "ms per prompt (p50)",
+              f"{op} latency vs entries held")
+    _plot(axes[2], _series(rows, "entries", "entries", "store RSS MiB", op="get"),
+          "MiB", "RSS of the index holder (server / master)")
+    for ax in axes:
+        ax.set_xscale("symlog", base=2, linthresh=1024)
+        ax.set_xlabel("entries held")
+    axes[0].legend()
+    fig.tight_layout()
+    path = outdir / "entries.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="?", default="bench-results")
+    parser.add_argument("--out", default="docs/img")
+    args = parser.parse_args(argv)
+    for path in sorted(Path(args.results).glob("*.json")):
+        doc = json.loads(path.read_text())
+        for png in render(doc.get("section", path.stem), doc.get("rows", []), Path(args.out)):
+            print(png)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
