@@ -12,7 +12,8 @@ not freed.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Iterable, NamedTuple
+from collections.abc import Iterable
+from typing import NamedTuple
 
 from kvstore.errors import ConfigError
 
