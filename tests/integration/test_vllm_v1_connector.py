@@ -240,3 +240,27 @@ def test_chunked_prefill_saves_once_the_last_chunk_is_computed(clean_server):
         assert torch.equal(rcaches[name][1], caches[name][2])
         assert torch.equal(rcaches[name][3, :, :2], caches[name][13, :, :2])
     rworker.shutdown(), reader.shutdown()
+
+
+def test_entry_lost_between_lookup_and_load_fails_only_the_blocks_from_there(clean_server):
+    prompt = list(range(500, 511))  # 11 tokens: blocks of 4, 4, 3
+    prefill(clean_server, prompt, [3, 7, 1])
+    sched, worker, caches = make_connectors("kv_consumer", server=clean_server.address)
+    req = request("e1", prompt)
+    matched, _ = sched.get_num_new_matched_tokens(req, 0)
+    assert matched == 10
+    client = sched.stores.client(clean_server.address)
+    client.evict(keys=[client.keys_for(prompt)[1]])  # the second block goes
+    errors = schedule(sched, worker, req, [5, 9, 2], matched)
+    assert errors == {9, 2}  # block 5 arrived; vLLM recomputes from block 9 on
+    assert all(caches[n][5].any() for n in LAYERS)
+    worker.shutdown(), sched.shutdown()
+
+
+def test_bad_extra_config_is_a_clear_error_at_start(clean_server):
+    from kvstore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown kv_connector_extra_config"):
+        make_connectors("kv_consumer", server=clean_server.address, sevrer="typo")
+    with pytest.raises(ConfigError, match="load_mode"):
+        make_connectors("kv_both", server=clean_server.address, load_mode="sometimes")
