@@ -23,12 +23,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # children inherit it; before any mooncake import
 
-from tools.demo_report import render  # noqa: E402
-from tools.netns import ClusterError, Node, make_cluster  # noqa: E402
+from tools.demo_report import render
+from tools.netns import ClusterError, Node, make_cluster
 
 log = logging.getLogger("tools.demo")
 

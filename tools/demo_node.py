@@ -25,11 +25,11 @@ from typing import Any
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # before mooncake is imported
 
-import torch  # noqa: E402
+import torch
 
-from kvstore.client import KVStoreClient  # noqa: E402
-from kvstore.layout import unpack_hf  # noqa: E402
-from tools import model as demo_model  # noqa: E402
+from kvstore.client import KVStoreClient
+from kvstore.layout import unpack_hf
+from tools import model as demo_model
 
 log = logging.getLogger("tools.demo_node")
 

@@ -22,7 +22,7 @@ def _gbps(nbytes: int, seconds: float) -> str:
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
               for i, h in enumerate(header)]
-    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths)).rstrip()
     return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
 
 
@@ -64,12 +64,12 @@ def render(result, elapsed_s: float) -> str:
     identical = sum(r.identical for r in result.runs)
     lines = [
         f"kvstore disaggregated demo: 2 nodes in {where}: A={a} (prefill), B={b} (decode)",
-        f"model: local Llama ({result.dtype}), greedy decode of {result.decode_tokens} tokens "
-        "after the first; KV moved A -> B by drop_select over Mooncake TE (TCP)",
+        (f"model: local Llama ({result.dtype}), greedy decode of {result.decode_tokens} tokens "
+         "after the first; KV moved A -> B by drop_select over Mooncake TE (TCP)"),
         "",
         *_prompt_rows(result),
-        "transfer: drop_select on B (acquire, TE read, checksum check, release); the first "
-        "from a peer includes TE's connection set-up",
+        ("transfer: drop_select on B (acquire, TE read, checksum check, release); the first "
+         "from a peer includes TE's connection set-up"),
         "",
         *_occupancy_rows(result),
         "",

@@ -17,7 +17,8 @@ pins the thread count so every process runs the same reductions.
 from __future__ import annotations
 
 import inspect
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
@@ -108,7 +109,7 @@ def _forward(model: LlamaForCausalLM, ids: torch.Tensor, cache=None, hidden: boo
 
 
 def _out_cache(out):
-    return getattr(out, "cache", None) or getattr(out, "past_key_values")
+    return out.cache if _CACHE_ARG == "cache" else out.past_key_values
 
 
 def _argmax_last(logits: torch.Tensor) -> int:

@@ -34,7 +34,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,8 @@ class ClusterError(RuntimeError):
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=_IP_TIMEOUT_S)
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=_IP_TIMEOUT_S,
+                          check=False)
     if check and proc.returncode != 0:
         raise ClusterError(f"ip {' '.join(args)}: {proc.stderr.strip()}")
     return proc
@@ -93,7 +94,7 @@ def cleanup_stale() -> list[str]:
     except (OSError, subprocess.TimeoutExpired):
         return []
     removed = []
-    for name in re.findall(rf"^({re.escape(NETNS_PREFIX)}(\d+)-\S+)", listing, re.M):
+    for name in re.findall(rf"^({re.escape(NETNS_PREFIX)}(\d+)-\S+)", listing, re.MULTILINE):
         ns, pid = name[0], int(name[1])
         if not _pid_alive(pid):
             _ip("netns", "del", ns, check=False)
@@ -133,7 +134,7 @@ def stop_process(proc: subprocess.Popen, timeout: float = _STOP_TIMEOUT_S) -> in
 class Node:
     """One emulated machine: an address, free ports, and a way to run processes there."""
 
-    def __init__(self, cluster: "_Cluster", index: int, host: str) -> None:
+    def __init__(self, cluster: _Cluster, index: int, host: str) -> None:
         self.cluster = cluster
         self.index = index
         self.host = host
@@ -155,7 +156,8 @@ class Node:
         """Run ``argv`` on this node to completion (bounded by ``timeout``)."""
         kwargs.setdefault("capture_output", True)
         kwargs.setdefault("text", True)
-        return subprocess.run(self._wrap(argv), timeout=timeout, **kwargs)
+        kwargs.setdefault("check", False)
+        return subprocess.run(self._wrap(argv), timeout=timeout, **kwargs)  # noqa: PLW1510
 
     def wait_port(self, host: str, port: int, timeout: float = 15.0,
                   proc: subprocess.Popen | None = None) -> None:
@@ -206,7 +208,7 @@ class LoopbackNode(Node):
 
 
 class NetnsNode(Node):
-    def __init__(self, cluster: "_Cluster", index: int, host: str, netns: str) -> None:
+    def __init__(self, cluster: _Cluster, index: int, host: str, netns: str) -> None:
         super().__init__(cluster, index, host)
         self.netns = netns
         self._ports = itertools.count(20000)  # the namespace is new: every port is free
@@ -231,7 +233,7 @@ class _Cluster:
         self.ports_given: set[int] = set()
         self._closed = False
 
-    def __enter__(self) -> "_Cluster":
+    def __enter__(self) -> _Cluster:  # noqa: PYI034 - Self needs 3.11; we support 3.10
         self.start()
         return self
 
@@ -345,4 +347,4 @@ def make_cluster(n: int, prefer_netns: bool = True) -> _Cluster:
 def namespaces() -> list[str]:
     """Names of this module's namespaces that exist now (for leak checks)."""
     listing = _ip("netns", "list", check=False).stdout
-    return re.findall(rf"^({re.escape(NETNS_PREFIX)}\S+)", listing, re.M)
+    return re.findall(rf"^({re.escape(NETNS_PREFIX)}\S+)", listing, re.MULTILINE)
