@@ -115,7 +115,7 @@ class Channel:
                 raise PeerUnavailableError("client is closed")
             deadline = time.monotonic() + timeout
             try:
-                self._wait(zmq.POLLOUT, deadline, req.OP, sent=False)
+                self._wait(zmq.POLLOUT, deadline, req.OP, sent=False, timeout=timeout)
                 self._sock.send(frame, zmq.NOBLOCK)
                 result = self._receive(frame_id, deadline, req.OP)
             except (KVTimeoutError, PeerUnavailableError, AuthError):
@@ -133,7 +133,8 @@ class Channel:
                 return result
             log.debug("dropping stale reply %s (waiting for %s)", rid, frame_id)
 
-    def _wait(self, event: int, deadline: float, op: str, sent: bool) -> None:
+    def _wait(self, event: int, deadline: float, op: str, sent: bool,
+              timeout: float | None = None) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, event)
         poller.register(self._monitor, zmq.POLLIN)
@@ -141,7 +142,7 @@ class Channel:
             self._check_handshake()
             left = deadline - time.monotonic()
             if left <= 0:
-                raise self._timeout(op, sent)
+                raise self._timeout(op, sent, timeout)
             ready = dict(poller.poll(max(1, int(left * 1000))))
             if self._monitor in ready:
                 self._drain_monitor()
@@ -171,11 +172,11 @@ class Channel:
         if self._handshake_error is not None:
             raise self._handshake_error
 
-    def _timeout(self, op: str, sent: bool) -> Exception:
+    def _timeout(self, op: str, sent: bool, timeout: float | None) -> Exception:
         hint = " (CURVE in use: is this client's public key authorized?)" if self.curve else ""
         if not sent:
             return PeerUnavailableError(f"server {self.address} not reachable within "
-                                        f"{self.timeout_s:g}s for {op}{hint}")
+                                        f"{timeout or self.timeout_s:g}s for {op}{hint}")
         return KVTimeoutError(f"no reply from {self.address} to {op} within the timeout{hint}")
 
     def close(self) -> None:
