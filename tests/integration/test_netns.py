@@ -131,3 +131,11 @@ def test_close_is_idempotent():
     with cluster:
         pass
     cluster.close()
+
+
+def test_make_cluster_uses_loopback_where_namespaces_are_refused(monkeypatch):
+    from tools import netns
+
+    monkeypatch.setattr(netns, "_netns_ok", False)  # as on a machine without root
+    cluster = make_cluster(2)
+    assert isinstance(cluster, LoopbackCluster) and cluster.kind == "loopback"
