@@ -179,7 +179,8 @@ class KVStoreClient:
         if isinstance(kv, torch.Tensor):
             kv = kv.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
         if not isinstance(kv, np.ndarray):
-            raise InvalidRequestError(f"kv must be HF (k, v) pairs or bytes, got {type(kv).__name__}")
+            raise InvalidRequestError(
+                f"kv must be HF (k, v) pairs or entry bytes, got {type(kv).__name__}")
         flat = np.ascontiguousarray(kv).reshape(-1).view(np.uint8)
         if flat.size != self.layout.nbytes(ntokens):
             raise InvalidRequestError(f"{ntokens} tokens need {self.layout.nbytes(ntokens)} "
@@ -228,12 +229,15 @@ class KVStoreClient:
         nblocks = min(len(entries), len(prompt.keys))
         matched = sum(e[5] for e in entries[:nblocks])
         kv_bytes = sum(e[2] for e in entries[:nblocks])
-        hidden = _hidden_tensor(out[kv_bytes:], entries[nblocks][6]) if len(entries) > nblocks else None
+        hidden = None
+        if len(entries) > nblocks:  # the hidden-state entry came along: a full match
+            hidden = _hidden_tensor(out[kv_bytes:], entries[nblocks][6])
         return SelectResult(matched, torch.from_numpy(out[:kv_bytes]), hidden)
 
     def _release(self, aid: int, drop: bool, timeout: float) -> None:
         try:
-            self._rpc.call(p.Release(aid=aid, drop=drop), timeout_s=min(max(timeout, 0.5), _CLEANUP_TIMEOUT_S))
+            self._rpc.call(p.Release(aid=aid, drop=drop),
+                           timeout_s=min(max(timeout, 0.5), _CLEANUP_TIMEOUT_S))
         except KVStoreError as exc:  # the read lease reclaims it anyway
             log.debug("release of %s failed: %s", aid, exc)
 

@@ -66,7 +66,8 @@ def _keys(name: str, v: Any) -> tuple[bytes, ...]:
         raise InvalidRequestError(f"{name}: must not be empty")
     for k in items:
         if type(k) is not bytes or len(k) != KEY_BYTES:
-            raise InvalidRequestError(f"{name}: every key must be {KEY_BYTES} bytes, got {_show(k)}")
+            raise InvalidRequestError(
+                f"{name}: every key must be {KEY_BYTES} bytes, got {_show(k)}")
     return tuple(items)
 
 
@@ -79,7 +80,8 @@ def _tokens(name: str, v: Any) -> tuple[bytes, ...]:
     for t in out:
         if type(t) is not bytes or len(t) % 4 or len(t) > MAX_TOKEN_BYTES:
             raise InvalidRequestError(
-                f"{name}: each item must be int32 token bytes (<= {MAX_TOKEN_BYTES}), got {_show(t)}")
+                f"{name}: each item must be int32 token bytes (<= {MAX_TOKEN_BYTES}), "
+                f"got {_show(t)}")
     return tuple(out)
 
 
@@ -151,7 +153,8 @@ class Reserve(Request):
         n = len(self.keys)
         if len(self.sizes) != n or len(self.tokens) != n or (self.meta is not None
                                                                and len(self.meta) != n):
-            raise InvalidRequestError("reserve: keys, sizes, tokens (and meta) must have equal lengths")
+            raise InvalidRequestError(
+                "reserve: keys, sizes, tokens (and meta) must have equal lengths")
 
 
 @dataclass(frozen=True)
@@ -230,7 +233,8 @@ class Evict(Request):
         chosen = [self.nbytes is not None, self.fraction is not None, self.keys is not None,
                   self.everything]
         if sum(chosen) != 1:
-            raise InvalidRequestError("evict: give exactly one of nbytes, fraction, keys, everything")
+            raise InvalidRequestError(
+                "evict: give exactly one of nbytes, fraction, keys, everything")
 
 
 @dataclass(frozen=True)

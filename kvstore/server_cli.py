@@ -128,7 +128,8 @@ def _serve(cfg: KVStoreConfig) -> int:
 @click.option("--host", help="Address the control socket binds. [127.0.0.1]")
 @click.option("--port", type=int, help="Control socket port. [7700]")
 @click.option("--te-host", help="Address TE binds and advertises. [--host]")
-@click.option("--te-metadata", help="TE metadata: P2PHANDSHAKE, etcd://h:p, http://... [P2PHANDSHAKE]")
+@click.option("--te-metadata",
+              help="TE metadata: P2PHANDSHAKE, etcd://h:p, http://... [P2PHANDSHAKE]")
 @click.option("--data-dir", help="LMDB index, lock and NVMe slab live here. [./kvstore-data]")
 @click.option("--dram", help="DRAM tier size, e.g. 8GiB; 0 disables. [1GiB]")
 @click.option("--dram-shared/--no-dram-shared", default=None,

@@ -137,7 +137,8 @@ def seq(job: dict, clients: list[KVStoreClient]) -> dict:
     return {"steps": [JOBS[step["job"]]({**job, **step}, clients) for step in job["steps"]]}
 
 
-JOBS = {"seq": seq, "insert": insert, "consume": consume, "select": select, "stats": stats, "wait_nvme": wait_nvme,
+JOBS = {"seq": seq, "insert": insert, "consume": consume, "select": select, "stats": stats,
+        "wait_nvme": wait_nvme,
         "hang_after_reserve": hang_after_reserve}
 
 

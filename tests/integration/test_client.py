@@ -27,7 +27,8 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 def test_raw_bytes_round_trip_any_length(clean_server, client_factory, same_node):
     client = client_factory(clean_server, same_node=same_node)
     assert client.hello() and client._data.uses_shared_memory is (same_node == "auto")
-    for seed, n in enumerate([1, 3, 4, 5, 16, 37]):  # shorter than, equal to, not a multiple of a block
+    # shorter than a block, one block, not a multiple of the block
+    for seed, n in enumerate([1, 3, 4, 5, 16, 37]):
         kv = make_kv(n, seed)
         res = client.insert(prompt(n, seed), kv)
         assert res == (len(LAYOUT.entry_sizes(n)), 0, n, kv.size)
@@ -42,7 +43,7 @@ def test_hf_tensors_and_hidden_round_trip(clean_server, client_factory, same_nod
     client = client_factory(clean_server, same_node=same_node)
     n = 11
     g = torch.Generator().manual_seed(3)
-    past = [(torch.randn(1, 2, n, 8, generator=g).half(), torch.randn(1, 2, n, 8, generator=g).half())
+    past = [tuple(torch.randn(1, 2, n, 8, generator=g).half() for _ in "kv")
             for _ in range(LAYOUT.num_layers)]
     hidden = torch.randn(n, 32, generator=g).bfloat16()
     client.insert(prompt(n), past, hidden=hidden)
