@@ -23,6 +23,7 @@ and deletes its namespaces; deleting the hub deletes the bridge and every veth p
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import os
@@ -43,6 +44,7 @@ NETNS_PREFIX = "kvsnet-"
 _IP_TIMEOUT_S = 10.0
 _STOP_TIMEOUT_S = 5.0
 _seq = itertools.count()
+_PR_SET_PDEATHSIG = 1
 _netns_ok: bool | None = None
 
 _PROBE = """
@@ -130,6 +132,18 @@ def stop_process(proc: subprocess.Popen, timeout: float = _STOP_TIMEOUT_S) -> in
     return proc.returncode
 
 
+def _term_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies (Linux prctl).
+
+    Survives ``ip netns exec``'s own exec: ``ip`` is not set-uid.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # not Linux: only the normal cleanup applies
+
+
 # -------------------------------------------------------------------- nodes
 class Node:
     """One emulated machine: an address, free ports, and a way to run processes there."""
@@ -146,7 +160,12 @@ class Node:
         raise NotImplementedError
 
     def popen(self, argv: Sequence[str], **kwargs) -> subprocess.Popen:
-        """Start ``argv`` on this node; the cluster stops it on exit."""
+        """Start ``argv`` on this node; the cluster stops it on exit.
+
+        The child also gets SIGTERM if this process dies without cleaning up
+        (SIGKILL, a crash), so a server never outlives the run that started it.
+        """
+        kwargs.setdefault("preexec_fn", _term_with_parent)
         proc = subprocess.Popen(self._wrap(argv), **kwargs)
         self.cluster.processes.append(proc)
         log.debug("node %s: started pid %s: %s", self.index, proc.pid, argv)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +20,7 @@ from tools.netns import (
 )
 
 pytestmark = pytest.mark.timeout(60)
+REPO = Path(__file__).resolve().parents[2]
 
 # Serves "<its own host>" to every connection until killed.
 _SERVER = """
@@ -139,3 +142,45 @@ def test_make_cluster_uses_loopback_where_namespaces_are_refused(monkeypatch):
     monkeypatch.setattr(netns, "_netns_ok", False)  # as on a machine without root
     cluster = make_cluster(2)
     assert isinstance(cluster, LoopbackCluster) and cluster.kind == "loopback"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_node_processes_die_with_the_process_that_started_them(kind, tmp_path):
+    """Even a SIGKILLed parent (no cleanup at all) leaves no server running."""
+    if kind == "netns" and not netns_available():
+        pytest.skip("network namespaces need root and `ip netns`")
+    pidfile = tmp_path / "pid"
+    parent = f"""
+import sys, time
+from tools.netns import {'NetnsCluster' if kind == 'netns' else 'LoopbackCluster'} as C
+c = C(1); c.start()
+p = c.nodes[0].popen([sys.executable, "-c", "import time; time.sleep(120)"])
+open({str(pidfile)!r}, "w").write(str(p.pid))
+time.sleep(120)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", parent], cwd=REPO)
+    try:
+        deadline = time.monotonic() + 30
+        while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child = int(pidfile.read_text())
+        os.kill(child, 0)  # alive while its parent is
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+    if kind == "netns":  # the namespaces themselves go at the next cluster's start
+        with NetnsCluster(1):
+            pass
+        assert not [ns for ns in namespaces() if ns.startswith(f"kvsnet-{proc.pid}-")]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
