@@ -164,6 +164,8 @@ class Node:
 
         The child also gets SIGTERM if this process dies without cleaning up
         (SIGKILL, a crash), so a server never outlives the run that started it.
+        The kernel ties that to the calling *thread*: start long-lived processes
+        from a thread that lives as long as they should (normally the main one).
         """
         kwargs.setdefault("preexec_fn", _term_with_parent)
         proc = subprocess.Popen(self._wrap(argv), **kwargs)
