@@ -87,6 +87,7 @@ class KVStoreClient:
         self.timeout_s = timeout_s or cfg.timeout_s
         self.namespace = None if layout is None else namespace_of(model_id, layout, tp_rank,
                                                                   tp_size, salt)
+        self._token_nbytes = 0 if layout is None else layout.token_nbytes
         secret = curve_secret_key if curve_secret_key is not None else cfg.curve_secret_key
         server_key = (curve_server_public_key if curve_server_public_key is not None
                       else cfg.curve_server_public_key)
@@ -141,7 +142,9 @@ class KVStoreClient:
         bytes (uint8 torch tensor / numpy array of exactly ``layout.nbytes(n)``)."""
         prompt = self._prompt(tokens)
         data = self._entry_bytes(kv, prompt.ntokens)
-        sizes = self.layout.entry_sizes(prompt.ntokens)
+        # token_nbytes once: layout.entry_sizes costs a torch call per block.
+        token_nbytes = self._token_nbytes
+        sizes = [token_nbytes * n for n in prompt.counts]
         keys, toks, metas = list(prompt.keys), list(prompt.tokens), [None] * len(sizes)
         buffers = _split(data, sizes)
         if hidden is not None:
@@ -182,8 +185,8 @@ class KVStoreClient:
             raise InvalidRequestError(
                 f"kv must be HF (k, v) pairs or entry bytes, got {type(kv).__name__}")
         flat = np.ascontiguousarray(kv).reshape(-1).view(np.uint8)
-        if flat.size != self.layout.nbytes(ntokens):
-            raise InvalidRequestError(f"{ntokens} tokens need {self.layout.nbytes(ntokens)} "
+        if flat.size != self._token_nbytes * ntokens:
+            raise InvalidRequestError(f"{ntokens} tokens need {self._token_nbytes * ntokens} "
                                       f"bytes of KV, got {flat.size}")
         return flat
 

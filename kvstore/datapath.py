@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 # Wire layout of placements / entries (kvstore.handlers): tier, offset, nbytes, address.
 _TIER, _OFFSET, _NBYTES, _ADDRESS = 0, 1, 2, 3
+_PAGE = 4096  # tiers.dram.PAGE_SIZE: DRAM extents start on, and are rounded up to, pages
 
 
 class Segment(NamedTuple):
@@ -122,48 +123,36 @@ class DataPath:
                 self.observer(op, time.perf_counter() - start, ok)
 
     def _groups(self, sizes: list[int]) -> list[list[int]]:
-        """Consecutive runs of entries that fit the staging buffer together."""
+        """Consecutive runs of entries that fit the staging buffer together (each
+        counted with a page of slack for the gaps ``_mirror`` may keep)."""
         groups: list[list[int]] = [[]]
         used = 0
         for i, n in enumerate(sizes):
-            if n > self.staging_bytes:
-                raise InvalidRequestError(f"entry of {n} bytes exceeds the client's staging "
-                                          f"buffer ({self.staging_bytes}); raise staging_bytes")
-            if used + n > self.staging_bytes:
+            if n + _PAGE > self.staging_bytes:
+                raise InvalidRequestError(f"entry of {n} bytes does not fit the client's "
+                                          f"staging buffer ({self.staging_bytes}); raise "
+                                          "staging_bytes")
+            if used + n + _PAGE > self.staging_bytes:
                 groups.append([])
                 used = 0
             groups[-1].append(i)
-            used += n
+            used += n + _PAGE
         return [g for g in groups if g]
 
     def _te_write(self, segment: str, items: list[tuple[np.ndarray, list]]) -> None:
         stage, base = self._staging_buffer()
-        local, remote, lengths = [], [], []
-        pos = 0
-        for buf, pl in items:
-            n = pl[_NBYTES]
-            stage[pos:pos + n] = buf
-            local.append(base + pos)
-            remote.append(_address(pl))
-            lengths.append(n)
-            pos += n
-        self._te().write(segment, local, remote, lengths)
+        pls = [pl for _, pl in items]
+        offsets, local, remote, lengths = _mirror(pls, writing=True)
+        for (buf, pl), off in zip(items, offsets):
+            stage[off:off + pl[_NBYTES]] = buf
+        self._te().write(segment, [base + x for x in local], remote, lengths)
 
     def _te_read(self, segment: str, out: np.ndarray, items: list[tuple[int, list]]) -> None:
         stage, base = self._staging_buffer()
-        local, remote, lengths = [], [], []
-        pos = 0
-        for _, e in items:
-            local.append(base + pos)
-            remote.append(_address(e))
-            lengths.append(e[_NBYTES])
-            pos += e[_NBYTES]
-        self._te().read(segment, local, remote, lengths)
-        pos = 0
-        for start, e in items:
-            n = e[_NBYTES]
-            out[start:start + n] = stage[pos:pos + n]
-            pos += n
+        offsets, local, remote, lengths = _mirror([e for _, e in items], writing=False)
+        self._te().read(segment, [base + x for x in local], remote, lengths)
+        for (start, e), off in zip(items, offsets):
+            out[start:start + e[_NBYTES]] = stage[off:off + e[_NBYTES]]
 
     # -------------------------------------------------------------- resources
     def _te(self):
@@ -187,6 +176,42 @@ class DataPath:
                 self._transport.close()  # frees the staging buffer too
                 self._transport = None
             self.segment = None  # drops the shared mapping with the last view of it
+
+
+def _mirror(items: list[list], writing: bool) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Lay ``items`` out in staging so that remote neighbours stay neighbours.
+
+    Entries smaller than a page sit a page-padding gap apart in the arena, so their
+    transfers would not coalesce (each small TE transfer costs ~100 us). Bridging
+    the gap costs a few bytes: a read may span any gap under a page (the bytes in it
+    are dropped); a write only a DRAM entry's own tail padding (the next entry starts
+    on the page boundary right after it, so the gap belongs to the extent being
+    written). Returns each item's staging offset and the transfers
+    (staging offset, remote address, length).
+    """
+    order = sorted(range(len(items)), key=lambda i: _address(items[i]))
+    offsets = [0] * len(items)
+    local: list[int] = []
+    remote: list[int] = []
+    lengths: list[int] = []
+    pos = prev_end = 0
+    prev_tier = None
+    for i in order:
+        addr, n, tier = _address(items[i]), items[i][_NBYTES], items[i][_TIER]
+        gap = addr - prev_end
+        bridge = local and tier == prev_tier and 0 <= gap < _PAGE and (
+            gap == 0 or not writing or (tier == "dram" and addr % _PAGE == 0))
+        if bridge:
+            offsets[i] = local[-1] + (addr - remote[-1])
+            lengths[-1] = addr + n - remote[-1]
+        else:
+            offsets[i] = pos
+            local.append(pos)
+            remote.append(addr)
+            lengths.append(n)
+        pos = offsets[i] + n
+        prev_end, prev_tier = addr + n, tier
+    return offsets, local, remote, lengths
 
 
 def _address(item: list) -> int:
