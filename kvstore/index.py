@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -172,3 +173,16 @@ class Index:
 
     def close(self) -> None:
         self._env.close()
+
+
+def open_volatile(path: str | os.PathLike, map_size: int) -> Index:
+    """A fresh, never-synced index for records of volatile tiers (DRAM, GPU).
+
+    Their bytes die with the process, so their records need no durability: the
+    environment is deleted and recreated on every start, which also makes a torn
+    (unsynced) environment after a power loss harmless. It never fsyncs, so a
+    commit that touches only memory tiers costs no disk flush. Records that name
+    NVMe bytes never go here (see ``Store._apply``).
+    """
+    shutil.rmtree(path, ignore_errors=True)
+    return Index(path, map_size, sync=False)

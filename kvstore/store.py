@@ -36,7 +36,7 @@ from kvstore.errors import (
     NotFoundError,
 )
 from kvstore.hashing import checksum
-from kvstore.index import Index, Record
+from kvstore.index import Index, Record, open_volatile
 from kvstore.policy import Candidate, make_policy
 from kvstore.store_audit import AuditMixin
 from kvstore.store_moves import Lease, MovesMixin, Open
@@ -92,8 +92,18 @@ class Store(MovesMixin, AuditMixin):
                 raise ConfigError("kvstore needs a memory tier (gpu_bytes or dram_bytes > 0): "
                                   "writers and readers reach entries through it")
             self._policy = make_policy(policy)
+            # Two LMDB environments: ``index`` holds the records that name NVMe bytes
+            # (synced per nvme_fsync), ``index-volatile`` those of memory tiers only
+            # (never synced, recreated on start). A DRAM/GPU-only commit so costs no
+            # fsync; docs/architecture.md "Departures from DESIGN.md".
             self._index = Index(self.data_dir / "index", self.config.store.index_map_bytes,
                                 sync=self.config.tiers.nvme_fsync != "never")
+            try:
+                self._vindex = open_volatile(self.data_dir / "index-volatile",
+                                             self.config.store.index_map_bytes)
+            except BaseException:
+                self._index.close()
+                raise
         except BaseException:
             for tier in self._tiers.values():
                 tier.close()
@@ -115,6 +125,7 @@ class Store(MovesMixin, AuditMixin):
             recovered = recover(self._index, self._tiers).records
         except BaseException:
             self._index.close()
+            self._vindex.close()
             for tier in self._tiers.values():
                 tier.close()
             raise
@@ -491,6 +502,7 @@ class Store(MovesMixin, AuditMixin):
                 return
             self._closed = True
             self._index.close()
+            self._vindex.close()
             for tier in self._tiers.values():
                 tier.close()
             self._dir_lock.release()

@@ -9,7 +9,8 @@ Checked, each raising ``IntegrityError`` with what is wrong:
 * hold counts equal the holds of open acquisitions plus reservation dedups, and
   every held key is stored; pins and pending counts are never negative;
 * the in-flight key map matches the open reservations;
-* the LMDB index holds exactly the committed records (last_access aside: access
+* the LMDB indexes hold exactly the committed records, those naming NVMe bytes in
+  the durable one and the rest in the volatile one (last_access aside: access
   times are kept in memory and persisted with the next change).
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import collections
 
 from kvstore.errors import IntegrityError
+from kvstore.store_moves import durable
 
 
 class AuditMixin:
@@ -93,10 +95,13 @@ class AuditMixin:
             raise IntegrityError(f"key {stored[0].hex()} is both committed and being written")
 
     def _audit_index(self) -> None:
-        durable = {r.key: r._replace(last_access=0.0) for r in self._index.records()}
         memory = {k: r._replace(last_access=0.0) for k, r in self._records.items()}
-        if durable != memory:
-            diff = set(durable) ^ set(memory)
-            changed = [k for k in set(durable) & set(memory) if durable[k] != memory[k]]
-            raise IntegrityError(f"index and memory disagree: {len(diff)} keys in one only, "
-                                 f"{len(changed)} records differ")
+        for index, wanted in ((self._index, True), (self._vindex, False)):
+            stored = {r.key: r._replace(last_access=0.0) for r in index.records()}
+            expected = {k: r for k, r in memory.items() if durable(r) == wanted}
+            if stored != expected:
+                diff = set(stored) ^ set(expected)
+                changed = [k for k in set(stored) & set(expected) if stored[k] != expected[k]]
+                raise IntegrityError(f"{'durable' if wanted else 'volatile'} index and memory "
+                                     f"disagree: {len(diff)} keys in one only, "
+                                     f"{len(changed)} records differ")

@@ -17,6 +17,7 @@ Invariants kept here:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -27,6 +28,8 @@ from kvstore.index import Record
 from kvstore.policy import bytes_to_free, over_watermark
 from kvstore.store_types import MEMORY_TIERS, TIER_ORDER
 from tiers.base import Extent
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -55,7 +58,7 @@ class MovesMixin:
         drop = [k for k in dict.fromkeys(drop) if k in self._records]
         if not put and not drop:
             return
-        self._index.apply(put=put, delete=drop)
+        self._write_index(put, drop)
         for rec in put:
             old = self._records.get(rec.key)
             self._records[rec.key] = rec
@@ -75,6 +78,46 @@ class MovesMixin:
             self._copies.pop(key, None)
             for ext in _owned(rec):
                 self._tiers[ext.tier].free(ext)
+
+    def _write_index(self, put: Sequence[Record], drop: list[bytes]) -> None:
+        """Each change into its environment: records naming NVMe bytes into the
+        durable index, the rest into the volatile one (no fsync). Volatile first:
+        if the durable transaction then fails, the volatile one is undone, so the
+        change is still all or nothing. A record that crosses over is deleted from
+        the other environment; a crash between the two transactions is harmless
+        because the volatile one is discarded on start anyway."""
+        vput, vdel, dput, ddel = [], [], [], []
+        for rec in put:
+            old = self._records.get(rec.key)
+            if durable(rec):
+                dput.append(rec)
+                if old is not None and not durable(old):
+                    vdel.append(rec.key)
+            else:
+                vput.append(rec)
+                if old is not None and durable(old):
+                    ddel.append(rec.key)
+        for key in drop:
+            (ddel if durable(self._records[key]) else vdel).append(key)
+        if vput or vdel:
+            self._vindex.apply(put=vput, delete=vdel)
+        if dput or ddel:
+            try:
+                self._index.apply(put=dput, delete=ddel)
+            except BaseException:
+                if vput or vdel:
+                    self._undo_volatile([r.key for r in vput] + vdel)
+                raise
+
+    def _undo_volatile(self, keys: list[bytes]) -> None:
+        """Put the volatile index back as memory still has it for ``keys``."""
+        back = [r for r in (self._records.get(k) for k in keys)
+                if r is not None and not durable(r)]
+        try:
+            self._vindex.apply(put=back, delete=[k for k in keys if k not in
+                                                 {r.key for r in back}])
+        except Exception:  # noqa: BLE001 - the first error is the one to report
+            log.exception("volatile index out of step after a failed index write")
 
     def _apply_or_free(self, put: list[Record], drop: list[bytes]) -> None:
         """``_apply`` for records moved into freshly allocated extents: if the index
@@ -276,6 +319,11 @@ class MovesMixin:
         if ext is not None and view is None:
             self._tiers[ext.tier].write(ext, buf)
         return True
+
+
+def durable(rec: Record) -> bool:
+    """Does the record name NVMe bytes (then it lives in the synced index)?"""
+    return rec.tier == "nvme" or rec.nvme_copy is not None
 
 
 def _owned(rec: Record) -> list[Extent]:
