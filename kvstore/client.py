@@ -94,7 +94,7 @@ class KVStoreClient:
         curve = CurveKeys.load(secret, server_key) if secret or server_key else None
         self._rpc = Channel(self.server, self.timeout_s, curve=curve)
         self._data = DataPath(te_host or cfg.te_host, staging_bytes or cfg.staging_bytes,
-                              same_node, observer)
+                              same_node, observer, timeout_s=self.timeout_s)
         self._hello: dict[str, Any] | None = None
 
     # ------------------------------------------------------------ connection

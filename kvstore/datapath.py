@@ -45,13 +45,15 @@ class DataPath:
     are not reported."""
 
     def __init__(self, te_host: str, staging_bytes: int, same_node: bool | str = "auto",
-                 observer: Callable[[str, float, bool], None] | None = None) -> None:
+                 observer: Callable[[str, float, bool], None] | None = None,
+                 timeout_s: float | None = None) -> None:
         if same_node not in (True, False, "auto"):
             raise ConfigError(f"same_node must be True, False or 'auto', got {same_node!r}")
         self.te_host = te_host
         self.staging_bytes = staging_bytes
         self.same_node = same_node
         self.observer = observer
+        self.timeout_s = timeout_s  # bounds a TE transfer to a stalled peer (TE minimum 5 s)
         self.segment: Segment | None = None
         self._transport = None
         self._stage: np.ndarray | None = None
@@ -159,7 +161,7 @@ class DataPath:
         if self._transport is None:
             from kvstore.transfer import Transport
 
-            self._transport = Transport(self.te_host)
+            self._transport = Transport(self.te_host, timeout_s=self.timeout_s)
         return self._transport
 
     def _staging_buffer(self) -> tuple[np.ndarray, int]:
