@@ -177,8 +177,8 @@ class KVStoreLookupBuffer:
     def close(self) -> None:
         self._client.close()
 
-    def __enter__(self) -> "KVStoreLookupBuffer":
+    def __enter__(self) -> KVStoreLookupBuffer:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -13,7 +13,7 @@ one slice for a partial last block. Bytes cross to/from the host once.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -22,8 +22,9 @@ Every key (docs/vllm.md lists them with examples):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from kvstore.config import parse_size
 from kvstore.errors import ConfigError
@@ -48,7 +49,7 @@ class ConnectorSettings:
 
     @classmethod
     def from_extra(cls, role: str, extra: Mapping[str, Any] | None,
-                   default_model_id: str) -> "ConnectorSettings":
+                   default_model_id: str) -> ConnectorSettings:
         """``role`` is vLLM's kv_role: kv_producer, kv_consumer or kv_both."""
         extra = dict(extra or {})
         unknown = sorted(set(extra) - _KEYS)

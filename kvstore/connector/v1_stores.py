@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -119,6 +120,6 @@ class StoreClients:
             for client in self._clients.values():
                 try:
                     client.close()
-                except Exception:  # noqa: BLE001 - closing is best effort
+                except Exception:
                     log.debug("closing a kvstore client failed", exc_info=True)
             self._clients.clear()

@@ -33,9 +33,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
-                                                               KVConnectorMetadata,
-                                                               KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
 
 from kvstore.connector.v1_config import ConnectorSettings, layout_from_kv_cache_config
 from kvstore.connector.v1_stores import StoreClients
@@ -88,8 +90,8 @@ class _Tracked:
 
 
 class KVStoreConnectorV1(KVConnectorBase_V1):
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig") -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         kvt = self._kv_transfer_config
         self.settings = ConnectorSettings.from_extra(kvt.kv_role, kvt.kv_connector_extra_config,
@@ -108,7 +110,7 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
 
     # ============================================================ scheduler side
-    def get_num_new_matched_tokens(self, request: "Request",
+    def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.settings.load:
             return 0, False
@@ -120,7 +122,7 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
         self._matched[request.request_id] = (num_computed_tokens, server)
         return new, False
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         matched = self._matched.pop(request.request_id, None)
         if num_external_tokens <= 0 or matched is None:
@@ -129,7 +131,7 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
         self._pending_loads[request.request_id] = (local + num_external_tokens,
                                                    local // self.layout.block_tokens, server)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVStoreConnectorMetadata()
         for new in scheduler_output.scheduled_new_reqs:
             tokens, blocks = list(new.prompt_token_ids or []), list(new.block_ids[0])
@@ -163,7 +165,7 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
             meta.saves.append(SaveOrder(req_id, tracked.token_ids, list(tracked.block_ids)))
             del self._tracked[req_id]
 
-    def request_finished(self, request: "Request",
+    def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._tracked.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
@@ -174,7 +176,7 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
         return False, {PARAM_SERVER: self.settings.server,
                        PARAM_TOKENS: len(request.prompt_token_ids or [])}
 
-    def _source(self, request: "Request") -> str:
+    def _source(self, request: Request) -> str:
         params = getattr(request, "kv_transfer_params", None) or {}
         server = params.get(PARAM_SERVER)
         return server if isinstance(server, str) and server.startswith("tcp://") \
@@ -187,7 +189,7 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
             raise KVStoreError(f"kv caches lack attention layers {missing[:3]}")
         self._caches = [kv_caches[n] for n in self.layer_names]
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
         for order in meta.loads:
@@ -197,7 +199,7 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
         return  # loads complete inside start_load_kv
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
-                      attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
         return  # whole prompts are saved after the forward, in wait_for_save
 
     def wait_for_save(self) -> None:
@@ -216,7 +218,7 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
         self.stores.close()
 
 
-def _model_name(vllm_config: "VllmConfig") -> str:
+def _model_name(vllm_config: VllmConfig) -> str:
     model_config = vllm_config.model_config
     name = getattr(model_config, "served_model_name", None) or getattr(model_config, "model", None)
     if isinstance(name, (list, tuple)):

@@ -19,20 +19,19 @@ import torch
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # before vLLM picks a platform
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.factory")
 
-from vllm.config import CacheConfig, KVTransferConfig, VllmConfig  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
-from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
-from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput  # noqa: E402
-from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noqa: E402
-                                        KVCacheGroupSpec)
-from vllm.v1.request import Request  # noqa: E402
+from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.request import Request
 
-from kvstore.client import KVStoreClient  # noqa: E402
-from kvstore.connector.vllm_v1 import PARAM_SERVER, KVStoreConnectorV1  # noqa: E402
-from tests.integration.conftest import free_port  # noqa: E402
+from kvstore.client import KVStoreClient
+from kvstore.connector.vllm_v1 import PARAM_SERVER, KVStoreConnectorV1
+from tests.integration.conftest import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -160,7 +159,7 @@ def test_dead_server_reports_load_errors_and_never_raises(server_factory):
     server = server_factory()
     prompt = list(range(7, 20))  # 13 tokens
     _, params = prefill(server, prompt, [0, 1, 2, 3])
-    sched, worker, caches = make_connectors("kv_consumer", server=server.address, timeout_s=1.0)
+    sched, worker, _ = make_connectors("kv_consumer", server=server.address, timeout_s=1.0)
     req = request("d3", prompt, params)
     matched, _ = sched.get_num_new_matched_tokens(req, 0)
     assert matched == 12

@@ -46,3 +46,17 @@ def test_first_block_skips_local_prefix_blocks():
     scatter_blocks(LAYOUT, data, dst, [0, 1, 2], 10, first_block=1)
     for s, d in zip(src, dst):
         assert not d[0].any() and torch.equal(d[1], s[6])
+
+
+def test_kvstore_and_its_connector_helpers_import_without_vllm():
+    """Only vllm_v1 (which vLLM itself imports) may need vLLM."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['vllm'] = None\n"
+            "import kvstore, kvstore.client, kvstore.connector.lookup_buffer\n"
+            "import kvstore.connector.paged_io, kvstore.connector.v1_config\n"
+            "import kvstore.connector.v1_stores\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
