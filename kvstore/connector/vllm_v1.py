@@ -41,7 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstore.connector.v1_config import ConnectorSettings, layout_from_kv_cache_config
 from kvstore.connector.v1_stores import StoreClients
-from kvstore.errors import KVStoreError
+from kvstore.errors import ConfigError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -184,9 +184,21 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
 
     # =============================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Fatal (``ConfigError``, at start-up) if the caches are not the per-layer
+        ``[blocks, kv_heads, block_size, K+V]`` views the layout was derived for."""
         missing = [n for n in self.layer_names if n not in kv_caches]
         if missing:
-            raise KVStoreError(f"kv caches lack attention layers {missing[:3]}")
+            raise ConfigError(f"kv caches lack attention layers {missing[:3]}")
+        lay = self.layout
+        want = (lay.kv_heads, lay.block_tokens, 2 * lay.head_dim)
+        for name in self.layer_names:
+            cache = kv_caches[name]
+            if cache.dim() != 4 or tuple(cache.shape[1:]) != want or \
+                    cache.dtype != lay.torch_dtype:
+                raise ConfigError(
+                    f"layer {name}: KV cache view {tuple(cache.shape)} {cache.dtype}, expected "
+                    f"[blocks, {want[0]}, {want[1]}, {want[2]}] {lay.dtype}; if the kernel "
+                    f"block size differs from --block-size, set --block-size to it")
         self._caches = [kv_caches[n] for n in self.layer_names]
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

@@ -263,3 +263,15 @@ def test_bad_extra_config_is_a_clear_error_at_start(clean_server):
         make_connectors("kv_consumer", server=clean_server.address, sevrer="typo")
     with pytest.raises(ConfigError, match="load_mode"):
         make_connectors("kv_both", server=clean_server.address, load_mode="sometimes")
+
+
+def test_caches_of_another_shape_are_refused_at_registration(clean_server):
+    from kvstore.errors import ConfigError
+
+    sched, worker, _ = make_connectors("kv_both", server=clean_server.address)
+    # e.g. vLLM split each 4-token block into two 2-token kernel blocks
+    split = {n: torch.zeros(2 * NUM_BLOCKS, HEADS, BS // 2, 2 * HEAD, dtype=torch.float16)
+             for n in LAYERS}
+    with pytest.raises(ConfigError, match="block-size"):
+        worker.register_kv_caches(split)
+    worker.shutdown(), sched.shutdown()
