@@ -275,3 +275,40 @@ def test_caches_of_another_shape_are_refused_at_registration(clean_server):
     with pytest.raises(ConfigError, match="block-size"):
         worker.register_kv_caches(split)
     worker.shutdown(), sched.shutdown()
+
+
+def test_one_step_with_a_loading_and_a_saving_request(clean_server):
+    """Orders are per request: in one step one request loads into its blocks while
+    another is saved from its own."""
+    sched, worker, caches = make_connectors("kv_both", server=clean_server.address)
+    fill_random(caches, seed=11)
+    stored = list(range(600, 609))  # 9 tokens, saved by an earlier request
+    first = request("s0", stored)
+    assert sched.get_num_new_matched_tokens(first, 0) == (0, False)
+    assert schedule(sched, worker, first, [0, 1, 2], 0) == set()
+    before = {n: c.clone() for n, c in caches.items()}
+
+    again, fresh = request("s1", stored), request("s2", list(range(700, 706)))
+    assert sched.get_num_new_matched_tokens(again, 0) == (8, False)
+    assert sched.get_num_new_matched_tokens(fresh, 0) == (0, False)
+    for req, blocks, ext in ((again, [3, 4, 5], 8), (fresh, [6, 7], 0)):
+        sched.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(b) for b in blocks],)), ext)
+        req.num_computed_tokens = ext
+    out = SchedulerOutput.make_empty()
+    out.scheduled_new_reqs = [NewRequestData.from_request(again, ([3, 4, 5],)),
+                              NewRequestData.from_request(fresh, ([6, 7],))]
+    out.num_scheduled_tokens = {"s1": 1, "s2": 6}
+    meta = sched.build_connector_meta(out)
+    assert [(o.req_id, o.block_ids, o.ntokens) for o in meta.loads] == [("s1", [3, 4, 5], 8)]
+    assert sorted(o.req_id for o in meta.saves) == ["s1", "s2"]
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    worker.wait_for_save()
+    assert worker.get_block_ids_with_load_errors() == set()
+    worker.clear_connector_metadata()
+    for name in LAYERS:
+        assert torch.equal(caches[name][3], before[name][0])
+        assert torch.equal(caches[name][4], before[name][1])
+    # s0's 3 entries (s1's are the same keys) + s2's full block and partial block.
+    assert entries(clean_server) == 5
+    worker.shutdown(), sched.shutdown()
