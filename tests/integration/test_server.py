@@ -169,3 +169,17 @@ def test_gen_keys_flag_writes_a_keypair(tmp_path):
     res = _refused([sys.executable, "-m", "kvstore.server", "--gen-keys", str(tmp_path / "k")])
     assert res.returncode == 0
     assert (tmp_path / "k" / "server.key").exists() and (tmp_path / "k" / "server.key_secret").exists()
+
+
+def test_a_req_socket_works_too(shared_server):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(shared_server.address)
+        sock.send(req(op="health"))
+        assert sock.poll(5000)
+        assert msgpack.unpackb(sock.recv())["status"] == "ok"
+    finally:
+        sock.close(0)
+        ctx.term()
