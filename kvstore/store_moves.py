@@ -116,7 +116,7 @@ class MovesMixin:
         try:
             self._vindex.apply(put=back, delete=[k for k in keys if k not in
                                                  {r.key for r in back}])
-        except Exception:  # noqa: BLE001 - the first error is the one to report
+        except Exception:  # the first error (the durable one) is the one to report
             log.exception("volatile index out of step after a failed index write")
 
     def _apply_or_free(self, put: list[Record], drop: list[bytes]) -> None:
@@ -252,17 +252,23 @@ class MovesMixin:
         self._stats["demotions"] += len(back)
         recs = [r for r in recs if r.nvme_copy is None]
         moved: list[Record] = []
-        for dst in below:
-            if not recs:
-                break
-            exts = self._allocate_each(dst, recs)
-            for rec, ext in zip(recs, exts):
-                if ext is not None:
-                    self._tiers[dst].write(ext, self._read_bytes(rec))
-                    moved.append(rec._replace(tier=dst, offset=ext.offset))
-            if dst == "nvme" and self.config.tiers.nvme_fsync != "never":
-                self._tiers[dst].flush()  # durable before the index points at it
-            recs = [r for r, e in zip(recs, exts) if e is None]
+        try:
+            for dst in below:
+                if not recs:
+                    break
+                exts = self._allocate_each(dst, recs)
+                pairs = [(r, e) for r, e in zip(recs, exts) if e is not None]
+                moved += [r._replace(tier=dst, offset=e.offset) for r, e in pairs]
+                # one call per run of adjacent extents on NVMe (tiers/nvme_runs.py)
+                self._tiers[dst].write_many([e for _, e in pairs],
+                                            [self._read_bytes(r) for r, _ in pairs])
+                if dst == "nvme" and self.config.tiers.nvme_fsync != "never":
+                    self._tiers[dst].flush()  # durable before the index points at it
+                recs = [r for r, e in zip(recs, exts) if e is None]
+        except BaseException:
+            for rec in moved:  # the records stay where they were; their new homes go
+                self._tiers[rec.tier].free(self._extent(rec))
+            raise
         self._apply_or_free(put=moved, drop=[r.key for r in recs])
         self._stats["demotions"] += len(moved)
         self._stats["evictions"] += len(recs)
@@ -284,14 +290,18 @@ class MovesMixin:
         stage = self.config.policy.stage_nvme_hits
         target = "dram" if "dram" in self._tiers else "gpu"
         exts = self._allocate_each(target, [recs[i] for i in nv]) if stage else [None] * len(nv)
+        upto = next((i for i, e in zip(nv, exts) if stage and e is None), len(recs))
+        bufs = self._read_nvme(recs, [i for i in nv if i < upto], dict(zip(nv, exts)))
         cut, moved, bad = len(recs), [], []
         for i, ext in zip(nv, exts):
-            if i >= cut or (stage and ext is None):
+            if i >= cut or i >= upto:
                 cut = min(cut, i)
-            elif not self._verified_copy(recs[i], ext):
-                bad.append(recs[i].key)
+            elif checksum(bufs[i]) != recs[i].checksum:
+                bad.append(recs[i].key)  # only the bytes of ext (if any) changed
                 cut = i
             elif ext is not None:
+                if self._tiers[target].view(ext) is None:  # read into a scratch buffer
+                    self._tiers[target].write(ext, bufs[i])
                 # the NVMe bytes stay as the entry's copy (restart, cheap re-demotion)
                 moved.append(recs[i]._replace(tier=target, offset=ext.offset,
                                               nvme_copy=recs[i].offset))
@@ -307,18 +317,19 @@ class MovesMixin:
         staged = {r.key: r for r in moved}
         return [staged.get(r.key, r) for r in recs[:cut]]
 
-    def _verified_copy(self, rec: Record, ext: Extent | None) -> bool:
-        """Read ``rec`` from NVMe into ``ext`` (or a scratch buffer when None) and
-        check its checksum; on a mismatch nothing but ``ext``'s bytes changed."""
-        src = self._extent(rec)
-        view = self._tiers[ext.tier].view(ext) if ext is not None else None
-        buf = view if view is not None else memoryview(bytearray(rec.nbytes))
-        self._tiers["nvme"].read_into(src, buf)
-        if checksum(buf) != rec.checksum:
-            return False
-        if ext is not None and view is None:
-            self._tiers[ext.tier].write(ext, buf)
-        return True
+    def _read_nvme(self, recs: list[Record], which: list[int],
+                   exts: dict[int, Extent | None]) -> dict[int, memoryview]:
+        """Read NVMe entries ``recs[i]`` for ``i in which`` in one batch (adjacent
+        extents in one call), each straight into its staging extent's view where
+        the tier has one, else into a scratch buffer."""
+        bufs: dict[int, memoryview] = {}
+        for i in which:
+            ext = exts[i]
+            view = self._tiers[ext.tier].view(ext) if ext is not None else None
+            bufs[i] = view if view is not None else memoryview(bytearray(recs[i].nbytes))
+        self._tiers["nvme"].read_many([self._extent(recs[i]) for i in which],
+                                      [bufs[i] for i in which])
+        return bufs
 
 
 def durable(rec: Record) -> bool:

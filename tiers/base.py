@@ -18,6 +18,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import NamedTuple
 
+from kvstore.errors import InvalidRequestError
+
 
 class Extent(NamedTuple):
     """A byte range ``[offset, offset + nbytes)`` of one tier."""
@@ -84,6 +86,18 @@ class Tier(ABC):
     def read_into(self, extent: Extent, out: memoryview) -> None:
         """Copy the extent's bytes into ``out`` (exactly ``extent.nbytes`` bytes)."""
 
+    def write_many(self, extents: list[Extent], datas: list[memoryview]) -> None:
+        """``write`` each extent; a tier may batch adjacent ones into one call."""
+        same_length(extents, datas)
+        for ext, data in zip(extents, datas):
+            self.write(ext, data)
+
+    def read_many(self, extents: list[Extent], outs: list[memoryview]) -> None:
+        """``read_into`` each extent; a tier may batch adjacent ones into one call."""
+        same_length(extents, outs)
+        for ext, out in zip(extents, outs):
+            self.read_into(ext, out)
+
     def view(self, extent: Extent) -> memoryview | None:
         """Zero-copy view of an extent for memory tiers; None for block tiers."""
         return None
@@ -108,3 +122,8 @@ class Tier(ABC):
 
     def close(self) -> None:
         """Release the arena or file. The tier is unusable afterwards."""
+
+
+def same_length(extents: list, bufs: list) -> None:
+    if len(extents) != len(bufs):
+        raise InvalidRequestError(f"{len(extents)} extents but {len(bufs)} buffers")
