@@ -39,7 +39,8 @@ import torch
 
 from kvstore.client import KVStoreClient
 from kvstore.connector.v0_record import decode_record, encode_record
-from kvstore.errors import InvalidRequestError, KVStoreError, MissError, TierFullError
+from kvstore.errors import (ChecksumError, InvalidRequestError, KVStoreError, MissError,
+                            TierFullError)
 from kvstore.hashing import hidden_key, tokens_to_array
 from kvstore.layout import KVLayout
 
@@ -146,14 +147,23 @@ class KVStoreLookupBuffer:
                 # Another consumer of the same tokens took part of it first.
                 return [None] * 5
             if not np.array_equal(got.kv.numpy().view("<i4"), masked.ids):
-                raise InvalidRequestError("stored token ids differ from the requested ones")
+                raise ChecksumError("stored token ids differ from the requested ones")
             return [None if t is None else t.to(device) for t in decode_record(got.hidden)]
         finally:
             if self.hold_until_consumed:
-                self._unpin(masked.keys)
+                self._unpin(self._consumed_keys(masked, got.matched_tokens, got.hidden))
+
+    def _consumed_keys(self, masked: _Masked, matched_tokens: int,
+                       hidden: torch.Tensor | None) -> list[bytes]:
+        """The keys whose pending count this drop_select took: their writer's pin is ours
+        to release. Keys nobody dropped keep their pins (another consumer's)."""
+        nblocks = -(-matched_tokens // self._client.layout.block_tokens)
+        return [*masked.keys[:nblocks], *([masked.keys[-1]] if hidden is not None else [])]
 
     def _unpin(self, keys: list[bytes]) -> None:
         # drop_select brought pending to 0; the pin kept the entry; unpinning frees it.
+        if not keys:
+            return
         try:
             self._client.unpin(keys)
         except KVStoreError as exc:  # already gone (cleared, or not pinned by its writer)

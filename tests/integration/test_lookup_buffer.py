@@ -158,3 +158,20 @@ def test_shuffled_stress_through_a_small_server(server_factory):
     assert provider.full_waits > 0  # and the provider did have to wait for room
     assert _entries(server) == 0
     provider.close(), consumer.close()
+
+
+def test_two_inserts_of_one_prompt_serve_two_consumers(clean_server):
+    """Like two prefills of one prompt for two decodes: each drop_select takes one."""
+    server = clean_server
+    provider = _buffer(server)
+    consumers = [_buffer(server, select_timeout_s=0.2) for _ in range(3)]
+    tokens = torch.arange(40, 53)
+    for _ in range(2):
+        provider.insert(tokens, None, torch.full((4,), 7.0), torch.full((4,), 8.0), None)
+    for consumer in consumers[:2]:
+        got = consumer.drop_select(tokens, None)
+        assert got[0] is not None and torch.equal(got[2], torch.full((4,), 7.0))
+    assert consumers[2].drop_select(tokens, None) == [None] * 5
+    assert _entries(server) == 0
+    for buf in (provider, *consumers):
+        buf.close()
