@@ -219,9 +219,14 @@ def _sizes(opts: BenchOptions) -> dict[str, list[int]]:
 
 def bench_transfer(opts: BenchOptions) -> list[Row]:
     """Prompt-length sweep, both layouts, all three systems interleaved."""
+    return run_transfer(opts, _sizes(opts))
+
+
+def run_transfer(opts: BenchOptions, layouts: dict[str, list[int]]) -> list[Row]:
+    """``layouts``: layout name -> prompt lengths (tokens); one pair of nodes each."""
     rows: list[Row] = []
     kind = ""
-    for layout, sizes in _sizes(opts).items():
+    for layout, sizes in layouts.items():
         lay = LAYOUTS[layout]
         max_bytes = lay.nbytes(max(sizes))
         with make_cluster(2) as cluster, ExitStack() as stack:
@@ -236,6 +241,8 @@ def bench_transfer(opts: BenchOptions) -> list[Row]:
                 nbytes = lay.nbytes(ntokens)
                 for rep in range(_reps(opts, nbytes)):
                     _one_prompt(systems, samples, (layout, ntokens), layout, ntokens, rep)
+                print(f"   {layout} layout, {ntokens} tokens: done, load "
+                      f"{os.getloadavg()[0]:.1f}", flush=True)
                 blocks = len(lay.entry_sizes(ntokens))
                 for name in systems:
                     for op in ("put", "get", "put+get"):
@@ -246,7 +253,7 @@ def bench_transfer(opts: BenchOptions) -> list[Row]:
                                           f"{max(sizes)} tokens")
     rows += _ratios([r for r in rows if r["table"] == "prompts"], ("layout", "tokens"))
     save("transfer", rows, opts, {"nodes": kind, "layouts": {
-        n: LAYOUTS[n].describe() for n in _sizes(opts)}})
+        n: LAYOUTS[n].describe() for n in layouts}})
     return rows
 
 
@@ -278,6 +285,7 @@ def bench_entries(opts: BenchOptions) -> list[Row]:
             held = level
             for rep in range(opts.pick(3, 10)):
                 _one_prompt(systems, samples, (level,), layout, ntokens, rep)
+            print(f"   {level} entries held: done", flush=True)
             for name, s in systems.items():
                 for op in ("put", "get"):
                     store = s.others.get("server") or s.others.get("master") or s.producer.proc
@@ -288,3 +296,52 @@ def bench_entries(opts: BenchOptions) -> list[Row]:
     rows += _ratios([r for r in rows if r["table"] == "entries"], ("entries",))
     save("entries", rows, opts, {"nodes": cluster.kind, "layout": layout, "tokens": ntokens})
     return rows
+
+
+# ------------------------------------------------------------------ profiling
+def profile(layout: str, ntokens: int, reps: int, out: Path) -> None:
+    """kvstore insert + drop_select under pyinstrument (producer, consumer) and
+    py-spy (the server), ``reps`` prompts; reports land in ``out``."""
+    import shutil
+    import tempfile
+
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ["KVSTORE_BENCH_PROFILE"] = str(out.resolve())
+    nbytes = LAYOUTS[layout].nbytes(ntokens)
+    with make_cluster(2) as cluster, ExitStack() as stack:
+        workdir = Path(tempfile.mkdtemp(prefix="bench-profile-"))
+        stack.callback(shutil.rmtree, workdir, True)
+        systems = _start_systems(stack, cluster, workdir, [layout], {layout: ntokens},
+                                 2 * nbytes + 64 * MiB, systems=("kvstore",))
+        server = systems["kvstore"].others["server"]
+        spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record",
+                                "--pid", str(server.pid), "--format", "raw", "--nonblocking",
+                                "-o", str(out / "kvstore-server.pyspy.txt")],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        samples = Samples()
+        for rep in range(reps):
+            _one_prompt(systems, samples, (layout, ntokens), layout, ntokens, rep)
+        spy.send_signal(2)  # SIGINT: py-spy writes its report and exits
+        spy.wait(timeout=60)
+        for op in ("put", "get"):
+            row = samples.row((layout, ntokens, "kvstore", op), nbytes, 1)
+            print(f"kvstore {op}: {row['GB/s']:.3f} GB/s, p50 {row['p50 ms']:.1f} ms")
+    print(f"profiles in {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="profile kvstore's two-node hot path")
+    parser.add_argument("--layout", default="large", choices=sorted(LAYOUTS))
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--reps", type=int, default=8)
+    parser.add_argument("--out", default=str(results_dir() / "profile"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    profile(args.layout, args.tokens, args.reps, Path(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
