@@ -39,8 +39,13 @@ import torch
 
 from kvstore.client import KVStoreClient
 from kvstore.connector.v0_record import decode_record, encode_record
-from kvstore.errors import (ChecksumError, InvalidRequestError, KVStoreError, MissError,
-                            TierFullError)
+from kvstore.errors import (
+    ChecksumError,
+    InvalidRequestError,
+    KVStoreError,
+    MissError,
+    TierFullError,
+)
 from kvstore.hashing import hidden_key, tokens_to_array
 from kvstore.layout import KVLayout
 
