@@ -81,6 +81,11 @@ SECTIONS: list[Section] = [
     Section("entries", "tools.bench_cluster:bench_entries",
             "two nodes: put/get latency as the stores hold more entries"),
 ]
+# Run only when asked (--gpu, or --only by name): they need a CUDA GPU.
+GPU_SECTIONS: list[Section] = [
+    Section("transfer-gpu", "tools.bench_cluster:bench_transfer_gpu",
+            "--gpu: the transfer section with KV in VRAM (device tier, TE from GPU memory)"),
+]
 
 
 # ------------------------------------------------------------------ timing helpers
@@ -140,7 +145,7 @@ def run_sections(names: list[str] | None, opts: BenchOptions) -> dict[str, Any]:
 def _select(names: list[str] | None) -> list[Section]:
     if not names:
         return list(SECTIONS)
-    known = {s.name: s for s in SECTIONS}
+    known = {s.name: s for s in [*SECTIONS, *GPU_SECTIONS]}
     unknown = [n for n in names if n not in known]
     if unknown:
         raise SystemExit(f"unknown section(s) {unknown}; one of {sorted(known)}")
@@ -206,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="directory on the file system to benchmark (default: a temp dir)")
     parser.add_argument("--json", metavar="PATH", help="also write all rows as JSON here")
     parser.add_argument("--list", action="store_true", help="list the sections and exit")
+    parser.add_argument("--gpu", action="store_true",
+                        help="also run the GPU sections (needs CUDA; fails clearly without)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.list:
@@ -213,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{s.name:10} {s.help}")
         return 0
     names = [n.strip() for item in args.only or [] for n in item.split(",") if n.strip()]
+    if args.gpu:
+        names = [*(names or [s.name for s in SECTIONS]), *(s.name for s in GPU_SECTIONS)]
     base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
     opts = BenchOptions(quick=args.quick, full=args.full, workdir=base, repeat=args.repeat)

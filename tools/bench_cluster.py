@@ -96,12 +96,12 @@ def bench_limits(opts: BenchOptions) -> list[Row]:
 
 # ------------------------------------------------------------------ the systems
 def _start_systems(stack: ExitStack, cluster, workdir: Path, layouts: list[str],
-                   max_tokens: dict[str, int], store_bytes: int, systems=SYSTEMS
-                   ) -> dict[str, SystemProcs]:
+                   max_tokens: dict[str, int], store_bytes: int, systems=SYSTEMS,
+                   device: str = "cpu") -> dict[str, SystemProcs]:
     a, b = cluster.nodes
     max_bytes = max(LAYOUTS[n].nbytes(t) for n, t in max_tokens.items())
     base = {"layouts": layouts, "max_tokens": max_tokens, "max_bytes": max_bytes,
-            "profile": os.environ.get("KVSTORE_BENCH_PROFILE", "")}
+            "profile": os.environ.get("KVSTORE_BENCH_PROFILE", ""), "device": device}
     out = {}
 
     def worker(node, system, role, **cfg) -> WorkerProc:
@@ -111,7 +111,7 @@ def _start_systems(stack: ExitStack, cluster, workdir: Path, layouts: list[str],
         return w
 
     if "kvstore" in systems:
-        srv, address = _start_kvstore_server(a, workdir, store_bytes)
+        srv, address = _start_kvstore_server(a, workdir, store_bytes, device)
         cross = "auto" if cluster.kind == "netns" else False
         s = SystemProcs("kvstore", others={"server": srv})
         common = {"server": address, "staging_bytes": max_bytes}
@@ -135,10 +135,12 @@ def _start_systems(stack: ExitStack, cluster, workdir: Path, layouts: list[str],
     return out
 
 
-def _start_kvstore_server(node, workdir: Path, dram_bytes: int):
+def _start_kvstore_server(node, workdir: Path, nbytes: int, device: str = "cpu"):
     port = node.free_port()
+    tiers = (["--dram", str(nbytes)] if device == "cpu"
+             else ["--dram", "0", "--gpu", str(nbytes), "--gpu-device", device])
     argv = [sys.executable, "-m", "kvstore.server", "--host", node.host, "--port", str(port),
-            "--data-dir", str(workdir / "kvstore-data"), "--dram", str(dram_bytes),
+            "--data-dir", str(workdir / "kvstore-data"), *tiers,
             "--nvme", "0", "--block-tokens", "16", "--log-level", "warning"]
     with open(workdir / "kvstore-server.log", "ab") as log_file:
         proc = node.popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
@@ -222,8 +224,24 @@ def bench_transfer(opts: BenchOptions) -> list[Row]:
     return run_transfer(opts, _sizes(opts))
 
 
-def run_transfer(opts: BenchOptions, layouts: dict[str, list[int]]) -> list[Row]:
-    """``layouts``: layout name -> prompt lengths (tokens); one pair of nodes each."""
+def bench_transfer_gpu(opts: BenchOptions) -> list[Row]:
+    """``--gpu``: the KV lives in VRAM -- kvstore's device tier on node A (no DRAM
+    tier), raw TE from and into GPU memory; Mooncake Store is left out (its segments
+    are host memory). Needs CUDA and the CUDA build of mooncake-transfer-engine."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("--gpu needs a CUDA GPU (torch.cuda.is_available() is False here) "
+                           "and the CUDA build of mooncake-transfer-engine; run without --gpu")
+    return run_transfer(opts, _sizes(opts), device="cuda:0")
+
+
+def run_transfer(opts: BenchOptions, layouts: dict[str, list[int]],
+                 device: str = "cpu") -> list[Row]:
+    """``layouts``: layout name -> prompt lengths (tokens); one pair of nodes each.
+    ``device``: where producer and consumer keep the KV (``cuda:N``: see --gpu)."""
+    section = "transfer" if device == "cpu" else "transfer-gpu"
+    systems_run = SYSTEMS if device == "cpu" else ("kvstore", "rawte")
     rows: list[Row] = []
     kind = ""
     for layout, sizes in layouts.items():
@@ -234,7 +252,7 @@ def run_transfer(opts: BenchOptions, layouts: dict[str, list[int]]) -> list[Row]
             workdir = opts.workdir / layout
             workdir.mkdir()
             systems = _start_systems(stack, cluster, workdir, [layout], {layout: max(sizes)},
-                                     2 * max_bytes + 64 * MiB)
+                                     2 * max_bytes + 64 * MiB, systems_run, device)
             samples = Samples()
             _one_prompt(systems, Samples(), ("warm-up",), layout, min(sizes), 0)
             for ntokens in sizes:
@@ -252,7 +270,7 @@ def run_transfer(opts: BenchOptions, layouts: dict[str, list[int]]) -> list[Row]
             rows += _memory_rows(systems, f"peak memory, {layout} layout up to "
                                           f"{max(sizes)} tokens")
     rows += _ratios([r for r in rows if r["table"] == "prompts"], ("layout", "tokens"))
-    save("transfer", rows, opts, {"nodes": kind, "layouts": {
+    save(section, rows, opts, {"nodes": kind, "device": device, "layouts": {
         n: LAYOUTS[n].describe() for n in layouts}})
     return rows
 

@@ -67,8 +67,24 @@ class PromptData:
         return data
 
 
-def digest(data: np.ndarray) -> str:
+def digest(data: Any) -> str:
+    if not isinstance(data, np.ndarray):  # a torch tensor, maybe in VRAM (--gpu)
+        data = data.cpu().numpy()
     return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(data))
+
+
+def on_device(device: str, data: np.ndarray, pool: dict) -> Any:
+    """``data`` where the workload keeps KV: host memory, or VRAM for --gpu runs
+    (copied into one reused device buffer, outside the timed part)."""
+    if device == "cpu":
+        return data
+    import torch
+
+    if "buf" not in pool or pool["buf"].numel() < data.size:
+        pool["buf"] = torch.empty(data.size, dtype=torch.uint8, device=device)
+    out = pool["buf"][:data.size]
+    out.copy_(torch.from_numpy(data))
+    return out
 
 
 # ------------------------------------------------------------------ systems
@@ -82,17 +98,19 @@ class KVStoreSide:
                                             te_host=cfg["host"], same_node=cfg["same_node"],
                                             timeout_s=120.0, staging_bytes=cfg["staging_bytes"])
                         for name in cfg["layouts"]}
+        self.device = cfg.get("device", "cpu")
 
     def put(self, name: str, pid: int, ntokens: int, data: np.ndarray) -> None:
         res = self.clients[name].insert(prompt_tokens(pid, ntokens), data)
         if res.existing_blocks:
             raise RuntimeError(f"prompt {pid} was already stored ({res})")
 
-    def get(self, name: str, pid: int, ntokens: int) -> np.ndarray:
+    def get(self, name: str, pid: int, ntokens: int) -> Any:
         res = self.clients[name].drop_select(prompt_tokens(pid, ntokens))
         if res.matched_tokens != ntokens:
             raise RuntimeError(f"drop_select matched {res.matched_tokens}/{ntokens} tokens")
-        return res.kv.numpy()
+        # --gpu: the consumer wants the KV in VRAM; the client hands back host memory.
+        return res.kv.numpy() if self.device == "cpu" else res.kv.to(self.device)
 
     def close(self) -> None:
         for c in self.clients.values():
@@ -108,21 +126,33 @@ class RawTESide:
         from kvstore.transfer import Transport
 
         self.te = Transport(cfg["host"])
-        self.buf = self.te.allocate_buffer(cfg["max_bytes"])
+        self.device = cfg.get("device", "cpu")
+        if self.device == "cpu":
+            buf = self.te.allocate_buffer(cfg["max_bytes"])
+            self.array, self.address = buf.array, buf.address
+        else:  # --gpu: TE straight from/to VRAM (needs the CUDA build of TE)
+            import torch
+
+            self.array = torch.empty(cfg["max_bytes"], dtype=torch.uint8, device=self.device)
+            self.address = self.array.data_ptr()
+            self.te.register(self.address, cfg["max_bytes"], f"cuda:{self.array.device.index}")
         self.peer = cfg.get("peer")  # consumer: the producer's {"segment", "address"}
 
     def info(self) -> dict:
-        return {"segment": self.te.segment, "address": self.buf.address}
+        return {"segment": self.te.segment, "address": self.address}
 
-    def put(self, name: str, pid: int, ntokens: int, data: np.ndarray) -> None:
-        np.copyto(self.buf.array[:data.size], data)
+    def put(self, name: str, pid: int, ntokens: int, data: Any) -> None:
+        if self.device == "cpu":
+            np.copyto(self.array[:data.size], data)
+        else:
+            self.array[:data.numel()].copy_(data)
 
-    def get(self, name: str, pid: int, ntokens: int) -> np.ndarray:
+    def get(self, name: str, pid: int, ntokens: int) -> Any:
         sizes = np.asarray(LAYOUTS[name].entry_sizes(ntokens), dtype=np.int64)
         offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-        self.te.read(self.peer["segment"], self.buf.address + offsets,
+        self.te.read(self.peer["segment"], self.address + offsets,
                      self.peer["address"] + offsets, sizes)
-        return self.buf.array[:int(sizes.sum())]
+        return self.array[:int(sizes.sum())]
 
     def close(self) -> None:
         self.te.close()
@@ -146,6 +176,8 @@ class Worker:
         self.cfg = cfg
         self.side = make_side(cfg)
         self.data: dict[str, PromptData] = {}
+        self.device = cfg.get("device", "cpu")
+        self._device_pool: dict = {}
 
     def _data(self, name: str, ntokens: int) -> PromptData:
         if name not in self.data:
@@ -156,11 +188,12 @@ class Worker:
         return self.data[name]
 
     def put(self, cmd: dict) -> dict:
-        data = self._data(cmd["layout"], cmd["ntokens"]).make(cmd["pid"], cmd["ntokens"])
+        host = self._data(cmd["layout"], cmd["ntokens"]).make(cmd["pid"], cmd["ntokens"])
+        data = on_device(self.device, host, self._device_pool)
         start = time.perf_counter()
         self.side.put(cmd["layout"], cmd["pid"], cmd["ntokens"], data)
-        return {"s": time.perf_counter() - start, "nbytes": int(data.size),
-                "digest": digest(data)}
+        return {"s": time.perf_counter() - start, "nbytes": int(host.size),
+                "digest": digest(host)}
 
     def get(self, cmd: dict) -> dict:
         start = time.perf_counter()
@@ -168,7 +201,8 @@ class Worker:
         seconds = time.perf_counter() - start
         if cmd.get("digest") and digest(out) != cmd["digest"]:
             raise RuntimeError(f"prompt {cmd['pid']}: the bytes that arrived differ")
-        return {"s": seconds, "nbytes": int(out.size)}
+        return {"s": seconds, "nbytes": int(out.size if isinstance(out, np.ndarray)
+                                             else out.numel())}
 
     def fill(self, cmd: dict) -> dict:
         start = time.perf_counter()

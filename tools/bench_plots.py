@@ -26,8 +26,8 @@ LABEL = {"kvstore": "kvstore", "mooncake": "Mooncake Store", "rawte": "raw TE (f
 
 def render(section: str, rows: list[Row], outdir: Path) -> list[Path]:
     outdir.mkdir(parents=True, exist_ok=True)
-    if section == "transfer":
-        return [*_transfer(rows, outdir)]
+    if section.startswith("transfer"):
+        return [*_transfer(rows, outdir, section)]
     if section == "entries":
         return [_entries(rows, outdir)]
     return []
@@ -55,7 +55,7 @@ def _plot(ax, series: dict[str, tuple], ylabel: str, title: str, logy: bool = Fa
     ax.grid(True, alpha=0.3)
 
 
-def _transfer(rows: list[Row], outdir: Path) -> list[Path]:
+def _transfer(rows: list[Row], outdir: Path, section: str) -> list[Path]:
     paths = []
     layouts = sorted({r["layout"] for r in rows if r.get("table") == "prompts"})
     for layout in layouts:
@@ -73,15 +73,15 @@ def _transfer(rows: list[Row], outdir: Path) -> list[Path]:
             ax.set_xlabel("prompt tokens")
         axes[0][0].legend()
         fig.tight_layout()
-        path = outdir / f"transfer-{layout}.png"
+        path = outdir / f"{section}-{layout}.png"
         fig.savefig(path, dpi=90)
         plt.close(fig)
         paths.append(path)
-    paths.append(_ratio_plot(rows, outdir))
+    paths.append(_ratio_plot(rows, outdir, section))
     return paths
 
 
-def _ratio_plot(rows: list[Row], outdir: Path) -> Path:
+def _ratio_plot(rows: list[Row], outdir: Path, section: str) -> Path:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for r_key, style in (("kv/rawte", "-"), ("kv/mooncake", "--")):
         for layout in sorted({r["layout"] for r in rows if r.get("table") == "ratios"}):
@@ -100,7 +100,7 @@ def _ratio_plot(rows: list[Row], outdir: Path) -> Path:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = outdir / "transfer-ratios.png"
+    path = outdir / f"{section}-ratios.png"
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
