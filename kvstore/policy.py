@@ -42,9 +42,16 @@ class EvictionPolicy(ABC):
 
     name: str
 
+    @staticmethod
     @abstractmethod
+    def sort_key(entry: Candidate) -> tuple:
+        """Where an entry goes in the order (smallest first), ending with its key so
+        no two entries tie. Takes anything with the fields used (a ``Candidate`` or
+        an index ``Record``): the store keeps its tiers in this order."""
+
     def order(self, candidates: Iterable[Candidate]) -> list[Candidate]:
         """Candidates, first to go first."""
+        return sorted(candidates, key=self.sort_key)
 
     def select(self, candidates: Iterable[Candidate], nbytes: int | None) -> Selection:
         """Enough movable candidates to free ``nbytes`` (all movable ones if None).
@@ -52,10 +59,15 @@ class EvictionPolicy(ABC):
         Frees fewer than asked when there are not enough movable candidates; the
         caller decides whether that is an error.
         """
+        return self.take(self.order(candidates), nbytes)
+
+    def take(self, ordered: Iterable[Candidate], nbytes: int | None) -> Selection:
+        """``select`` over candidates already in policy order; consumes ``ordered``
+        only as far as needed (the store passes a lazy walk of its tier order)."""
         keys: list[bytes] = []
         skipped: list[bytes] = []
         freed = 0
-        for cand in self.order(candidates):
+        for cand in ordered:
             if nbytes is not None and freed >= nbytes:
                 break
             if not cand.movable:
@@ -77,8 +89,9 @@ class LRUPolicy(EvictionPolicy):
 
     name = "lru"
 
-    def order(self, candidates: Iterable[Candidate]) -> list[Candidate]:
-        return sorted(candidates, key=lambda c: (c.last_access, c.created, c.key))
+    @staticmethod
+    def sort_key(entry: Candidate) -> tuple:
+        return (entry.last_access, entry.created, entry.key)
 
 
 class FIFOPolicy(EvictionPolicy):
@@ -86,8 +99,9 @@ class FIFOPolicy(EvictionPolicy):
 
     name = "fifo"
 
-    def order(self, candidates: Iterable[Candidate]) -> list[Candidate]:
-        return sorted(candidates, key=lambda c: (c.created, c.key))
+    @staticmethod
+    def sort_key(entry: Candidate) -> tuple:
+        return (entry.created, entry.key)
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "fifo": FIFOPolicy}

@@ -40,6 +40,7 @@ from kvstore.index import Index, Record, open_volatile
 from kvstore.policy import Candidate, make_policy
 from kvstore.store_audit import AuditMixin
 from kvstore.store_moves import Lease, MovesMixin, Open
+from kvstore.store_order import GroupOrder
 from kvstore.store_setup import DataDirLock, build_tiers, recover
 from kvstore.store_types import (
     TIER_ORDER,
@@ -132,6 +133,14 @@ class Store(MovesMixin, AuditMixin):
         for rec in sorted(recovered, key=lambda r: r.last_access):
             self._records[rec.key] = rec
             self._by_tier[rec.tier][rec.key] = None
+        # victim order per tier, and of the NVMe copies of staged entries
+        self._orders = {name: GroupOrder(self._policy.sort_key, self._member_of(name),
+                                         lambda name=name: self._by_tier[name])
+                        for name in self._tiers}
+        self._copy_order = GroupOrder(self._policy.sort_key, self._copy_of,
+                                      lambda: self._copies)
+        for order in self._orders.values():
+            order.rebuild()
 
     # ------------------------------------------------------------ properties
     @property
@@ -288,6 +297,7 @@ class Store(MovesMixin, AuditMixin):
             recs = [self._records[r.key]._replace(last_access=now) for r in recs]
             for rec in recs:
                 self._records[rec.key] = rec
+                self._reordered(rec)
             aid = new_id()
             self._acqs[aid] = Lease([r.key for r in recs], now + lease, claim)
             if claim:
@@ -539,12 +549,15 @@ class Store(MovesMixin, AuditMixin):
                           recs[k].created, recs[k].pins, self._leased.get(k, 0))
                 for k in self._by_tier[name]]
 
-    def _copy_candidates(self) -> list[Candidate]:
-        """NVMe copies of entries served from memory: dropping one moves nothing."""
-        ps = self._tiers["nvme"].page_size
-        recs = self._records
-        return [Candidate(k, -(-recs[k].nbytes // ps) * ps, recs[k].last_access,
-                          recs[k].created, recs[k].pins, 0) for k in self._copies]
+    def _member_of(self, name: str):
+        def member(key: bytes) -> Record | None:
+            rec = self._records.get(key)
+            return rec if rec is not None and rec.tier == name else None
+        return member
+
+    def _copy_of(self, key: bytes) -> Record | None:
+        rec = self._records.get(key)
+        return rec if rec is not None and rec.nvme_copy is not None else None
 
     def _open_reservation(self, rid: int) -> Open:
         op = self._res.get(rid)

@@ -25,7 +25,8 @@ from typing import NamedTuple
 from kvstore.errors import TierFullError
 from kvstore.hashing import checksum
 from kvstore.index import Record
-from kvstore.policy import bytes_to_free, over_watermark
+from kvstore.policy import Candidate, Selection, bytes_to_free, over_watermark
+from kvstore.store_order import GroupOrder
 from kvstore.store_types import MEMORY_TIERS, TIER_ORDER
 from tiers.base import Extent
 
@@ -69,6 +70,7 @@ class MovesMixin:
                 self._copies.pop(rec.key, None)
             else:
                 self._copies[rec.key] = None
+            self._reordered(rec, old)
             if old is not None:
                 for ext in set(_owned(old)) - set(_owned(rec)):
                     self._tiers[ext.tier].free(ext)
@@ -131,6 +133,16 @@ class MovesMixin:
                         rec.tier == "nvme" and rec.offset == old.nvme_copy):
                     self._tiers[rec.tier].free(Extent(rec.tier, rec.offset, rec.nbytes))
             raise
+
+    def _reordered(self, rec: Record, old: Record | None = None) -> None:
+        """Keep the victim orders (kvstore/store_order.py) in step with ``rec``, which
+        just replaced ``old``: a new item where it joined a group or moved in it."""
+        key = self._policy.sort_key
+        moved = old is None or key(old) != key(rec)
+        if moved or old.tier != rec.tier:
+            self._orders[rec.tier].push(rec)
+        if rec.nvme_copy is not None and (moved or old.nvme_copy is None):
+            self._copy_order.push(rec)
 
     def _hold(self, keys: Sequence[bytes]) -> None:
         for key in keys:
@@ -231,15 +243,30 @@ class MovesMixin:
             return 0
         freed = 0
         if name == "nvme" and self._copies:
-            sel = self._policy.select(self._copy_candidates(), nbytes)
+            sel = self._victims(self._copy_order, "nvme", nbytes, copies=True)
             self._apply(put=[self._records[k]._replace(nvme_copy=None) for k in sel.keys])
             freed = sel.nbytes
         if freed < nbytes:
-            sel = self._policy.select(self._candidates(name), nbytes - freed)
+            sel = self._victims(self._orders[name], name, nbytes - freed)
             if sel.keys:
                 self._move_down(name, sel.keys)
             freed += sel.nbytes
         return freed
+
+    def _victims(self, order: GroupOrder, name: str, nbytes: int,
+                 copies: bool = False) -> Selection:
+        """Policy victims worth ``nbytes`` of tier ``name``, walking its kept order
+        (O(victims + skipped), not a sort of the tier). A copy is never leased:
+        dropping it leaves the entry where it is served from."""
+        page = self._tiers[name].page_size
+        walk = order.walk()
+        try:
+            return self._policy.take(
+                (Candidate(r.key, -(-r.nbytes // page) * page, r.last_access, r.created,
+                           r.pins, 0 if copies else self._leased.get(r.key, 0))
+                 for r in walk), nbytes)
+        finally:
+            walk.close()
 
     def _move_down(self, name: str, keys: list[bytes]) -> None:
         recs = [self._records[k] for k in keys]

@@ -1,0 +1,85 @@
+"""The kept victim order (kvstore/store_order.py) walks each tier in exactly the
+order the policy would sort it, through random puts, hits, moves and drops."""
+
+import random
+
+import pytest
+
+from kvstore.errors import KVStoreError
+from kvstore.policy import make_policy
+from kvstore.store_order import GroupOrder
+from tests.unit.conftest import key, put, toks
+
+
+def _walked(order):
+    walk = order.walk()
+    try:
+        return [r.key for r in walk]
+    finally:
+        walk.close()
+
+
+def _check_orders(store):
+    sort_key = store._policy.sort_key
+    for name in store.tier_names:
+        members = [store._records[k] for k in store._by_tier[name]]
+        assert _walked(store._orders[name]) == [r.key for r in sorted(members, key=sort_key)]
+        assert _walked(store._orders[name]) == _walked(store._orders[name])  # walk keeps items
+    copies = sorted((store._records[k] for k in store._copies), key=sort_key)
+    assert _walked(store._copy_order) == [r.key for r in copies]
+
+
+@pytest.mark.parametrize("policy,seed", [("lru", 1), ("lru", 2), ("fifo", 3)])
+def test_walk_matches_the_policy_sort(make_store, monkeypatch, policy, seed):
+    import kvstore.store_order as so
+
+    monkeypatch.setattr(so, "_SLACK", 4)  # rebuilds happen within the test
+    rng = random.Random(seed)
+    store = make_store(dram=6, nvme=10, high=0.8, low=0.5)
+    store._policy = make_policy(policy)
+    for order in [*store._orders.values(), store._copy_order]:
+        order._sort_key = store._policy.sort_key
+        order.rebuild()
+    for step in range(200):
+        ids = rng.sample(range(24), rng.randint(1, 3))
+        op = rng.choice(["put", "put", "hit", "hit", "demote", "evict", "pin"])
+        try:
+            if op == "put":
+                put(store, ids)
+            elif op == "hit":
+                acq = store.acquire([key(i) for i in ids], [toks(i) for i in ids])
+                store.release(acq.id, drop=rng.random() < 0.3)
+            elif op == "demote":
+                store.demote([key(i) for i in ids])
+            elif op == "evict":
+                store.evict(nbytes=rng.randint(0, 3) * 4096)
+            else:
+                stored = [key(i) for i in ids if key(i) in store._records]
+                store.pin(stored) if rng.random() < 0.5 else store.unpin(stored)
+        except KVStoreError:
+            pass
+        _check_orders(store)
+    store.check_integrity()
+
+
+def test_stale_and_repeated_items_are_skipped_and_rebuild_bounds_the_heap():
+    from kvstore.index import Record
+
+    recs: dict[bytes, Record] = {}
+
+    def rec(i, t):
+        return Record(key(i), "dram", 0, 1, 1, b"", 0, 0.0, t, 0, 1, b"")
+
+    order = GroupOrder(make_policy("lru").sort_key, recs.get, lambda: recs)
+    for i in range(5):
+        recs[key(i)] = rec(i, float(i))
+        order.push(recs[key(i)])
+    recs[key(0)] = rec(0, 9.0)  # touched: its old item is stale now
+    order.push(recs[key(0)])
+    order.push(recs[key(2)])  # the same item twice
+    del recs[key(3)]  # gone
+    assert _walked(order) == [key(1), key(2), key(4), key(0)]
+    for _ in range(3000):
+        order.push(recs[key(1)])
+    assert len(order._heap) <= 2 * len(recs) + 1024 + 1
+    assert _walked(order) == [key(1), key(2), key(4), key(0)]
