@@ -55,8 +55,10 @@ class Record(NamedTuple):
     nvme_copy: int | None = None
 
 
-def encode(rec: Record) -> bytes:
-    return msgpack.packb([_FORMAT, *rec[1:]], use_bin_type=True)
+def encode(rec: Record, packer: msgpack.Packer | None = None) -> bytes:
+    """The stored value of ``rec``. ``packer`` (one per index, used under the
+    store's lock) saves building a Packer per record: a third of the cost."""
+    return (packer or msgpack.Packer(use_bin_type=True)).pack((_FORMAT, *rec[1:]))
 
 
 def decode(key: bytes, value: bytes) -> Record:
@@ -88,6 +90,7 @@ class Index:
         except lmdb.Error as exc:
             raise ConfigError(f"cannot open index at {path}: {exc}") from exc
         self.path = str(path)
+        self._packer = msgpack.Packer(use_bin_type=True)
 
     # -------------------------------------------------------------- reads
     def get(self, key: bytes) -> Record | None:
@@ -110,13 +113,17 @@ class Index:
         """Write ``put`` and remove ``delete`` in one transaction (deletes first).
         All or nothing; a full map is ``TierFullError`` (grow store.index_map_bytes)."""
         try:
+            pack = self._packer.pack
             with self._env.begin(write=True) as txn:
                 for key in delete:
                     txn.delete(key)
+                items = []
                 for rec in put:
                     if rec.state != COMMITTED:
                         raise IntegrityError(f"refusing to persist a {rec.state} record")
-                    txn.put(rec.key, encode(rec))
+                    items.append((rec.key, pack((_FORMAT, *rec[1:]))))
+                if items:
+                    txn.cursor().putmulti(items)  # one C loop for the batch
         except lmdb.MapFullError as exc:
             raise TierFullError(f"index map is full ({self.path}): raise "
                                 f"store.index_map_bytes") from exc

@@ -209,7 +209,8 @@ class Store(MovesMixin, AuditMixin):
             op = self._open_reservation(reservation_id)
             new = [i for i, e in enumerate(op.extents) if e is not None]
             sums = _match_checksums(checksums, len(op.keys), new)
-            bad = [op.keys[i] for i, s in zip(new, sums) if self._checksum_at(op.extents[i]) != s]
+            got = self._checksums([op.extents[i] for i in new])
+            bad = [op.keys[i] for i, s, g in zip(new, sums, got) if g != s]
             if bad:
                 self._close_reservation(op)
                 self._stats["commit_checksum_failures"] += len(bad)

@@ -60,9 +60,14 @@ class MovesMixin:
         if not put and not drop:
             return
         self._write_index(put, drop)
+        records, by_tier, orders = self._records, self._by_tier, self._orders
         for rec in put:
-            old = self._records.get(rec.key)
-            self._records[rec.key] = rec
+            old = records.get(rec.key)
+            records[rec.key] = rec
+            if old is None and rec.nvme_copy is None:  # a new entry (commit): the short way
+                by_tier[rec.tier][rec.key] = None
+                orders[rec.tier].push(rec)
+                continue
             if old is not None and old.tier != rec.tier:
                 del self._by_tier[old.tier][rec.key]
             self._by_tier[rec.tier][rec.key] = None
@@ -187,6 +192,16 @@ class MovesMixin:
 
     def _checksum_at(self, ext: Extent) -> int:
         return checksum(self._bytes_at(ext))
+
+    def _checksums(self, exts: list[Extent]) -> list[int]:
+        """xxh3_64 of each extent's bytes; views fetched per tier in one batch."""
+        if len({e.tier for e in exts}) > 1:
+            return [self._checksum_at(e) for e in exts]
+        if not exts:
+            return []
+        views = self._tiers[exts[0].tier].views(exts)
+        return [checksum(v) if v is not None else self._checksum_at(e)
+                for e, v in zip(exts, views)]
 
     # ------------------------------------------------------------ room
     def _allocate_memory(self, sizes: list[int]) -> list[Extent]:

@@ -102,6 +102,10 @@ class Tier(ABC):
         """Zero-copy view of an extent for memory tiers; None for block tiers."""
         return None
 
+    def views(self, extents: list[Extent]) -> list[memoryview | None]:
+        """``view`` of each extent (a tier may do the checks in one pass)."""
+        return [self.view(e) for e in extents]
+
     def address(self, extent: Extent) -> int | None:
         """Virtual address of the extent for TE, or None when not memory-mapped."""
         return None

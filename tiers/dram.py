@@ -116,6 +116,17 @@ class DramTier(ArenaTier):
         self._require_live(extent)
         return memoryview(self._arena()[extent.offset:extent.end])
 
+    def views(self, extents: list[Extent]) -> list[memoryview]:
+        """``view`` of each extent, the checks inlined (commit verifies a batch)."""
+        arena, live = self._arena(), self._alloc.is_live
+        out = []
+        for ext in extents:
+            if ext.tier != self.name or not live(ext.offset, ext.nbytes):
+                self._own(ext)
+                self._require_live(ext)
+            out.append(memoryview(arena[ext.offset:ext.offset + ext.nbytes]))
+        return out
+
     def address(self, extent: Extent) -> int:
         self._own(extent)
         return self._base + extent.offset
