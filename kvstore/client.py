@@ -197,16 +197,22 @@ class KVStoreClient:
             log.debug("abort of reservation %s failed: %s", rid, exc)
 
     # ---------------------------------------------------------------- select
-    def drop_select(self, tokens: Sequence[int] | np.ndarray,
-                    timeout: float | None = None) -> SelectResult:
-        """Longest stored prefix of ``tokens``: move its KV here, then drop it there."""
-        return self._select(tokens, drop=True, timeout=timeout)
+    def drop_select(self, tokens: Sequence[int] | np.ndarray, timeout: float | None = None,
+                    into: Any = None) -> SelectResult:
+        """Longest stored prefix of ``tokens``: move its KV here, then drop it there.
 
-    def get(self, tokens: Sequence[int] | np.ndarray, timeout: float | None = None) -> SelectResult:
+        ``into``: a buffer the caller reuses (contiguous numpy array or CPU tensor, at
+        least the prompt's KV bytes plus its hidden state); the bytes land there with
+        no copy and no fresh memory per call, and ``kv`` is a view of it."""
+        return self._select(tokens, drop=True, timeout=timeout, into=into)
+
+    def get(self, tokens: Sequence[int] | np.ndarray, timeout: float | None = None,
+            into: Any = None) -> SelectResult:
         """Like ``drop_select`` but leaves the entries stored (prefix caching)."""
-        return self._select(tokens, drop=False, timeout=timeout)
+        return self._select(tokens, drop=False, timeout=timeout, into=into)
 
-    def _select(self, tokens: Any, drop: bool, timeout: float | None) -> SelectResult:
+    def _select(self, tokens: Any, drop: bool, timeout: float | None,
+                into: Any = None) -> SelectResult:
         deadline = time.monotonic() + (timeout or self.timeout_s)
         prompt = self._prompt(tokens)
         self._segment()
@@ -219,7 +225,7 @@ class KVStoreClient:
             return SelectResult(0, None, None)
         aid = acq["aid"]
         try:
-            out = self._data.read(self._segment(acq["segment"]), entries)
+            out = self._data.read(self._segment(acq["segment"]), entries, into)
             _verify(entries, out)
         except PeerUnavailableError:
             self._hello = None

@@ -97,10 +97,16 @@ class DataPath:
                 for group in self._groups([pl[_NBYTES] for _, pl in remote]):
                     self._te_write(seg.name, [remote[i] for i in group])
 
-    def read(self, seg: Segment, entries: list[list]) -> np.ndarray:
-        """All entries' bytes back to back, in entry order."""
+    def read(self, seg: Segment, entries: list[list], into: Any = None) -> np.ndarray:
+        """All entries' bytes back to back, in entry order: in a new array, or in the
+        first bytes of ``into`` (a contiguous numpy array / CPU tensor the caller reuses).
+
+        Into a reused buffer, TE writes straight into it (no staging copy). Into new
+        memory it goes through staging: TE receiving into pages never touched costs
+        more than the copy (each page is faulted in during the transfer, measured
+        ~3x slower on 256 MiB)."""
         sizes = [e[_NBYTES] for e in entries]
-        out = np.empty(sum(sizes), dtype=np.uint8)
+        out = _output(into, sum(sizes))
         starts = np.cumsum([0, *sizes[:-1]]).tolist()
         remote = []
         for e, start in zip(entries, starts):
@@ -110,6 +116,8 @@ class DataPath:
                 remote.append((start, e))
         if remote:
             with self._lock, self._timed("te_read"):
+                if into is not None and self._te_read_direct(seg.name, out, remote):
+                    return out
                 for group in self._groups([e[_NBYTES] for _, e in remote]):
                     self._te_read(seg.name, out, [remote[i] for i in group])
         return out
@@ -156,6 +164,29 @@ class DataPath:
         starts = [start for start, _ in items]
         for dst, src, n in _runs(starts, offsets, [e[_NBYTES] for _, e in items]):
             out[dst:dst + n] = stage[src:src + n]
+
+    def _te_read_direct(self, segment: str, out: np.ndarray, items: list[tuple[int, list]]
+                        ) -> bool:
+        """TE straight into ``out`` (registered for this read only) when the entries
+        land in it exactly as they would in staging: one run, no bridged gaps. Saves
+        the staging-to-output copy (a fifth of a large prompt's drop_select here) and
+        is not bounded by the staging size. False: not that shape, use staging."""
+        sizes = [e[_NBYTES] for _, e in items]
+        offsets, local, remote, lengths = _mirror([e for _, e in items], writing=False)
+        if len(_runs([start for start, _ in items], offsets, sizes)) != 1:
+            return False
+        te = self._te()
+        address = out.ctypes.data
+        shift = address + items[0][0] - offsets[0]  # staging offset -> address in out
+        try:
+            te.register(address, out.nbytes)
+        except InvalidRequestError:  # overlaps registered memory (e.g. our staging)
+            return False
+        try:
+            te.read(segment, [shift + x for x in local], remote, lengths)
+        finally:
+            te.unregister(address)
+        return True
 
     # -------------------------------------------------------------- resources
     def _te(self):
@@ -227,6 +258,25 @@ def _runs(dst: list[int], src: list[int], sizes: list[int]) -> list[tuple[int, i
     last = np.concatenate((cut, [len(n)])) - 1
     lengths = d[last] + n[last] - d[first]
     return list(zip(d[first].tolist(), s[first].tolist(), lengths.tolist()))
+
+
+def _output(into: Any, nbytes: int) -> np.ndarray:
+    """``nbytes`` of output: new, or the first bytes of the caller's buffer."""
+    if into is None:
+        return np.empty(nbytes, dtype=np.uint8)
+    if not isinstance(into, np.ndarray) and hasattr(into, "numpy"):  # a torch tensor
+        import torch
+
+        if into.device.type != "cpu" or not into.is_contiguous():
+            raise InvalidRequestError("into: a tensor must be contiguous and on the CPU")
+        into = into.reshape(-1).view(torch.uint8).numpy()
+    if not isinstance(into, np.ndarray) or not into.flags.c_contiguous \
+            or not into.flags.writeable:
+        raise InvalidRequestError("into: need a writable, contiguous numpy array or tensor")
+    flat = into.reshape(-1).view(np.uint8)
+    if flat.size < nbytes:
+        raise InvalidRequestError(f"into holds {flat.size} bytes; these entries need {nbytes}")
+    return flat[:nbytes]
 
 
 def _address(item: list) -> int:

@@ -319,7 +319,8 @@ def bench_entries(opts: BenchOptions) -> list[Row]:
 # ------------------------------------------------------------------ profiling
 def profile(layout: str, ntokens: int, reps: int, out: Path) -> None:
     """kvstore insert + drop_select under pyinstrument (producer, consumer) and
-    py-spy (the server), ``reps`` prompts; reports land in ``out``."""
+    py-spy (the server), ``reps`` prompts, next to raw TE under pyinstrument too;
+    reports land in ``out``."""
     import shutil
     import tempfile
 
@@ -330,7 +331,7 @@ def profile(layout: str, ntokens: int, reps: int, out: Path) -> None:
         workdir = Path(tempfile.mkdtemp(prefix="bench-profile-"))
         stack.callback(shutil.rmtree, workdir, True)
         systems = _start_systems(stack, cluster, workdir, [layout], {layout: ntokens},
-                                 2 * nbytes + 64 * MiB, systems=("kvstore",))
+                                 2 * nbytes + 64 * MiB, systems=("kvstore", "rawte"))
         server = systems["kvstore"].others["server"]
         spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record",
                                 "--pid", str(server.pid), "--format", "raw", "--nonblocking",
@@ -341,9 +342,10 @@ def profile(layout: str, ntokens: int, reps: int, out: Path) -> None:
             _one_prompt(systems, samples, (layout, ntokens), layout, ntokens, rep)
         spy.send_signal(2)  # SIGINT: py-spy writes its report and exits
         spy.wait(timeout=60)
-        for op in ("put", "get"):
-            row = samples.row((layout, ntokens, "kvstore", op), nbytes, 1)
-            print(f"kvstore {op}: {row['GB/s']:.3f} GB/s, p50 {row['p50 ms']:.1f} ms")
+        for name in systems:
+            for op in ("put", "get"):
+                row = samples.row((layout, ntokens, name, op), nbytes, 1)
+                print(f"{name} {op}: {row['GB/s']:.3f} GB/s, p50 {row['p50 ms']:.1f} ms")
     print(f"profiles in {out}")
 
 

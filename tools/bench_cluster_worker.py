@@ -99,6 +99,9 @@ class KVStoreSide:
                                             timeout_s=120.0, staging_bytes=cfg["staging_bytes"])
                         for name in cfg["layouts"]}
         self.device = cfg.get("device", "cpu")
+        # + a page: room for the hidden-state entry drop_select may bring along
+        self.out = np.empty(cfg["max_bytes"] + 4096, np.uint8) if cfg["role"] == "consumer" \
+            else None
 
     def put(self, name: str, pid: int, ntokens: int, data: np.ndarray) -> None:
         res = self.clients[name].insert(prompt_tokens(pid, ntokens), data)
@@ -106,7 +109,9 @@ class KVStoreSide:
             raise RuntimeError(f"prompt {pid} was already stored ({res})")
 
     def get(self, name: str, pid: int, ntokens: int) -> Any:
-        res = self.clients[name].drop_select(prompt_tokens(pid, ntokens))
+        # Into one reused buffer, as Mooncake's get_into and raw TE do (see the docs
+        # for what a fresh output buffer per call costs).
+        res = self.clients[name].drop_select(prompt_tokens(pid, ntokens), into=self.out)
         if res.matched_tokens != ntokens:
             raise RuntimeError(f"drop_select matched {res.matched_tokens}/{ntokens} tokens")
         # --gpu: the consumer wants the KV in VRAM; the client hands back host memory.

@@ -1,0 +1,53 @@
+"""drop_select/get ``into=``: the bytes land in a buffer the caller reuses (TE writes
+straight into it; same-node copies into it), ``kv`` is a view of it, and a buffer
+that is too small or not writable is refused before anything is dropped."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.errors import InvalidRequestError
+from tests.integration.conftest import LAYOUT, make_kv
+
+pytestmark = pytest.mark.timeout(120)
+PATHS = pytest.mark.parametrize("same_node", ["auto", False], ids=["shm", "te"])
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(5000 + seed).integers(0, 50_000, n).tolist()
+
+
+@PATHS
+def test_drop_select_into_a_reused_buffer(clean_server, client_factory, same_node):
+    client = client_factory(clean_server, same_node=same_node)
+    buf = np.zeros(LAYOUT.nbytes(64) + 4096, np.uint8)
+    for seed, n in enumerate([64, 5, 37]):  # each smaller prompt reuses the same buffer
+        kv = make_kv(n, seed)
+        client.insert(prompt(n, seed), kv)
+        got = client.drop_select(prompt(n, seed), into=buf)
+        assert got.matched_tokens == n
+        assert np.array_equal(got.kv.numpy(), kv)
+        assert got.kv.numpy().ctypes.data == buf.ctypes.data  # a view, not a copy
+    assert client.stats()["entries"] == 0
+
+
+def test_get_into_a_torch_tensor_keeps_the_entries(clean_server, client_factory):
+    client = client_factory(clean_server, same_node=False)
+    kv = make_kv(40, 7)
+    client.insert(prompt(40, 7), kv)
+    out = torch.zeros(LAYOUT.nbytes(40), dtype=torch.uint8)
+    got = client.get(prompt(40, 7), into=out)
+    assert torch.equal(out, torch.from_numpy(kv)) and got.matched_tokens == 40
+    assert client.drop_select(prompt(40, 7)).matched_tokens == 40  # get left them stored
+
+
+@pytest.mark.parametrize("bad", [np.zeros(10, np.uint8), np.zeros(10**6, np.uint8)[::2],
+                                 "not a buffer"], ids=["small", "strided", "str"])
+def test_bad_into_is_refused_and_the_prompt_stays(clean_server, client_factory, bad):
+    client = client_factory(clean_server, same_node=False)
+    kv = make_kv(16, 3)
+    client.insert(prompt(16, 3), kv)
+    with pytest.raises(InvalidRequestError):
+        client.drop_select(prompt(16, 3), into=bad)
+    got = client.drop_select(prompt(16, 3))
+    assert got.matched_tokens == 16 and np.array_equal(got.kv.numpy(), kv)
