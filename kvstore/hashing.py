@@ -11,13 +11,15 @@ Nothing here is seeded randomly: keys agree across processes, machines and resta
 from __future__ import annotations
 
 import array
-from typing import NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
 import xxhash
 
 from kvstore.errors import InvalidRequestError
-from kvstore.layout import KVLayout
+
+if TYPE_CHECKING:  # layout imports torch; the server hashes without it (checksums, KEY_BYTES)
+    from kvstore.layout import KVLayout
 
 KEY_BYTES = 16
 _FULL_SEED = 0

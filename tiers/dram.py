@@ -4,7 +4,9 @@ With ``shared_path`` the arena is a file (normally under /dev/shm) mapped
 MAP_SHARED, so a client process on the same node can ``map_shared`` the very same
 bytes and memcpy an insert straight into a reserved extent, with no TE transfer.
 Without it the arena is an anonymous mapping. Either way mmap gives page alignment.
-Where CUDA exists the arena is pinned (cudaHostRegister) so GPU copies are DMA.
+Where CUDA exists *and torch is already imported* the arena is pinned
+(cudaHostRegister) so GPU copies are DMA; see ``_cuda_host_register`` for why the
+tier never imports torch itself.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import sys
 
 import numpy as np
 
@@ -61,10 +64,17 @@ def _map_arena(path: str | None, nbytes: int) -> mmap.mmap:
 
 
 def _cuda_host_register(address: int, nbytes: int) -> bool:
-    """Pin the arena for CUDA if CUDA is here; False (and nothing done) otherwise."""
-    try:
-        import torch
-    except ImportError:
+    """Pin the arena for CUDA if this process uses CUDA; False (and nothing done) otherwise.
+
+    Only when torch is already imported: importing it costs ~2 s per server start, and
+    pinning only pays off for copies between this arena and a GPU *in this process*
+    (registration is per process, so a same-node client mapping the arena file gets
+    nothing from it). Those copies exist only with a GPU tier, and the store builds
+    the GPU tier (which imports torch) before this one; an embedding process that
+    uses CUDA has imported torch too. A DRAM-only server stays torch-free.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
         return False
     if not torch.cuda.is_available():
         return False
