@@ -218,8 +218,9 @@ class KVStoreClient:
         self._segment()
         keys = [*prompt.keys, hidden_key(prompt.keys[-1])]
         toks = [*prompt.tokens, prompt.tokens[-1]]
-        acq = self._call(p.Acquire(keys=tuple(keys), tokens=tuple(toks), claim=drop),
-                         _left(deadline))
+        # The hidden key is optional: a prompt stored without one is no miss.
+        acq = self._call(p.Acquire(keys=tuple(keys), tokens=tuple(toks), claim=drop,
+                                   optional_tail=True), _left(deadline))
         entries = acq["entries"]
         if not entries:
             return SelectResult(0, None, None)

@@ -62,7 +62,8 @@ def lookup(store: Any, req: p.Lookup) -> dict:
 
 
 def acquire(store: Any, req: p.Acquire) -> dict:
-    acq = store.acquire(list(req.keys), list(req.tokens), lease_s=req.lease_s, claim=req.claim)
+    acq = store.acquire(list(req.keys), list(req.tokens), lease_s=req.lease_s, claim=req.claim,
+                        optional_tail=req.optional_tail)
     return {"aid": acq.id, "matched_tokens": acq.matched_tokens, "expires_at": acq.expires_at,
             "entries": [_entry(e) for e in acq.entries]}
 

@@ -187,13 +187,17 @@ class Lookup(Request):
 @dataclass(frozen=True)
 class Acquire(Lookup):
     """``claim``: the caller will release with drop (drop_select); entries whose
-    pending consumers are all claimed by other open acquisitions end the prefix."""
+    pending consumers are all claimed by other open acquisitions end the prefix.
+    ``optional_tail``: the last key is an optional extra (the hidden-state entry), not
+    a block of the prompt; the store's hit/miss counts leave it out."""
 
     lease_s: float | None = None
     claim: bool = False
+    optional_tail: bool = False
     OP = "acquire"
-    CHECKS = {"keys": _keys, "tokens": _tokens, "lease_s": _lease, "claim": _bool}
-    OPTIONAL = frozenset({"lease_s", "claim"})
+    CHECKS = {"keys": _keys, "tokens": _tokens, "lease_s": _lease, "claim": _bool,
+              "optional_tail": _bool}
+    OPTIONAL = frozenset({"lease_s", "claim", "optional_tail"})
 
 
 @dataclass(frozen=True)

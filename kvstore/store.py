@@ -264,7 +264,8 @@ class Store(MovesMixin, AuditMixin):
             return LookupResult(len(recs), sum(r.ntokens for r in recs), [r.tier for r in recs])
 
     def acquire(self, keys: Sequence[bytes], tokens: Sequence[bytes],
-                lease_s: float | None = None, claim: bool = False) -> Acquisition:
+                lease_s: float | None = None, claim: bool = False,
+                optional_tail: bool = False) -> Acquisition:
         """Longest stored prefix, leased (cannot move or go) until ``release``.
 
         NVMe entries are staged into a memory tier and checksum-verified first; a
@@ -275,6 +276,9 @@ class Store(MovesMixin, AuditMixin):
         all claimed by open leases. So N concurrent drop_selects of an entry
         inserted once get it exactly once. ``release(drop=True)`` spends the claim;
         ``release(drop=False)`` or an expired lease gives it back.
+
+        ``optional_tail``: the last key is an optional extra (a prompt's hidden-state
+        entry), not a block: served or absent, it counts as neither hit nor miss.
         """
         keys = check_keys(keys)
         tokens = check_tokens(tokens, len(keys))
@@ -287,9 +291,11 @@ class Store(MovesMixin, AuditMixin):
             found_in = [r.tier for r in recs]
             self._hold([r.key for r in recs])
             recs = self._stage_prefix(recs)
-            for tier in found_in[:len(recs)]:
+            blocks = len(keys) - bool(optional_tail)
+            served = min(len(recs), blocks)
+            for tier in found_in[:served]:
                 self._hits[tier] += 1
-            self._stats["misses"] += len(keys) - len(recs)
+            self._stats["misses"] += blocks - served
             now = time.time()
             if not recs:
                 return Acquisition(0, [], 0, now)

@@ -101,3 +101,27 @@ def test_client_side_te_transfer_histogram(server_factory, client_factory):
     assert samples[("kvstore_request_duration_seconds_sum",
                     (("kind", "transfer"), ("op", "te_read")))] > 0
     assert ("kvstore_up", ()) not in samples
+
+
+def test_hidden_key_probe_is_not_a_miss(server_factory, client_factory):
+    """Every select appends the hidden-state key; a prompt stored without hidden state
+    must not add a miss (nor its hidden entry a hit): hits and misses count blocks."""
+    import torch
+
+    mport = free_port()
+    srv = server_factory(extra=("--metrics-port", str(mport)))
+    client = client_factory(srv)
+    plain, with_hidden = list(range(1, 11)), list(range(21, 31))  # 3 blocks each
+    client.insert(plain, make_kv(len(plain), seed=1))
+    client.insert(with_hidden, make_kv(len(with_hidden), seed=2), hidden=torch.ones(2, 4))
+    before = scrape(mport)
+
+    assert client.drop_select(plain).hidden is None
+    assert client.get(with_hidden).hidden is not None
+    assert client.drop_select(list(range(900, 908))).matched_tokens == 0  # 2 blocks missed
+
+    after = scrape(mport)
+    assert after[("kvstore_hits_total", ())] - before[("kvstore_hits_total", ())] == 6
+    assert after[("kvstore_misses_total", ())] - before[("kvstore_misses_total", ())] == 2
+    stats = client.stats()
+    assert (stats["hits"], stats["misses"]) == (6, 2)
