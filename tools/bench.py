@@ -74,6 +74,8 @@ SECTIONS: list[Section] = [
             "NVMe tier and store demote/stage vs plain file I/O"),
     Section("index", "tools.bench_index:bench_index",
             "ops/s and index size at 10k / 100k (/ 1M with --full) entries"),
+    Section("victims", "tools.bench_victims:bench_victims",
+            "single-entry insert into a full DRAM tier (victim choice) vs one with room"),
     Section("limits", "tools.bench_cluster:bench_limits",
             "the machine: memcpy and plain file write/read GB/s"),
     Section("transfer", "tools.bench_cluster:bench_transfer",

@@ -115,6 +115,8 @@ def _ops_at(store: Store, n: int, ops: int, lmdb_dir: Path, sync: bool) -> dict[
     of random held keys, then 64-entry acquire+release batches. The LMDB baseline
     runs right before, so both see the same disk (fsync latency here is noisy)."""
     base = _lmdb_baseline(lmdb_dir, ops, sync)
+    # what the store's DRAM records now cost: a txn in its never-synced volatile env
+    nosync = _lmdb_baseline(lmdb_dir.with_name(lmdb_dir.name + "-nosync"), ops, False)
     rng = np.random.default_rng(n)
     picks = iter(rng.integers(0, n, size=2 * ops + 1).tolist())
     fresh = iter(range(10**9, 10**9 + 2 * ops + 1))
@@ -125,6 +127,7 @@ def _ops_at(store: Store, n: int, ops: int, lmdb_dir: Path, sync: bool) -> dict[
     store.evict(keys=keys_at(10**9, ops + 1)[0])  # back to exactly n entries
     return {"reserve+commit /s": 1 / t_new.median, "lmdb txn /s": base,
             "store/lmdb": ratio(1 / t_new.median, base),
+            "lmdb nosync txn /s": nosync, "store/nosync": ratio(1 / t_new.median, nosync),
             "acquire+release /s": 1 / t_old.median, "acquire x64 entries/s": 64 / t_64.median}
 
 

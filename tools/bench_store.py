@@ -227,6 +227,13 @@ def _tier_rows(opts: BenchOptions, p: Prompt) -> list[Row]:
             for ext, buf in zip(exts, outs):
                 os.preadv(fd, [buf], ext.offset)
 
+        def tier_write_many() -> None:  # adjacent extents: one pwritev per run
+            tier.write_many(exts, [memoryview(c) for c in p.chunks])
+            tier.flush()
+
+        def tier_read_many() -> None:
+            tier.read_many(exts, outs)
+
         def cold() -> None:
             _drop_cache(slab)
             _drop_cache(plain)
@@ -236,9 +243,16 @@ def _tier_rows(opts: BenchOptions, p: Prompt) -> list[Row]:
         r_tier, r_plain = measure(tier_read, r, setup=cold), measure(plain_read, r, setup=cold)
         if bytes(out[:p.sizes[0]]) != p.chunks[0].tobytes():
             raise RuntimeError("nvme tier read back different bytes")
+        w_many = measure(tier_write_many, r)
+        out[:p.sizes[0]] = 0
+        r_many = measure(tier_read_many, r, setup=cold)
+        if bytes(out[:p.sizes[0]]) != p.chunks[0].tobytes():
+            raise RuntimeError("nvme tier read_many read back different bytes")
         table = f"NVMe tier (O_DIRECT={tier.direct}) vs plain buffered file, cold reads"
         return [_io_row(table, "write + fsync", p, w_tier, w_plain),
-                _io_row(table, "read (page cache dropped)", p, r_tier, r_plain)]
+                _io_row(table, "read (page cache dropped)", p, r_tier, r_plain),
+                _io_row(table, "write_many + fsync", p, w_many, w_plain),
+                _io_row(table, "read_many (page cache dropped)", p, r_many, r_plain)]
     finally:
         os.close(fd)
         tier.close()
