@@ -23,7 +23,7 @@ import torch
 
 from kvstore import protocol as p
 from kvstore.config import ClientConfig
-from kvstore.datapath import DataPath, Segment
+from kvstore.datapath import DataPath, Segment, TeEngine
 from kvstore.errors import (ChecksumError, InvalidRequestError, KVStoreError, KVTimeoutError,
                             PeerUnavailableError)
 from kvstore.hashing import (block_keys, block_token_bytes, checksum, hidden_key, namespace_of,
@@ -71,6 +71,9 @@ class KVStoreClient:
     that, False always uses TE. ``layout`` is needed for insert/select, not for admin.
     ``observer(op, seconds, ok)`` hears each TE move's duration (``te_write`` /
     ``te_read``), e.g. ``kvstore.metrics.Metrics().observe``: the server cannot see them.
+    ``te_engine``: a TE engine + staging buffer shared with other clients of this
+    process (``te_host`` and ``staging_bytes`` are then the engine's); its creator
+    closes it, ``close()`` here does not.
     """
 
     def __init__(self, server: str | None = None, layout: KVLayout | None = None,
@@ -80,7 +83,8 @@ class KVStoreClient:
                  staging_bytes: int | None = None, curve_secret_key: str | None = None,
                  curve_server_public_key: str | None = None,
                  config: ClientConfig | None = None,
-                 observer: Callable[[str, float, bool], None] | None = None) -> None:
+                 observer: Callable[[str, float, bool], None] | None = None,
+                 te_engine: TeEngine | None = None) -> None:
         cfg = config or ClientConfig()
         self.server = server or cfg.server
         self.layout = layout
@@ -94,7 +98,7 @@ class KVStoreClient:
         curve = CurveKeys.load(secret, server_key) if secret or server_key else None
         self._rpc = Channel(self.server, self.timeout_s, curve=curve)
         self._data = DataPath(te_host or cfg.te_host, staging_bytes or cfg.staging_bytes,
-                              same_node, observer, timeout_s=self.timeout_s)
+                              same_node, observer, timeout_s=self.timeout_s, engine=te_engine)
         self._hello: dict[str, Any] | None = None
 
     # ------------------------------------------------------------ connection

@@ -37,6 +37,8 @@ import numpy as np
 
 from kvstore.client import InsertResult, KVStoreClient, LookupResult, SelectResult
 from kvstore.cluster import NodeInfo, NodeSet
+from kvstore.config import ClientConfig
+from kvstore.datapath import TeEngine
 from kvstore.errors import InvalidRequestError, KVTimeoutError, PeerUnavailableError, TransferError
 from kvstore.etcd import EtcdClient
 from kvstore.hashing import block_keys, namespace_of, tokens_to_array
@@ -53,8 +55,12 @@ T = TypeVar("T")
 class ClusterClient:
     """Places prompts on the nodes under ``prefix`` in etcd; one KVStoreClient per node.
 
-    ``client_opts`` go to each per-node ``KVStoreClient`` (te_host, staging_bytes,
-    same_node, CURVE keys, ...). Thread-safe per call, like KVStoreClient.
+    ``client_opts`` go to each per-node ``KVStoreClient`` (same_node, CURVE keys,
+    ...), except ``te_host`` and ``staging_bytes``: they make the one ``TeEngine``
+    (TE engine + registered staging buffer) every per-node client shares, since each
+    engine registers its own memory and busy-waits its own threads.
+    Thread-safe per call, like KVStoreClient (the shared staging buffer serialises
+    the transfers themselves).
     """
 
     def __init__(self, etcd: str, layout: KVLayout, model_id: str = "default",
@@ -68,9 +74,13 @@ class ClusterClient:
         self.placement_blocks = placement_blocks
         self.timeout_s = timeout_s
         self.namespace = namespace_of(model_id, layout, tp_rank, tp_size, salt)
+        cfg = client_opts.get("config") or ClientConfig()
+        self.te_engine = TeEngine(client_opts.pop("te_host", None) or cfg.te_host,
+                                  client_opts.pop("staging_bytes", None) or cfg.staging_bytes,
+                                  timeout_s)
         self._client_args = dict(layout=layout, model_id=model_id, tp_rank=tp_rank,
                                  tp_size=tp_size, salt=salt, timeout_s=timeout_s,
-                                 **client_opts)
+                                 te_engine=self.te_engine, **client_opts)
         self.nodes = NodeSet(EtcdClient(etcd, timeout_s=min(timeout_s, 2.0)), prefix,
                              refresh_s=refresh_s, forget_s=forget_s).watch()
         self._clients: dict[str, tuple[NodeInfo, KVStoreClient]] = {}
@@ -178,6 +188,7 @@ class ClusterClient:
             clients, self._clients = list(self._clients.values()), {}
         for _, client in clients:
             client.close()
+        self.te_engine.close()  # after its clients: none of them is moving bytes now
 
     def __enter__(self) -> ClusterClient:
         return self

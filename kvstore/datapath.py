@@ -10,6 +10,10 @@ Two ways, chosen per entry:
 The server has told us, in ``hello``, its TE segment and its arena file; the
 control plane therefore verified the peer before the first TE transfer (a port
 that is not a TE peer would otherwise stall TE's handshake for about a minute).
+
+The TE engine and the staging buffer live in a ``TeEngine``, which several
+DataPaths may share: a ClusterClient's per-node clients use one engine per process
+(each engine registers its own memory and busy-waits its own threads).
 """
 
 from __future__ import annotations
@@ -38,27 +42,67 @@ class Segment(NamedTuple):
     shm: np.ndarray | None  # the server's DRAM arena mapped here, when on the same node
 
 
+class TeEngine:
+    """One TE engine and its registered, page-aligned staging buffer, both started on
+    first use (admin clients never start one). ``lock`` serialises every use of the
+    staging buffer and the engine: the DataPaths sharing it take turns, which is
+    also how TE runs fastest here (one transfer thread per process)."""
+
+    def __init__(self, te_host: str, staging_bytes: int, timeout_s: float | None = None) -> None:
+        self.te_host = te_host
+        self.staging_bytes = staging_bytes
+        self.timeout_s = timeout_s  # bounds a TE transfer to a stalled peer (TE minimum 5 s)
+        self.lock = threading.Lock()
+        self.transport = None  # kvstore.transfer.Transport once started
+        self._stage: np.ndarray | None = None
+        self._stage_address = 0
+
+    def te(self):
+        """The Transport, started now if need be. Callers hold ``lock``."""
+        if self.transport is None:
+            from kvstore.transfer import Transport
+
+            self.transport = Transport(self.te_host, timeout_s=self.timeout_s)
+        return self.transport
+
+    def staging_buffer(self) -> tuple[np.ndarray, int]:
+        """The staging array and its address. Callers hold ``lock``."""
+        if self._stage is None:
+            # Page-aligned and registered with TE once, for the engine's life.
+            buf = self.te().allocate_buffer(self.staging_bytes)
+            self._stage, self._stage_address = buf.array, buf.address
+        return self._stage, self._stage_address
+
+    def close(self) -> None:
+        with self.lock:
+            self._stage = None
+            if self.transport is not None:
+                self.transport.close()  # frees the staging buffer too
+                self.transport = None
+
+
 class DataPath:
     """``observer(op, seconds, ok)`` (e.g. ``kvstore.metrics.Metrics.observe``) is told
     how long each TE move took, as ``te_write`` / ``te_read``: staging copy plus the
     batched transfers (the first one also starts the TE engine). Same-node memcpys
-    are not reported."""
+    are not reported.
+
+    ``engine``: a ``TeEngine`` shared with other DataPaths (its owner closes it);
+    without one this DataPath makes and owns its own from ``te_host``,
+    ``staging_bytes`` and ``timeout_s``."""
 
     def __init__(self, te_host: str, staging_bytes: int, same_node: bool | str = "auto",
                  observer: Callable[[str, float, bool], None] | None = None,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, engine: TeEngine | None = None) -> None:
         if same_node not in (True, False, "auto"):
             raise ConfigError(f"same_node must be True, False or 'auto', got {same_node!r}")
-        self.te_host = te_host
-        self.staging_bytes = staging_bytes
         self.same_node = same_node
         self.observer = observer
-        self.timeout_s = timeout_s  # bounds a TE transfer to a stalled peer (TE minimum 5 s)
         self.segment: Segment | None = None
-        self._transport = None
-        self._stage: np.ndarray | None = None
-        self._stage_address = 0
-        self._lock = threading.Lock()
+        self._owns_engine = engine is None
+        self.engine = engine or TeEngine(te_host, staging_bytes, timeout_s)
+        self.staging_bytes = self.engine.staging_bytes
+        self._lock = self.engine.lock
 
     def connect(self, hello: dict[str, Any]) -> None:
         """Adopt a server's hello: its TE segment, and its DRAM arena if on this node."""
@@ -75,9 +119,10 @@ class DataPath:
             shm = map_shared(dram["path"], int(dram["nbytes"]))
             log.info("same-node fast path: mapped %s (%s bytes)", dram["path"], dram["nbytes"])
         self.segment = Segment(hello["segment"], shm)
-        if self._transport is not None:
+        transport = self.engine.transport
+        if transport is not None:
             # The control plane just saw this peer: let TE try it again.
-            self._transport.mark_alive(hello["segment"])
+            transport.mark_alive(hello["segment"])
 
     @property
     def uses_shared_memory(self) -> bool:
@@ -190,25 +235,15 @@ class DataPath:
 
     # -------------------------------------------------------------- resources
     def _te(self):
-        if self._transport is None:
-            from kvstore.transfer import Transport
-
-            self._transport = Transport(self.te_host, timeout_s=self.timeout_s)
-        return self._transport
+        return self.engine.te()
 
     def _staging_buffer(self) -> tuple[np.ndarray, int]:
-        if self._stage is None:
-            # Page-aligned and registered with TE once, for the client's life.
-            buf = self._te().allocate_buffer(self.staging_bytes)
-            self._stage, self._stage_address = buf.array, buf.address
-        return self._stage, self._stage_address
+        return self.engine.staging_buffer()
 
     def close(self) -> None:
+        if self._owns_engine:
+            self.engine.close()
         with self._lock:
-            self._stage = None
-            if self._transport is not None:
-                self._transport.close()  # frees the staging buffer too
-                self._transport = None
             self.segment = None  # drops the shared mapping with the last view of it
 
 

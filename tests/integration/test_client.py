@@ -37,7 +37,7 @@ def test_raw_bytes_round_trip_any_length(clean_server, client_factory, same_node
         assert np.array_equal(got.kv.numpy(), kv)
     assert client.stats()["entries"] == 0
     # The same-node path never even started a TE engine; the TE path did.
-    assert (client._data._transport is None) is (same_node == "auto")
+    assert (client._data.engine.transport is None) is (same_node == "auto")
 
 
 @PATHS

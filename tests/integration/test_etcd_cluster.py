@@ -277,3 +277,40 @@ def test_nodes_cli_with_etcd_down_is_one_line():
     out = CliRunner().invoke(cli, ["nodes", "--etcd", f"etcd://127.0.0.1:{free_port()}"])
     assert out.exit_code == 1 and "unreachable" in out.output
     assert len(out.output.strip().splitlines()) == 1, out.output
+
+
+def test_cluster_client_shares_one_te_engine_across_nodes(etcd, server_factory, monkeypatch):
+    """Per-node clients share one TE engine and staging buffer: TE recommends one
+    engine per process (registrations and busy-waiting threads multiply otherwise)."""
+    import kvstore.transfer
+
+    made = []
+
+    class CountedTransport(kvstore.transfer.Transport):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(kvstore.transfer, "Transport", CountedTransport)
+    prefix = "/share/"
+    servers = [server_factory(extra=("--cluster", etcd.url, "--cluster-prefix", prefix,
+                                     "--node-id", name)) for name in ("a", "b")]
+    prompts = [[1000 + i] * 4 + list(range(6)) for i in range(12)]  # distinct first blocks
+    with ClusterClient(etcd.url, LAYOUT, prefix=prefix, timeout_s=5.0, refresh_s=0.1,
+                       staging_bytes=1 << 20, same_node=False) as cluster:
+        deadline = time.monotonic() + 10
+        while len(cluster.nodes.nodes()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        homes = {cluster.placement(t)[0].node_id for t in prompts}
+        assert homes == {"a", "b"}  # both nodes get prompts (rendezvous over 12)
+        for i, tokens in enumerate(prompts):
+            cluster.insert(tokens, make_kv(len(tokens), seed=i))
+        for srv in servers:  # every node holds some, all written through TE
+            with KVStoreClient(srv.address) as admin:
+                assert admin.stats()["entries"] > 0
+        for i, tokens in enumerate(prompts):
+            got = cluster.drop_select(tokens)
+            assert bytes(got.kv.numpy()) == make_kv(len(tokens), seed=i).tobytes()
+        assert len(made) == 1
+        assert len({id(c._data.engine) for _, c in cluster._clients.values()}) == 1
+    assert cluster.te_engine.transport is None  # closed with the cluster client
