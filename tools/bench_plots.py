@@ -2,7 +2,7 @@
 
 ``render(section, rows, outdir)`` is called by tools/bench_cluster.py after each
 section; ``python -m tools.bench_plots [bench-results] [--out docs/img]`` re-renders
-from the JSON files a run left behind.
+from the JSON files a run left behind, ``--markdown`` prints the docs' table.
 """
 
 from __future__ import annotations
@@ -111,8 +111,9 @@ def _entries(rows: list[Row], outdir: Path) -> Path:
     for ax, op in zip(axes[:2], ("put", "get")):
         _plot(ax, _series(rows, "entries", "entries", "p50 ms", op=op), "ms per prompt (p50)",
               f"{op} latency vs entries held")
-    _plot(axes[2], _series(rows, "entries", "entries", "store RSS MiB", op="get"),
-          "MiB", "RSS of the index holder (server / master)")
+    rss = _series(rows, "entries", "entries", "store RSS MiB", op="get")
+    rss.pop("rawte", None)  # no index: its "store" is just the producer's buffer
+    _plot(axes[2], rss, "MiB", "RSS: kvstore-server (index + touched arena) / mooncake_master")
     for ax in axes:
         ax.set_xscale("symlog", base=2, linthresh=1024)
         ax.set_xlabel("entries held")
@@ -124,11 +125,38 @@ def _entries(rows: list[Row], outdir: Path) -> Path:
     return path
 
 
+def markdown(rows: list[Row]) -> str:
+    """The transfer rows as the docs' tables: one line per (layout, tokens, op)."""
+    cells: dict[tuple, dict[str, Row]] = {}
+    for r in rows:
+        if r.get("table") == "prompts":
+            cells.setdefault((r["layout"], r["tokens"], r["MiB"], r["op"]), {})[r["system"]] = r
+    head = ("| layout | tokens | MiB | op | kvstore GB/s | Mooncake GB/s | raw TE GB/s "
+            "| kv/Mooncake | kv/raw TE | p50 / p99 ms kvstore | p50 / p99 ms Mooncake "
+            "| p50 / p99 ms raw TE | CPU s/GB kv / Mc / TE |")
+    lines = [head, "|" + "---|" * 13]
+    for (layout, tokens, mib, op), by in cells.items():
+        kv, mc, te = (by.get(s, {}) for s in ("kvstore", "mooncake", "rawte"))
+        g = [x.get("GB/s", math.nan) for x in (kv, mc, te)]
+        lat = [f"{x.get('p50 ms', math.nan):.0f} / {x.get('p99 ms', math.nan):.0f}"
+               for x in (kv, mc, te)]
+        cpu = " / ".join(f"{x.get('CPU s/GB', math.nan):.2f}" for x in (kv, mc, te))
+        lines.append(f"| {layout} | {tokens} | {mib:g} | {op} | {g[0]:.2f} | {g[1]:.2f} | "
+                     f"{g[2]:.2f} | {g[0] / g[1]:.2f} | {g[0] / g[2]:.2f} | {lat[0]} | "
+                     f"{lat[1]} | {lat[2]} | {cpu} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="?", default="bench-results")
     parser.add_argument("--out", default="docs/img")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the transfer results as the docs' markdown table")
     args = parser.parse_args(argv)
+    if args.markdown:
+        print(markdown(json.loads((Path(args.results) / "transfer.json").read_text())["rows"]))
+        return 0
     for path in sorted(Path(args.results).glob("*.json")):
         doc = json.loads(path.read_text())
         for png in render(doc.get("section", path.stem), doc.get("rows", []), Path(args.out)):
