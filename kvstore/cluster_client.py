@@ -127,13 +127,15 @@ class ClusterClient:
                     raise
         raise AssertionError("unreachable: order is never empty")
 
-    def drop_select(self, tokens: Sequence[int] | np.ndarray,
-                    timeout: float | None = None) -> SelectResult:
-        return self._read(tokens, timeout, lambda c, t: c.drop_select(tokens, timeout=t),
+    def drop_select(self, tokens: Sequence[int] | np.ndarray, timeout: float | None = None,
+                    into: Any = None) -> SelectResult:
+        return self._read(tokens, timeout,
+                          lambda c, t: c.drop_select(tokens, timeout=t, into=into),
                           SelectResult(0, None, None))
 
-    def get(self, tokens: Sequence[int] | np.ndarray, timeout: float | None = None) -> SelectResult:
-        return self._read(tokens, timeout, lambda c, t: c.get(tokens, timeout=t),
+    def get(self, tokens: Sequence[int] | np.ndarray, timeout: float | None = None,
+            into: Any = None) -> SelectResult:
+        return self._read(tokens, timeout, lambda c, t: c.get(tokens, timeout=t, into=into),
                           SelectResult(0, None, None))
 
     def lookup(self, tokens: Sequence[int] | np.ndarray) -> LookupResult:
@@ -197,9 +199,16 @@ class ClusterClient:
         self.close()
 
 
-def connect(address: str, layout: KVLayout, **opts: Any) -> ClusterClient | KVStoreClient:
-    """``etcd://host:port`` -> a ClusterClient; ``tcp://host:port`` -> a KVStoreClient of
-    that one server (the explicit-address mode). ``opts`` go to the chosen class."""
+def connect(address: str, layout: KVLayout, prefix: str | None = None,
+            **opts: Any) -> ClusterClient | KVStoreClient:
+    """``etcd://host:port`` -> a ClusterClient of the nodes under ``prefix`` (default
+    ``/kvstore/nodes/``); ``tcp://host:port`` -> a KVStoreClient of that one server
+    (the explicit-address mode; ``prefix`` means nothing there and is ignored, so a
+    caller can pass its configured prefix whichever address it got). ``opts`` go to
+    the chosen class."""
     if address.startswith("etcd://"):
-        return ClusterClient(address, layout, **opts)
+        return ClusterClient(address, layout, **({"prefix": prefix} if prefix else {}), **opts)
+    if not address.startswith("tcp://"):
+        raise InvalidRequestError(f"server address must be tcp://host:port or "
+                                  f"etcd://host:port, got {address!r}")
     return KVStoreClient(address, layout=layout, **opts)

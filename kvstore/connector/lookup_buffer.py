@@ -26,6 +26,10 @@ Flow control (vLLM's SimpleBuffer blocks the sender while its buffer is full): a
 inserted entry is pinned until its consumer drops it, so the store never evicts
 an unconsumed entry; when the server is full of them, ``insert`` retries until
 ``insert_timeout_s`` and then raises ``TierFullError`` (a miss for the writer).
+
+``server`` may also be a cluster's etcd (``etcd://host:port``): both sides then
+place the prompt by rendezvous hashing over the registered nodes
+(``kvstore.cluster_client``), so neither needs to know which node provides it.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import numpy as np
 import torch
 
 from kvstore.client import KVStoreClient
+from kvstore.cluster_client import ClusterClient, connect
 from kvstore.connector.v0_record import decode_record, encode_record
 from kvstore.errors import (
     ChecksumError,
@@ -70,24 +75,27 @@ class _Masked(NamedTuple):
 class KVStoreLookupBuffer:
     """A v0 lookup buffer over one kvstore-server (the provider node's).
 
-    ``server``: the provider's server address, on both sides. ``model_id`` and
-    ``salt`` separate models/tenants sharing a server. ``select_timeout_s`` bounds
+    ``server``: the provider's server address (``tcp://``), or the cluster's etcd
+    (``etcd://``, with the servers' ``cluster_prefix``), on both sides. ``model_id``
+    and ``salt`` separate models/tenants sharing a server. ``select_timeout_s`` bounds
     how long ``drop_select`` waits for the provider before answering a miss.
     """
 
     def __init__(self, server: str, model_id: str = "default", salt: bytes | str = b"",
                  block_tokens: int = 16, select_timeout_s: float = 5.0,
                  insert_timeout_s: float = 30.0, timeout_s: float = 10.0,
-                 hold_until_consumed: bool = True, **client_opts: Any) -> None:
+                 hold_until_consumed: bool = True, cluster_prefix: str | None = None,
+                 **client_opts: Any) -> None:
         if select_timeout_s < 0 or insert_timeout_s < 0:
             raise InvalidRequestError("timeouts must be >= 0")
         self.select_timeout_s = select_timeout_s
         self.insert_timeout_s = insert_timeout_s
         self.hold_until_consumed = hold_until_consumed
         self.full_waits = 0  # inserts that found the server full and waited
-        self._client = KVStoreClient(server, layout=token_id_layout(block_tokens),
-                                     model_id=f"v0-lookup-buffer/{model_id}", salt=salt,
-                                     timeout_s=timeout_s, **client_opts)
+        self._client: KVStoreClient | ClusterClient = connect(
+            server, token_id_layout(block_tokens), prefix=cluster_prefix,
+            model_id=f"v0-lookup-buffer/{model_id}", salt=salt, timeout_s=timeout_s,
+            **client_opts)
 
     # ------------------------------------------------------------ provider
     def insert(self, input_tokens: torch.Tensor, roi: torch.Tensor, key: torch.Tensor,

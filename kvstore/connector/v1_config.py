@@ -2,9 +2,13 @@
 
 Every key (docs/vllm.md lists them with examples):
 
-* ``server`` — this node's kvstore-server (``tcp://host:port``). A producer saves
-  there and names it in ``kv_transfer_params``; a consumer loads from the address a
-  request's ``kv_transfer_params`` names, else from here. [tcp://127.0.0.1:7700]
+* ``server`` — this node's kvstore-server (``tcp://host:port``), or a cluster's etcd
+  (``etcd://host:port``: prompts are placed on the registered nodes by rendezvous
+  hashing, kvstore.cluster_client). A producer saves there and names it in
+  ``kv_transfer_params``; a consumer loads from the address a request's
+  ``kv_transfer_params`` names, else from here. [tcp://127.0.0.1:7700]
+* ``cluster_prefix`` — the etcd key prefix the cluster's servers register under
+  (their ``--cluster-prefix``); only with an ``etcd://`` server. [/kvstore/nodes/]
 * ``model_id`` — part of the key namespace; producer and consumer must agree.
   [the served model's name]
 * ``salt`` — optional tenant salt, also in the namespace. [""]
@@ -30,13 +34,15 @@ from kvstore.config import parse_size
 from kvstore.errors import ConfigError
 from kvstore.layout import KVLayout, dtype_name
 
-_KEYS = {"server", "model_id", "salt", "timeout_s", "te_host", "staging_bytes", "same_node",
-         "load_mode", "save", "load"}
+SERVER_SCHEMES = ("tcp://", "etcd://")  # one server / a cluster's registry
+_KEYS = {"server", "cluster_prefix", "model_id", "salt", "timeout_s", "te_host",
+         "staging_bytes", "same_node", "load_mode", "save", "load"}
 
 
 @dataclass(frozen=True)
 class ConnectorSettings:
     server: str
+    cluster_prefix: str
     model_id: str
     salt: str
     timeout_s: float
@@ -63,6 +69,7 @@ class ConnectorSettings:
             same_node = same_node.lower() == "true"
         settings = cls(
             server=str(extra.get("server", "tcp://127.0.0.1:7700")),
+            cluster_prefix=str(extra.get("cluster_prefix", "/kvstore/nodes/")),
             model_id=str(extra.get("model_id", default_model_id)),
             salt=str(extra.get("salt", "")),
             timeout_s=float(extra.get("timeout_s", 5.0)),
@@ -77,8 +84,11 @@ class ConnectorSettings:
         return settings
 
     def check(self) -> None:
-        if not self.server.startswith("tcp://"):
-            raise ConfigError(f"server must be tcp://host:port, got {self.server!r}")
+        if not self.server.startswith(SERVER_SCHEMES):
+            raise ConfigError(f"server must be tcp://host:port or etcd://host:port, "
+                              f"got {self.server!r}")
+        if not self.cluster_prefix:
+            raise ConfigError("cluster_prefix must not be empty")
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.load_mode not in ("drop", "keep"):

@@ -1,6 +1,7 @@
 """The v1 connector's kvstore calls, each turned into a result vLLM can use.
 
-One ``KVStoreClient`` per server address. Every method here returns normally
+One client per server address: a ``KVStoreClient`` for ``tcp://``, a
+``ClusterClient`` (same methods) for an ``etcd://`` cluster. Every method here returns normally
 whatever the store or the network does: a lookup that fails is 0 tokens, a load
 that fails names the blocks vLLM must recompute, a save that fails is logged and
 skipped (a later reader recomputes). A server that timed out or is gone is skipped
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from kvstore.client import KVStoreClient
+from kvstore.cluster_client import ClusterClient, connect
 from kvstore.connector.paged_io import gather_blocks, scatter_blocks
 from kvstore.connector.v1_config import ConnectorSettings
 from kvstore.errors import KVTimeoutError, MissError, PeerUnavailableError
@@ -35,18 +37,19 @@ class StoreClients:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         # The scheduler only looks up: its clients never move bytes.
         self._staging = settings.staging_bytes if worker else 1 << 20
-        self._clients: dict[str, KVStoreClient] = {}
+        self._clients: dict[str, KVStoreClient | ClusterClient] = {}
         self._down_until: dict[str, float] = {}
         self._lock = threading.Lock()
 
-    def client(self, server: str) -> KVStoreClient:
+    def client(self, server: str) -> KVStoreClient | ClusterClient:
         with self._lock:
             if server not in self._clients:
                 s = self.settings
-                self._clients[server] = KVStoreClient(
-                    server, layout=self.layout, model_id=s.model_id, tp_rank=self.tp_rank,
-                    tp_size=self.tp_size, salt=s.salt, timeout_s=s.timeout_s,
-                    te_host=s.te_host, same_node=s.same_node, staging_bytes=self._staging)
+                self._clients[server] = connect(
+                    server, self.layout, prefix=s.cluster_prefix, model_id=s.model_id,
+                    tp_rank=self.tp_rank, tp_size=self.tp_size, salt=s.salt,
+                    timeout_s=s.timeout_s, te_host=s.te_host, same_node=s.same_node,
+                    staging_bytes=self._staging)
             return self._clients[server]
 
     def _usable(self, server: str) -> bool:

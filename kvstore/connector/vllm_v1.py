@@ -39,7 +39,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvstore.connector.v1_config import ConnectorSettings, layout_from_kv_cache_config
+from kvstore.connector.v1_config import (
+    SERVER_SCHEMES,
+    ConnectorSettings,
+    layout_from_kv_cache_config,
+)
 from kvstore.connector.v1_stores import StoreClients
 from kvstore.errors import ConfigError
 
@@ -179,7 +183,7 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
     def _source(self, request: Request) -> str:
         params = getattr(request, "kv_transfer_params", None) or {}
         server = params.get(PARAM_SERVER)
-        return server if isinstance(server, str) and server.startswith("tcp://") \
+        return server if isinstance(server, str) and server.startswith(SERVER_SCHEMES) \
             else self.settings.server
 
     # =============================================================== worker side

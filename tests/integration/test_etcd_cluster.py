@@ -169,6 +169,10 @@ def test_registered_server_serves_both_modes_and_leaves_on_stop(etcd, server_fac
     with connect(etcd.url, LAYOUT, prefix=prefix) as by_etcd, \
             connect(server.address, LAYOUT) as by_address:
         assert isinstance(by_etcd, ClusterClient) and isinstance(by_address, KVStoreClient)
+    with connect(server.address, LAYOUT, prefix=prefix) as by_address:  # prefix: etcd only
+        assert isinstance(by_address, KVStoreClient)
+    with pytest.raises(InvalidRequestError, match="tcp://host:port or etcd://host:port"):
+        connect("http://127.0.0.1:2379", LAYOUT)
     out = CliRunner().invoke(cli, ["nodes", "--etcd", etcd.url, "--prefix", prefix])
     assert out.exit_code == 0 and "alpha" in out.output and "UP" in out.output, out.output
     server.stop()  # clean stop revokes the lease: gone now, not after the TTL

@@ -175,3 +175,24 @@ def test_two_inserts_of_one_prompt_serve_two_consumers(clean_server):
     assert _entries(server) == 0
     for buf in (provider, *consumers):
         buf.close()
+
+
+def test_etcd_address_round_trip_through_a_registered_server(server_factory):
+    """Both sides name only the cluster's etcd; the entry lives on the registered node
+    and is gone from it after the consumer's drop_select."""
+    from tools.etcd_proc import start_etcd
+
+    with start_etcd() as etcd:
+        node = server_factory(extra=("--cluster", etcd.url, "--cluster-prefix", "/v0c/",
+                                     "--node-id", "only"))
+        opts = dict(block_tokens=4, staging_bytes=1 << 20, cluster_prefix="/v0c/")
+        with KVStoreLookupBuffer(etcd.url, **opts) as provider, \
+                KVStoreLookupBuffer(etcd.url, same_node=False, **opts) as consumer:
+            tokens = torch.arange(40, 50)
+            roi = torch.ones(10, dtype=torch.bool)
+            provider.insert(tokens, roi, torch.full((2, 3), 4.0), torch.zeros(1), None)
+            assert _entries(node) == 4  # 3 blocks and the record
+            tok, roi_, key, value, hidden = consumer.drop_select(tokens, roi)
+            assert torch.equal(tok, tokens) and torch.equal(key, torch.full((2, 3), 4.0))
+            assert hidden is None
+            assert _entries(node) == 0  # consumed: unpinned and dropped on the node

@@ -312,3 +312,40 @@ def test_one_step_with_a_loading_and_a_saving_request(clean_server):
     # s0's 3 entries (s1's are the same keys) + s2's full block and partial block.
     assert entries(clean_server) == 5
     worker.shutdown(), sched.shutdown()
+
+
+def test_etcd_server_address_places_saves_and_loads_through_the_cluster(server_factory):
+    """``server: etcd://...``: producer and consumer name only the cluster's etcd; the
+    prompt goes to (and comes back from) its rendezvous home among registered nodes."""
+    from tools.etcd_proc import start_etcd
+
+    prompt, src_blocks, dst_blocks = list(range(300, 311)), [3, 7, 1], [5, 9, 2]
+    with start_etcd() as etcd:
+        node = server_factory(extra=("--cluster", etcd.url, "--cluster-prefix", "/v1c/",
+                                     "--node-id", "only"))
+        opts = dict(server=etcd.url, cluster_prefix="/v1c/")
+        sched, worker, p_caches = make_connectors("kv_producer", **opts)
+        fill_random(p_caches, seed=5)
+        req = request("p-etcd", prompt)
+        assert schedule(sched, worker, req, src_blocks, 0) == set()
+        _, params = sched.request_finished(req, src_blocks)
+        worker.shutdown(), sched.shutdown()
+        assert params[PARAM_SERVER] == etcd.url and entries(node) == 3
+
+        sched, worker, caches = make_connectors("kv_consumer", **opts)
+        req = request("d-etcd", prompt, params)
+        matched, _ = sched.get_num_new_matched_tokens(req, 0)
+        assert matched == len(prompt) - 1
+        assert schedule(sched, worker, req, dst_blocks, matched) == set()
+        for name in LAYERS:
+            assert torch.equal(caches[name][5], p_caches[name][3])
+            assert torch.equal(caches[name][2, :, :2], p_caches[name][1, :, :2])
+        assert entries(node) == 0  # drop_select through the cluster client
+        worker.shutdown(), sched.shutdown()
+
+
+def test_server_address_of_another_scheme_is_refused():
+    from kvstore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="tcp://host:port or etcd://host:port"):
+        make_connectors("kv_both", server="http://127.0.0.1:2379")
