@@ -23,6 +23,7 @@ from kvstore.cli_admin import (Admin, KeyType, SizeType, TokensType, fail, promp
                                prompt_options, server_options)
 from kvstore.cli_cluster import cluster_stats, nodes
 from kvstore.cli_cluster import etcd_option as cluster_etcd_option
+from kvstore.cli_cluster import prefix_option as cluster_prefix_option
 from kvstore.cli_views import SORT_FIELDS, ls_table, sort_entries, stats_view
 from kvstore.cliformat import format_bytes, format_count, parse_duration, to_json
 from kvstore.errors import KVStoreError
@@ -83,11 +84,12 @@ def emit(admin: Admin, results: list[tuple[str, Any]], render: Callable[[str, An
 @click.option("--count", type=click.IntRange(min=1), help="With --watch: stop after COUNT refreshes.")
 @click.option("--cluster", is_flag=True, help="Every node registered in etcd, summed and per node.")
 @cluster_etcd_option
+@cluster_prefix_option
 def stats(admin: Admin, watch: float | None, count: int | None, cluster: bool,
-          etcd: str | None) -> None:
+          etcd: str | None, prefix: str | None) -> None:
     """Per node and tier: capacity, use, entries, hits, traffic, evictions, leases."""
     if cluster:
-        return cluster_stats(admin, etcd, watch=watch, count=count)
+        return cluster_stats(admin, etcd, prefix, watch=watch, count=count)
     shown = 0
     while True:
         results = admin.call_each(lambda: p.Stats())
@@ -352,7 +354,13 @@ def bench(args: tuple[str, ...]) -> None:
 @cli.command(context_settings=_PASS, add_help_option=False)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def demo(args: tuple[str, ...]) -> None:
-    """Run the two-node demo (tools.demo; arguments pass through, try --help)."""
+    """Run the two-node demo (tools.demo), or with --single-node the single-node
+    walk-through (tools.walkthrough); other arguments pass through, try --help."""
+    if "--single-node" in args:
+        _run_tool("tools.walkthrough", tuple(a for a in args if a != "--single-node"))
+    if "-h" in args or "--help" in args:  # before the tool's own usage, which ends the run
+        click.echo("kvstore demo --single-node [--tokens N] [--data-dir DIR] [--keep]: "
+                   "the single-node walk-through (tools.walkthrough)\n")
     _run_tool("tools.demo", args)
 
 

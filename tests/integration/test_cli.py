@@ -355,3 +355,13 @@ def test_bench_and_demo_delegate_to_tools(tmp_path):
     # The console script finds tools/ beside the package from any directory.
     proc = _kvstore("bench", "--help", cwd=tmp_path)
     assert proc.returncode == 0 and "tools.bench" in proc.stdout
+    assert "--single-node" in CliRunner().invoke(cli, ["demo", "--help"]).output
+
+
+def test_demo_single_node_runs_the_walkthrough(tmp_path):
+    data_dir = tmp_path / "walk"
+    result = CliRunner().invoke(cli, ["demo", "--single-node", "--tokens", "40",
+                                      "--data-dir", str(data_dir)])
+    assert result.exit_code == 0, result.output
+    assert "every read identical; NVMe entries survived the restart" in result.output
+    assert "reopen" in result.output and not data_dir.exists()  # temp data removed

@@ -175,6 +175,11 @@ def test_registered_server_serves_both_modes_and_leaves_on_stop(etcd, server_fac
         connect("http://127.0.0.1:2379", LAYOUT)
     out = CliRunner().invoke(cli, ["nodes", "--etcd", etcd.url, "--prefix", prefix])
     assert out.exit_code == 0 and "alpha" in out.output and "UP" in out.output, out.output
+    out = CliRunner().invoke(cli, ["stats", "--cluster", "--etcd", etcd.url, "--prefix", prefix,
+                                   "--json"])
+    assert out.exit_code == 0, out.output
+    total, node = json.loads(out.output)
+    assert total["server"].startswith("cluster total (1 nodes)") and node["server"] == server.address
     server.stop()  # clean stop revokes the lease: gone now, not after the TTL
     assert nodes.nodes() == {}
 
