@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.list:
-        for s in SECTIONS:
+        for s in [*SECTIONS, *GPU_SECTIONS]:
             print(f"{s.name:10} {s.help}")
         return 0
     names = [n.strip() for item in args.only or [] for n in item.split(",") if n.strip()]

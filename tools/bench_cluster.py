@@ -190,8 +190,8 @@ def _one_prompt(systems: dict[str, SystemProcs], samples: Samples, key: tuple, l
 
 
 def _reps(opts: BenchOptions, nbytes: int) -> int:
-    budget = opts.pick(8 * MiB, 512 * MiB, 2048 * MiB)
-    return int(min(opts.pick(3, 20, 40), max(opts.pick(2, 3, 5), budget // nbytes)))
+    budget = opts.pick(8 * MiB, 1024 * MiB, 2048 * MiB)
+    return int(min(opts.pick(3, 20, 40), max(opts.pick(2, 5, 8), budget // nbytes)))
 
 
 def _ratios(rows: list[Row], keys: tuple[str, ...]) -> list[Row]:

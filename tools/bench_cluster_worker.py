@@ -43,6 +43,13 @@ LAYOUTS = {
 }
 
 
+def entry_sizes(layout: KVLayout, ntokens: int) -> list[int]:
+    """``layout.entry_sizes`` without its torch call per block (8 ms at 2 048 blocks,
+    which would be charged to Mooncake's and raw TE's timings)."""
+    full, rest = divmod(ntokens, layout.block_tokens)
+    return [layout.block_nbytes] * full + ([layout.nbytes(rest)] if rest else [])
+
+
 def prompt_tokens(pid: int, ntokens: int) -> np.ndarray:
     toks = (np.arange(ntokens, dtype=np.int64) * 7919 + pid * 104729) % 50_000
     toks[0] = 100_000 + pid
@@ -153,7 +160,7 @@ class RawTESide:
             self.array[:data.numel()].copy_(data)
 
     def get(self, name: str, pid: int, ntokens: int) -> Any:
-        sizes = np.asarray(LAYOUTS[name].entry_sizes(ntokens), dtype=np.int64)
+        sizes = np.asarray(entry_sizes(LAYOUTS[name], ntokens), dtype=np.int64)
         offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))
         self.te.read(self.peer["segment"], self.address + offsets,
                      self.peer["address"] + offsets, sizes)

@@ -95,11 +95,11 @@ class MooncakeSide:
         return arr
 
     def _keys(self, name: str, pid: int, ntokens: int) -> tuple[list[str], list[int]]:
-        from tools.bench_cluster_worker import prompt_tokens
+        from tools.bench_cluster_worker import entry_sizes, prompt_tokens
 
         layout = self.layouts[name]
         keys = block_keys(self._ns[name], prompt_tokens(pid, ntokens), layout.block_tokens).keys
-        return [k.hex() for k in keys], layout.entry_sizes(ntokens)
+        return [k.hex() for k in keys], entry_sizes(layout, ntokens)
 
     def put(self, name: str, pid: int, ntokens: int, data: np.ndarray) -> None:
         keys, sizes = self._keys(name, pid, ntokens)
