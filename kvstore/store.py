@@ -302,9 +302,8 @@ class Store(MovesMixin, AuditMixin):
             # Re-read: room-making while staging may have dropped NVMe copies of
             # these (held) entries; nothing else about them can have changed.
             recs = [self._records[r.key]._replace(last_access=now) for r in recs]
-            for rec in recs:
+            for rec in recs:  # victim orders catch up lazily (store_order.py)
                 self._records[rec.key] = rec
-                self._reordered(rec)
             aid = new_id()
             self._acqs[aid] = Lease([r.key for r in recs], now + lease, claim)
             if claim:

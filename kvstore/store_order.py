@@ -3,15 +3,18 @@
 Sorting every entry of a tier on each room-making pass costs O(n log n) per pass
 (about a second at 1M entries). Instead the store keeps, per tier (and one for the
 NVMe copies of staged entries), a heap of the policy's sort key of each entry,
-pushed whenever an entry lands in the group or its sort key changes. Items are
-never removed in place: an item is *stale* when its key is gone from the group or
-its record now has another sort key, and stale items are dropped as the heap
-yields them. The heap is rebuilt from the live records when stale items outnumber
-live ones, so memory stays O(entries) and pushes stay amortized O(log n).
+pushed when an entry joins the group. A hit does not push: an entry's sort key
+only grows (access time), so its old item still sits no later than it should;
+when the walk pops an item whose record has moved on, it pushes the current key
+and goes on (lazy re-insertion), so reads pay nothing for the order. Items of
+entries gone from the group are dropped as the walk meets them, and the heap is
+rebuilt when stale items outnumber live ones (memory stays O(entries)).
 
-Invariant: every live member of the group has an item equal to its current sort
-key. So walking the heap in order (skipping stale and repeated items) yields the
-members in exactly the order ``policy.order`` would sort them.
+Invariant: every live member has an item whose key is at most its current sort
+key. So the smallest item whose key is current belongs to the member that sorts
+first, and the walk yields members in exactly the order ``policy.order`` would
+sort them. (A wall clock stepping back can break "only grows"; such an entry is
+then yielded late, as soon as its stale item comes up.)
 """
 
 from __future__ import annotations
@@ -34,16 +37,27 @@ class GroupOrder:
                  members: Callable[[], Collection[bytes]]) -> None:
         self._sort_key, self._member, self._members = sort_key, member, members
         self._heap: list[tuple] = []
+        self._limit = _SLACK  # heap size at which the stale items are counted again
 
     def push(self, rec: Record) -> None:
         heapq.heappush(self._heap, self._sort_key(rec))
-        if len(self._heap) > 2 * len(self._members()) + _SLACK:
+        if len(self._heap) > self._limit:
+            self._bound()
+
+    def _bound(self) -> None:
+        """Rebuild when stale items outnumber live ones (by more than the slack);
+        else move the next check out to where they would."""
+        limit = 2 * len(self._members()) + _SLACK
+        if len(self._heap) > limit:
             self.rebuild()
+        else:
+            self._limit = limit
 
     def rebuild(self) -> None:
         recs = (self._member(k) for k in self._members())
         self._heap = [self._sort_key(r) for r in recs if r is not None]
         heapq.heapify(self._heap)
+        self._limit = 2 * len(self._heap) + _SLACK
 
     def walk(self) -> Iterator[Record]:
         """Members in policy order, lazily. Close the generator when done: every
@@ -55,8 +69,12 @@ class GroupOrder:
                 item = heapq.heappop(self._heap)
                 key = item[-1]
                 rec = self._member(key)
-                if rec is None or key in seen or self._sort_key(rec) != item:
-                    continue  # stale, or a repeat of an item already yielded
+                if rec is None or key in seen:
+                    continue  # gone from the group, or a repeat already yielded
+                now = self._sort_key(rec)
+                if now != item:  # touched since it was pushed: its place is further on
+                    heapq.heappush(self._heap, now)
+                    continue
                 seen.add(key)
                 popped.append(item)
                 yield rec

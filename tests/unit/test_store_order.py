@@ -62,7 +62,7 @@ def test_walk_matches_the_policy_sort(make_store, monkeypatch, policy, seed):
     store.check_integrity()
 
 
-def test_stale_and_repeated_items_are_skipped_and_rebuild_bounds_the_heap():
+def test_stale_repeated_and_touched_items_and_rebuild_bounds_the_heap():
     from kvstore.index import Record
 
     recs: dict[bytes, Record] = {}
@@ -79,7 +79,9 @@ def test_stale_and_repeated_items_are_skipped_and_rebuild_bounds_the_heap():
     order.push(recs[key(2)])  # the same item twice
     del recs[key(3)]  # gone
     assert _walked(order) == [key(1), key(2), key(4), key(0)]
+    recs[key(1)] = rec(1, 10.0)  # a hit without a push: found late, put back in place
+    assert _walked(order) == [key(2), key(4), key(0), key(1)]
     for _ in range(3000):
-        order.push(recs[key(1)])
+        order.push(recs[key(2)])
     assert len(order._heap) <= 2 * len(recs) + 1024 + 1
-    assert _walked(order) == [key(1), key(2), key(4), key(0)]
+    assert _walked(order) == [key(2), key(4), key(0), key(1)]
