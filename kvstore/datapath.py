@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 # Wire layout of placements / entries (kvstore.handlers): tier, offset, nbytes, address.
 _TIER, _OFFSET, _NBYTES, _ADDRESS = 0, 1, 2, 3
 _PAGE = 4096  # tiers.dram.PAGE_SIZE: DRAM extents start on, and are rounded up to, pages
+# From this many bytes a TE write goes straight from the caller's buffers, registered
+# for the call (~0.1 ms/GiB), instead of being copied into staging first.
+DIRECT_WRITE_MIN_BYTES = 8 << 20
 
 
 class Segment(NamedTuple):
@@ -102,6 +105,7 @@ class DataPath:
         self._owns_engine = engine is None
         self.engine = engine or TeEngine(te_host, staging_bytes, timeout_s)
         self.staging_bytes = self.engine.staging_bytes
+        self.direct_write_min_bytes = DIRECT_WRITE_MIN_BYTES
         self._lock = self.engine.lock
 
     def connect(self, hello: dict[str, Any]) -> None:
@@ -139,6 +143,8 @@ class DataPath:
                 remote.append((buf, pl))
         if remote:
             with self._lock, self._timed("te_write"):
+                if self._te_write_direct(seg.name, remote):
+                    return
                 for group in self._groups([pl[_NBYTES] for _, pl in remote]):
                     self._te_write(seg.name, [remote[i] for i in group])
 
@@ -201,6 +207,35 @@ class DataPath:
         for (buf, pl), off in zip(items, offsets):
             stage[off:off + pl[_NBYTES]] = buf
         self._te().write(segment, [base + x for x in local], remote, lengths)
+
+    def _te_write_direct(self, segment: str, items: list[tuple[np.ndarray, list]]) -> bool:
+        """TE straight from the caller's buffers, registered for this write only, when
+        the write is large and needs about as few transfers as through staging (a
+        prompt's entries are views of one packed array; a hidden tensor adds one).
+        Saves the copy into staging and is not bounded by its size. False: not that
+        shape (or the memory is registered already), use staging."""
+        sizes = [pl[_NBYTES] for _, pl in items]
+        if sum(sizes) < self.direct_write_min_bytes or not all(
+                buf.flags.c_contiguous and buf.nbytes == n for (buf, _), n in zip(items, sizes)):
+            return False
+        local = [buf.ctypes.data for buf, _ in items]
+        remote = [_address(pl) for _, pl in items]
+        transfers = _runs(local, remote, sizes)  # (local, remote, nbytes), coalesced
+        if len(transfers) > len(_mirror([pl for _, pl in items], writing=True)[1]) + 1:
+            return False  # e.g. many small entries: staging bridges their gaps
+        spans = _runs(local, local, sizes)  # caller memory to register, (start, _, n)
+        te = self._te()
+        try:
+            te.register_many([(start, n) for start, _, n in spans])
+        except InvalidRequestError:  # overlaps registered memory
+            return False
+        try:
+            te.write(segment, [t[0] for t in transfers], [t[1] for t in transfers],
+                     [t[2] for t in transfers])
+        finally:
+            for start, _, _ in spans:
+                te.unregister(start)
+        return True
 
     def _te_read(self, segment: str, out: np.ndarray, items: list[tuple[int, list]]) -> None:
         stage, base = self._staging_buffer()

@@ -171,3 +171,43 @@ def test_concurrent_drop_selects_claim_each_pending_consumer_once(clean_server, 
     client._rpc.call(p.Release(aid=first["aid"], drop=False))  # gives the claim back
     assert client.drop_select(prompt(8, 7)).matched_tokens == 8
     assert client.lookup(prompt(8, 7)).matched_tokens == 0
+
+
+def test_large_te_insert_goes_straight_from_the_callers_buffer(clean_server, client_factory):
+    """From ``direct_write_min_bytes`` a TE insert registers the caller's buffers for
+    the call and writes from them: no copy into staging, no staging buffer at all,
+    nothing left registered. Page-multiple entries (4 KiB a token), a hidden tensor
+    (its own allocation: a second registered span) included."""
+    from kvstore.layout import KVLayout
+
+    layout = KVLayout(num_layers=4, kv_heads=4, head_dim=64, dtype="float16", block_tokens=4)
+    client = client_factory(clean_server, layout=layout, same_node=False,
+                            staging_bytes=64 << 10)  # smaller than the prompt
+    client._data.direct_write_min_bytes = 64 << 10
+    n = 42  # 10 full blocks and a partial one: 168 KiB
+    kv = make_kv(n, seed=5, layout=layout)
+    hidden = torch.arange(300, dtype=torch.float32)
+    assert client.insert(prompt(n), kv, hidden=hidden).new_blocks == 11
+    engine = client._data.engine
+    assert engine.transport is not None and engine._stage is None  # never staged
+    assert engine.transport.regions() == []  # the caller's spans were unregistered
+    into = np.zeros(layout.nbytes(n) + 4096, dtype=np.uint8)
+    got = client.drop_select(prompt(n), into=into)
+    assert got.matched_tokens == n and np.array_equal(got.kv.numpy(), kv)
+    assert torch.equal(got.hidden, hidden)
+
+
+def test_small_or_scattered_te_inserts_use_staging(clean_server, client_factory):
+    # Below the threshold, or sub-page entries (their page-padded extents would each
+    # be a TE transfer from the caller's buffer; staging bridges the gaps): staged.
+    small = client_factory(clean_server, same_node=False)
+    small._data.direct_write_min_bytes = 1 << 20
+    small.insert(prompt(8, seed=1), make_kv(8, seed=1))  # 1 KiB: under the threshold
+    assert small._data.engine._stage is not None
+    scattered = client_factory(clean_server, same_node=False)
+    scattered._data.direct_write_min_bytes = 0
+    kv = make_kv(64, seed=2)  # 16 entries of 512 bytes, a page apart in the arena
+    scattered.insert(prompt(64, seed=2), kv)
+    assert scattered._data.engine._stage is not None
+    got = scattered.drop_select(prompt(64, seed=2))
+    assert np.array_equal(got.kv.numpy(), kv)
