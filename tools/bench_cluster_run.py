@@ -1,0 +1,142 @@
+"""Running the two-node workload: start each system's processes on the nodes, put
+and get prompts through all of them in rotating order, and turn the samples into
+rows (GB/s, p50/p99, blocks/s, CPU s/GB), ratios and peak-memory rows.
+
+Used by the sections in tools/bench_cluster.py and by tools/bench_profile.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+
+import numpy as np
+
+from tools.bench import BenchOptions, Row
+from tools.bench_cluster_procs import REPO, SystemProcs, WorkerProc, peak_rss_mib, worker_env
+from tools.bench_cluster_worker import LAYOUTS
+
+SYSTEMS = ("kvstore", "mooncake", "rawte")
+MiB = 1 << 20
+
+
+def start_systems(stack: ExitStack, cluster, workdir: Path, layouts: list[str],
+                   max_tokens: dict[str, int], store_bytes: int, systems=SYSTEMS,
+                   device: str = "cpu") -> dict[str, SystemProcs]:
+    a, b = cluster.nodes
+    max_bytes = max(LAYOUTS[n].nbytes(t) for n, t in max_tokens.items())
+    base = {"layouts": layouts, "max_tokens": max_tokens, "max_bytes": max_bytes,
+            "profile": os.environ.get("KVSTORE_BENCH_PROFILE", ""), "device": device}
+    out = {}
+
+    def worker(node, system, role, **cfg) -> WorkerProc:
+        w = WorkerProc(node, {**base, "system": system, "role": role, "host": node.host, **cfg},
+                       workdir / f"{system}-{role}.log")
+        stack.callback(w.close)
+        return w
+
+    if "kvstore" in systems:
+        srv, address = start_kvstore_server(a, workdir, store_bytes, device)
+        cross = "auto" if cluster.kind == "netns" else False
+        s = SystemProcs("kvstore", others={"server": srv})
+        common = {"server": address, "staging_bytes": max_bytes}
+        s.producer = worker(a, "kvstore", "producer", same_node="auto", **common)
+        s.consumer = worker(b, "kvstore", "consumer", same_node=cross, **common)
+        out["kvstore"] = s
+    if "mooncake" in systems:
+        from tools.bench_mooncake import start_master
+
+        m = start_master(a, workdir / "mooncake_master.log")
+        s = SystemProcs("mooncake", others={"master": m.proc})
+        common = {"master": m.address, "metadata": m.metadata, "segment_bytes": store_bytes}
+        s.producer = worker(a, "mooncake", "producer", **common)
+        s.consumer = worker(b, "mooncake", "consumer", **common)
+        out["mooncake"] = s
+    if "rawte" in systems:
+        s = SystemProcs("rawte")
+        s.producer = worker(a, "rawte", "producer")
+        s.consumer = worker(b, "rawte", "consumer", peer=s.producer.call({"op": "info"}))
+        out["rawte"] = s
+    return out
+
+
+def start_kvstore_server(node, workdir: Path, nbytes: int, device: str = "cpu"):
+    port = node.free_port()
+    tiers = (["--dram", str(nbytes)] if device == "cpu"
+             else ["--dram", "0", "--gpu", str(nbytes), "--gpu-device", device])
+    argv = [sys.executable, "-m", "kvstore.server", "--host", node.host, "--port", str(port),
+            "--data-dir", str(workdir / "kvstore-data"), *tiers,
+            "--nvme", "0", "--block-tokens", "16", "--log-level", "warning"]
+    with open(workdir / "kvstore-server.log", "ab") as log_file:
+        proc = node.popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
+                          stdin=subprocess.DEVNULL, cwd=REPO, env=worker_env())
+    node.wait_port(node.host, port, 60, proc=proc)
+    return proc, f"tcp://{node.host}:{port}"
+
+
+# ------------------------------------------------------------------ measuring
+class Samples:
+    """Per (key) lists of seconds, bytes and CPU seconds."""
+
+    def __init__(self) -> None:
+        self.s: dict[tuple, list[float]] = {}
+        self.cpu: dict[tuple, float] = {}
+        self.nbytes: dict[tuple, int] = {}
+
+    def add(self, key: tuple, seconds: float, nbytes: int, cpu: float) -> None:
+        self.s.setdefault(key, []).append(seconds)
+        self.cpu[key] = self.cpu.get(key, 0.0) + cpu
+        self.nbytes[key] = self.nbytes.get(key, 0) + nbytes
+
+    def row(self, key: tuple, nbytes: int, blocks: int) -> Row:
+        s = np.asarray(self.s[key])
+        p50 = float(np.median(s))
+        return {"GB/s": nbytes / p50 / 1e9, "p50 ms": p50 * 1e3,
+                "p99 ms": float(np.percentile(s, 99)) * 1e3, "blocks/s": blocks / p50,
+                "CPU s/GB": self.cpu[key] / (self.nbytes[key] / 1e9), "runs": len(s)}
+
+
+_pids = itertools.count(1)
+
+
+def one_prompt(systems: dict[str, SystemProcs], samples: Samples, key: tuple, layout: str,
+                ntokens: int, rotate: int) -> None:
+    """Put then get one fresh prompt through every system, in rotating order."""
+    names = list(systems)
+    for name in names[rotate % len(names):] + names[:rotate % len(names)]:
+        s = systems[name]
+        cmd = {"layout": layout, "ntokens": ntokens, "pid": next(_pids)}
+        put, put_cpu = s.timed(s.producer, {"op": "put", **cmd})
+        get, get_cpu = s.timed(s.consumer, {"op": "get", "digest": put["digest"], **cmd})
+        samples.add((*key, name, "put"), put["s"], put["nbytes"], put_cpu)
+        samples.add((*key, name, "get"), get["s"], get["nbytes"], get_cpu)
+        samples.add((*key, name, "put+get"), put["s"] + get["s"], put["nbytes"],
+                    put_cpu + get_cpu)
+
+
+def reps(opts: BenchOptions, nbytes: int) -> int:
+    budget = opts.pick(8 * MiB, 1024 * MiB, 2048 * MiB)
+    return int(min(opts.pick(3, 20, 40), max(opts.pick(2, 5, 8), budget // nbytes)))
+
+
+def ratios(rows: list[Row], keys: tuple[str, ...]) -> list[Row]:
+    """kvstore's GB/s over Mooncake's and raw TE's, for each key and op."""
+    by = {(tuple(r[k] for k in keys), r["op"], r["system"]): r["GB/s"] for r in rows}
+    out = []
+    for (k, op, system), gbps in by.items():
+        if system != "kvstore":
+            continue
+        row: Row = {"table": "ratios", **dict(zip(keys, k)), "op": op}
+        for other, label in (("mooncake", "kv/mooncake"), ("rawte", "kv/rawte")):
+            row[label] = gbps / by[(k, op, other)] if (k, op, other) in by else float("nan")
+        out.append(row)
+    return out
+
+
+def memory_rows(systems: dict[str, SystemProcs], table: str) -> list[Row]:
+    return [{"table": table, "system": name, "process": proc, "peak MiB": peak_rss_mib(pid)}
+            for name, s in systems.items() for proc, pid in s.pids().items()]
