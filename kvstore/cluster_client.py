@@ -58,7 +58,8 @@ class ClusterClient:
     ``client_opts`` go to each per-node ``KVStoreClient`` (same_node, CURVE keys,
     ...), except ``te_host`` and ``staging_bytes``: they make the one ``TeEngine``
     (TE engine + registered staging buffer) every per-node client shares, since each
-    engine registers its own memory and busy-waits its own threads.
+    engine registers its own memory and busy-waits its own threads. A ``te_engine``
+    given instead is used as is (and left open: its creator closes it).
     Thread-safe per call, like KVStoreClient (the shared staging buffer serialises
     the transfers themselves).
     """
@@ -75,9 +76,11 @@ class ClusterClient:
         self.timeout_s = timeout_s
         self.namespace = namespace_of(model_id, layout, tp_rank, tp_size, salt)
         cfg = client_opts.get("config") or ClientConfig()
-        self.te_engine = TeEngine(client_opts.pop("te_host", None) or cfg.te_host,
-                                  client_opts.pop("staging_bytes", None) or cfg.staging_bytes,
-                                  timeout_s)
+        te_host = client_opts.pop("te_host", None) or cfg.te_host
+        staging_bytes = client_opts.pop("staging_bytes", None) or cfg.staging_bytes
+        shared = client_opts.pop("te_engine", None)
+        self._owns_engine = shared is None
+        self.te_engine = shared or TeEngine(te_host, staging_bytes, timeout_s)
         self._client_args = dict(layout=layout, model_id=model_id, tp_rank=tp_rank,
                                  tp_size=tp_size, salt=salt, timeout_s=timeout_s,
                                  te_engine=self.te_engine, **client_opts)
@@ -190,7 +193,8 @@ class ClusterClient:
             clients, self._clients = list(self._clients.values()), {}
         for _, client in clients:
             client.close()
-        self.te_engine.close()  # after its clients: none of them is moving bytes now
+        if self._owns_engine:
+            self.te_engine.close()  # after its clients: none of them is moving bytes now
 
     def __enter__(self) -> ClusterClient:
         return self

@@ -1,7 +1,9 @@
 """The v1 connector's kvstore calls, each turned into a result vLLM can use.
 
 One client per server address: a ``KVStoreClient`` for ``tcp://``, a
-``ClusterClient`` (same methods) for an ``etcd://`` cluster. Every method here returns normally
+``ClusterClient`` (same methods) for an ``etcd://`` cluster; all of them share one
+TE engine and staging buffer (``TeEngine``: one engine per process, however many
+producers' servers a consumer loads from). Every method here returns normally
 whatever the store or the network does: a lookup that fails is 0 tokens, a load
 that fails names the blocks vLLM must recompute, a save that fails is logged and
 skipped (a later reader recomputes). A server that timed out or is gone is skipped
@@ -20,6 +22,7 @@ import torch
 
 from kvstore.client import KVStoreClient
 from kvstore.cluster_client import ClusterClient, connect
+from kvstore.datapath import TeEngine
 from kvstore.connector.paged_io import gather_blocks, scatter_blocks
 from kvstore.connector.v1_config import ConnectorSettings
 from kvstore.errors import KVTimeoutError, MissError, PeerUnavailableError
@@ -36,7 +39,8 @@ class StoreClients:
         self.settings, self.layout = settings, layout
         self.tp_rank, self.tp_size = tp_rank, tp_size
         # The scheduler only looks up: its clients never move bytes.
-        self._staging = settings.staging_bytes if worker else 1 << 20
+        staging = settings.staging_bytes if worker else 1 << 20
+        self._engine = TeEngine(settings.te_host, staging, settings.timeout_s)
         self._clients: dict[str, KVStoreClient | ClusterClient] = {}
         self._down_until: dict[str, float] = {}
         self._lock = threading.Lock()
@@ -48,8 +52,7 @@ class StoreClients:
                 self._clients[server] = connect(
                     server, self.layout, prefix=s.cluster_prefix, model_id=s.model_id,
                     tp_rank=self.tp_rank, tp_size=self.tp_size, salt=s.salt,
-                    timeout_s=s.timeout_s, te_host=s.te_host, same_node=s.same_node,
-                    staging_bytes=self._staging)
+                    timeout_s=s.timeout_s, same_node=s.same_node, te_engine=self._engine)
             return self._clients[server]
 
     def _usable(self, server: str) -> bool:
@@ -126,3 +129,4 @@ class StoreClients:
                 except Exception:
                     log.debug("closing a kvstore client failed", exc_info=True)
             self._clients.clear()
+        self._engine.close()

@@ -349,3 +349,34 @@ def test_server_address_of_another_scheme_is_refused():
 
     with pytest.raises(ConfigError, match="tcp://host:port or etcd://host:port"):
         make_connectors("kv_both", server="http://127.0.0.1:2379")
+
+
+def test_consumer_loading_from_two_servers_runs_one_te_engine(server_factory, monkeypatch):
+    """The worker's clients (one per producer server) share one TE engine and staging
+    buffer: an engine each would multiply registrations and busy-waiting threads."""
+    import kvstore.transfer
+
+    made = []
+
+    class CountedTransport(kvstore.transfer.Transport):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(kvstore.transfer, "Transport", CountedTransport)
+    servers = [server_factory(), server_factory()]
+    prompts = [list(range(400, 409)), list(range(500, 509))]
+    sources = [prefill(srv, p, [1, 2, 3], req_id=f"p{i}")
+               for i, (srv, p) in enumerate(zip(servers, prompts))]
+    made.clear()
+    sched, worker, caches = make_connectors("kv_consumer", server=servers[0].address,
+                                            same_node="false")  # TE, not the shared arena
+    for i, (prompt, (p_caches, params)) in enumerate(zip(prompts, sources)):
+        req = request(f"d{i}", prompt, params)
+        matched, _ = sched.get_num_new_matched_tokens(req, 0)
+        blocks = [4 + 3 * i, 5 + 3 * i, 6 + 3 * i]
+        assert schedule(sched, worker, req, blocks, matched) == set()
+        assert all(torch.equal(caches[n][blocks[0]], p_caches[n][1]) for n in LAYERS)
+    assert [entries(srv) for srv in servers] == [0, 0]  # both loaded (drop) over TE
+    assert len(made) == 1
+    worker.shutdown(), sched.shutdown()
