@@ -80,13 +80,17 @@ class LoadResult(NamedTuple):
 class Index:
     """LMDB environment at ``path`` (a directory) holding one unnamed database."""
 
-    def __init__(self, path: str | os.PathLike, map_size: int, sync: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, map_size: int, sync: bool = True,
+                 writemap: bool = False) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
         try:
             # sync=False (fsync "never") trades durability of the last commits
             # after a power loss for speed; a killed process loses nothing.
+            # writemap: commits write the mapped pages in place (no write() calls);
+            # a power loss can then tear the file, so only for the volatile index.
             self._env = lmdb.open(str(path), map_size=map_size, subdir=True,
-                                  sync=sync, metasync=sync, max_dbs=0, lock=True)
+                                  sync=sync, metasync=sync, max_dbs=0, lock=True,
+                                  writemap=writemap)
         except lmdb.Error as exc:
             raise ConfigError(f"cannot open index at {path}: {exc}") from exc
         self.path = str(path)
@@ -192,4 +196,4 @@ def open_volatile(path: str | os.PathLike, map_size: int) -> Index:
     NVMe bytes never go here (see ``Store._apply``).
     """
     shutil.rmtree(path, ignore_errors=True)
-    return Index(path, map_size, sync=False)
+    return Index(path, map_size, sync=False, writemap=True)
