@@ -5,9 +5,10 @@ A mixin of ``kvstore.store.Store``: every method here runs under the store's loc
 and uses its state (``_records``, ``_by_tier``, ``_leased``, ``_tiers``, ...).
 
 Invariants kept here:
-* ``_apply`` is the only place records change: one index transaction first, then
-  memory, then the freeing of every extent no record points at any more. Freeing
-  after the transaction means a crash can never leave two records on one extent.
+* ``_apply`` is the only place records change: the index transactions first (the
+  volatile environment's, then the durable one's: ``_write_index``), then memory,
+  then the freeing of every extent no record points at any more. Freeing after
+  the transaction means a crash can never leave two records on one extent.
 * Room is made by policy victims only; leased and pinned entries are never
   victims, so when they fill a tier the caller gets ``TierFullError``.
 * Demotion writes (and flushes, per ``nvme_fsync``) the lower tier before the
