@@ -16,7 +16,7 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
+import matplotlib.pyplot as plt  # after use("Agg"): the backend must be chosen first
 
 Row = dict[str, Any]
 STYLE = {"kvstore": ("tab:blue", "o"), "mooncake": ("tab:orange", "s"),
