@@ -50,11 +50,11 @@ def node_info(cfg: KVStoreConfig, server: Any) -> NodeInfo:
 
 def register_server(etcd: EtcdClient, cfg: KVStoreConfig, server: Any) -> Registration:
     if cfg.server.te_metadata != "P2PHANDSHAKE":
-        # transfer.Transport supports a metadata server, but KVStoreClient's data path
-        # always runs TE in P2P-handshake mode and cannot resolve such a segment name.
-        log.warning("server.te_metadata=%s: clients (P2P handshake) cannot reach this "
-                    "node's TE segment; keep P2PHANDSHAKE in cluster mode",
-                    cfg.server.te_metadata)
+        # Clients adopt the metadata named in hello, but one client process has one
+        # TE engine: a node whose metadata differs from the others' is unreachable
+        # (ConfigError) from clients that met those first.
+        log.info("TE segment registered in %s: every node of this cluster needs the "
+                 "same server.te_metadata", cfg.server.te_metadata)
     info = node_info(cfg, server)
     _refuse_duplicate(etcd, cfg.cluster.prefix, info)
     reg = Registration(etcd, cfg.cluster.prefix, info, cfg.cluster.ttl_s)

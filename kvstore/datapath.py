@@ -13,7 +13,10 @@ that is not a TE peer would otherwise stall TE's handshake for about a minute).
 
 The TE engine and the staging buffer live in a ``TeEngine``, which several
 DataPaths may share: a ClusterClient's per-node clients use one engine per process
-(each engine registers its own memory and busy-waits its own threads).
+(each engine registers its own memory and busy-waits its own threads). The engine
+resolves segments the way the servers registered theirs (hello's ``te_metadata``:
+P2P handshake or a metadata server such as etcd), so every server one engine talks
+to must use the same metadata.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import threading
 import time
 from typing import Any, Callable, Iterator, NamedTuple
@@ -59,13 +63,34 @@ class TeEngine:
         self.transport = None  # kvstore.transfer.Transport once started
         self._stage: np.ndarray | None = None
         self._stage_address = 0
+        self.metadata: str | None = None  # fixed by the first server's hello
+        self._metadata_lock = threading.Lock()  # not ``lock``: hello never waits on TE
+
+    def adopt_metadata(self, metadata: str, server: str) -> None:
+        """Resolve segments the way ``server`` registered its own. The first hello
+        fixes it for the engine's life: one engine cannot be P2P and use etcd, nor
+        use two metadata servers; a server that differs is refused, nothing changes."""
+        with self._metadata_lock:
+            if self.metadata is None:
+                self.metadata = metadata
+            elif metadata != self.metadata:
+                raise ConfigError(
+                    f"server {server} registers its TE segment with metadata {metadata!r}, "
+                    f"but this process's TE engine uses {self.metadata!r} (one engine per "
+                    "process): give every server the same server.te_metadata")
 
     def te(self):
         """The Transport, started now if need be. Callers hold ``lock``."""
         if self.transport is None:
-            from kvstore.transfer import Transport
+            from kvstore.transfer import P2P, Transport
 
-            self.transport = Transport(self.te_host, timeout_s=self.timeout_s)
+            metadata = self.metadata or P2P
+            # With a metadata server the name is the key peers look us up by: unique per
+            # engine, so a crashed client's lingering key never blocks a new one.
+            name = None if metadata == P2P else \
+                f"{self.te_host}:kvclient-{os.getpid()}-{secrets.token_hex(4)}"
+            self.transport = Transport(self.te_host, metadata=metadata,
+                                       timeout_s=self.timeout_s, name=name)
         return self.transport
 
     def staging_buffer(self) -> tuple[np.ndarray, int]:
@@ -109,7 +134,12 @@ class DataPath:
         self._lock = self.engine.lock
 
     def connect(self, hello: dict[str, Any]) -> None:
-        """Adopt a server's hello: its TE segment, and its DRAM arena if on this node."""
+        """Adopt a server's hello: its TE segment and metadata, and its DRAM arena if
+        on this node. ``ConfigError`` (nothing adopted): the server's TE metadata
+        differs from this engine's."""
+        # A server from before hello carried te_metadata runs P2P.
+        self.engine.adopt_metadata(hello.get("te_metadata") or "P2PHANDSHAKE",
+                                   hello["segment"])
         shm = None
         dram = hello.get("dram")
         local = hello.get("host_id") == host_id() and dram is not None \

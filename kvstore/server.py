@@ -192,7 +192,10 @@ class Server:
 
     def hello(self) -> dict:
         path = self.store.dram_shared_path
+        # te_metadata: a client's TE engine must resolve this segment the way ours was
+        # registered (P2P handshake, or the same metadata server).
         return {"version": p.VERSION, "segment": self.transport.segment, "host_id": host_id(),
+                "te_metadata": self.transport.metadata,
                 "dram": None if path is None else {"path": path,
                                                    "nbytes": self.capacities()["dram"]},
                 "block_tokens": self.config.store.block_tokens,

@@ -203,6 +203,7 @@ class Transport:
             _set_timeouts(timeout_s or DEFAULT_TIMEOUT_S)
         self.timeout_s = _bound_from_env()
         self.p2p = metadata == P2P
+        self.metadata = metadata  # peers must resolve segments the same way
         local_name = host if self.p2p else (name or f"{host}:{_free_port(host)}")
         self._te = _import_engine()()
         rc = self._te.initialize(local_name, metadata, protocol, "")
