@@ -160,14 +160,19 @@ class KVStoreClient:
             sizes = [*sizes, hbuf.size]
         self._segment()
         res = self._call(p.Reserve(keys=tuple(keys), sizes=tuple(sizes), tokens=tuple(toks),
-                                   meta=tuple(metas) if hidden is not None else None))
+                                   meta=tuple(metas) if hidden is not None else None,
+                                   namespace=self.namespace))
         rid, placements = res["rid"], res["placements"]
         try:
             seg = self._segment(res["segment"])
             new = [(buf, pl) for buf, pl in zip(buffers, placements) if pl is not None]
+            start = time.perf_counter()
             self._data.write(seg, [b for b, _ in new], [pl for _, pl in new])
+            moved = time.perf_counter() - start
             sums = [checksum(buf) for buf, _ in new]
-            self._call(p.Commit(rid=rid, checksums=tuple(sums)))
+            # The move's time and size go along: TE is one-sided, the server cannot see it.
+            self._call(p.Commit(rid=rid, checksums=tuple(sums), xfer_s=moved,
+                                xfer_bytes=sum(pl[2] for _, pl in new)))
         except PeerUnavailableError:
             self._hello = None  # TE or control plane lost the server
             self._abort(rid)
@@ -230,7 +235,9 @@ class KVStoreClient:
             return SelectResult(0, None, None)
         aid = acq["aid"]
         try:
+            start = time.perf_counter()
             out = self._data.read(self._segment(acq["segment"]), entries, into)
+            moved = time.perf_counter() - start
             _verify(entries, out)
         except PeerUnavailableError:
             self._hello = None
@@ -239,7 +246,8 @@ class KVStoreClient:
         except BaseException:
             self._release(aid, drop=False, timeout=_left(deadline))
             raise
-        self._call(p.Release(aid=aid, drop=drop), _left(deadline))
+        self._call(p.Release(aid=aid, drop=drop, xfer_s=moved,
+                             xfer_bytes=sum(e[2] for e in entries)), _left(deadline))
         nblocks = min(len(entries), len(prompt.keys))
         matched = sum(e[5] for e in entries[:nblocks])
         kv_bytes = sum(e[2] for e in entries[:nblocks])

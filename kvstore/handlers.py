@@ -40,7 +40,8 @@ def _entry(e: Any) -> list:
 
 def reserve(store: Any, req: p.Reserve) -> dict:
     res = store.reserve(list(req.keys), list(req.sizes), list(req.tokens),
-                        meta=None if req.meta is None else list(req.meta), lease_s=req.lease_s)
+                        meta=None if req.meta is None else list(req.meta), lease_s=req.lease_s,
+                        namespace=req.namespace or b"")
     return {"rid": res.id, "expires_at": res.expires_at,
             "placements": [_placement(pl) for pl in res.placements]}
 

@@ -31,6 +31,7 @@ from kvstore.errors import ConfigError, IntegrityError, TierFullError
 log = logging.getLogger(__name__)
 
 MAX_META_BYTES = 1024
+NAMESPACE_TAG_BYTES = 8  # what a record keeps of a 16-byte namespace fingerprint
 COMMITTED = "committed"
 _FORMAT = 1  # first element of every value; bump when the field list changes
 
@@ -55,6 +56,10 @@ class Record(NamedTuple):
     # memory tier (kept when an NVMe hit is staged): a restart falls back to it, and
     # demoting the entry again costs no write.
     nvme_copy: int | None = None
+    # Fingerprint of the writer's namespace (model, layout, TP rank, salt): the first
+    # NAMESPACE_TAG_BYTES of ``hashing.namespace_of``, b"" if the writer sent none.
+    # Last and defaulted: records written before it existed decode unchanged.
+    namespace: bytes = b""
 
 
 def encode(rec: Record, packer: msgpack.Packer | None = None) -> bytes:

@@ -7,7 +7,10 @@ servers in one process - tests - do not collide):
   ``StoreCollector`` calls ``stats_fn()`` (the server passes ``store.stats``) at scrape
   time and turns every number in that dict into a sample, so ``kvstore stats`` and a
   scrape can never disagree and nothing has to be kept in sync.
-* Request latencies are observed by the server's request loop through the one hook
+* The server's request loop also hands each successful request and its result to
+  ``on_result`` (kvstore/metrics_transfer.py): client-reported transfer times and
+  bytes, and the server-side reserve->commit / acquire->release durations.
+* Request latencies are observed by the server's request loop through the hook
   ``observe(op, seconds, ok)``: ``op`` is the wire op (``reserve``, ``commit``,
   ``acquire``, ``release``, ``lookup``, ...). A client process may own a ``Metrics``
   with no ``stats_fn`` and observe its Transfer Engine moves as ``te_write`` /
@@ -30,6 +33,7 @@ from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
 from kvstore.errors import ConfigError
+from kvstore.metrics_transfer import TransferMetrics
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +61,9 @@ COUNTER_KEYS = frozenset({
 })
 # Names this module's own metrics use; a stats key of the same name is skipped so
 # one exposition never carries two families of one name.
-OWN_FAMILIES = frozenset({"up", "request_duration_seconds", "op_requests"})
+OWN_FAMILIES = frozenset({"up", "request_duration_seconds", "op_requests",
+                          "transfer_duration_seconds", "transfer_bytes",
+                          "end_to_end_duration_seconds"})
 
 
 # A client can put any string in ``op``; label values must stay a small set.
@@ -162,6 +168,9 @@ class Metrics:
         self._requests = Counter(
             f"{PREFIX}_op_requests", "Requests handled, by wire op and outcome",
             ["op", "kind", "outcome"], registry=self.registry)
+        # Client-reported transfers and reserve->commit / acquire->release timings.
+        self._sessions = TransferMetrics(self.registry)
+        self.on_result = self._sessions.on_result
         self._ops: set[str] = set(OP_KINDS)
         self._ops_lock = threading.Lock()
         self._http = None

@@ -30,7 +30,8 @@ MAX_TOKEN_BYTES = 4 * 8192  # one block's int32 token ids
 MAX_LEASE_S = 3600.0
 MAX_ID = (1 << 63) - 1
 MAX_LS_LIMIT = 10_000
-MAX_META_BYTES = 1024  # the index keeps at most this much caller meta per entry
+MAX_META_BYTES = 1024
+NAMESPACE_BYTES = 16  # hashing.namespace_of; a reserve may send it or its first 8 bytes  # the index keeps at most this much caller meta per entry
 TIERS = ("gpu", "dram", "nvme")
 
 
@@ -106,6 +107,21 @@ def _tier(name: str, v: Any) -> str | None:
     return v
 
 
+def _namespace(name: str, v: Any) -> bytes:
+    """A writer's namespace fingerprint: 16 bytes (``hashing.namespace_of``) or its first 8."""
+    if type(v) is not bytes or len(v) not in (NAMESPACE_BYTES // 2, NAMESPACE_BYTES):
+        raise InvalidRequestError(
+            f"{name}: need {NAMESPACE_BYTES // 2} or {NAMESPACE_BYTES} bytes, got {_show(v)}")
+    return v
+
+
+def _seconds(name: str, v: Any) -> float:
+    """A duration the client measured: 0 allowed (a move too quick for the clock)."""
+    if type(v) not in (int, float) or not math.isfinite(v) or not 0 <= v <= MAX_LEASE_S:
+        raise InvalidRequestError(f"{name}: need seconds in [0, {MAX_LEASE_S}], got {_show(v)}")
+    return float(v)
+
+
 def _opt(check: Callable[..., Any], *args: Any) -> Callable[[str, Any], Any]:
     return lambda name, v: None if v is None else check(name, v, *args)
 
@@ -117,6 +133,9 @@ def _show(v: Any) -> str:
 
 _lease = _opt(_float, 0.0, MAX_LEASE_S)
 _rid = lambda name, v: _int(name, v)  # noqa: E731 - reservation / acquisition ids
+# The client's measured data move (TE or same-node memcpy), reported with commit /
+# release for the server's transfer metrics; both optional, neither changes the op.
+_XFER = {"xfer_s": _opt(_seconds), "xfer_bytes": _opt(_int, 0, MAX_KEYS * MAX_ENTRY_BYTES)}
 
 
 # ------------------------------------------------------------------ messages
@@ -144,10 +163,11 @@ class Reserve(Request):
     tokens: tuple[bytes, ...]
     meta: tuple[bytes | None, ...] | None = None
     lease_s: float | None = None
+    namespace: bytes | None = None
     OP = "reserve"
     CHECKS = {"keys": _keys, "sizes": _sizes, "tokens": _tokens, "meta": _metas,
-              "lease_s": _lease}
-    OPTIONAL = frozenset({"meta", "lease_s"})
+              "lease_s": _lease, "namespace": _opt(_namespace)}
+    OPTIONAL = frozenset({"meta", "lease_s", "namespace"})
 
     def validate(self) -> None:
         n = len(self.keys)
@@ -161,8 +181,11 @@ class Reserve(Request):
 class Commit(Request):
     rid: int
     checksums: tuple[int, ...]
+    xfer_s: float | None = None
+    xfer_bytes: int | None = None
     OP = "commit"
-    CHECKS = {"rid": _rid, "checksums": _checksums}
+    CHECKS = {"rid": _rid, "checksums": _checksums, **_XFER}
+    OPTIONAL = frozenset(_XFER)
 
 
 @dataclass(frozen=True)
@@ -204,8 +227,11 @@ class Acquire(Lookup):
 class Release(Request):
     aid: int
     drop: bool
+    xfer_s: float | None = None
+    xfer_bytes: int | None = None
     OP = "release"
-    CHECKS = {"aid": _rid, "drop": _bool}
+    CHECKS = {"aid": _rid, "drop": _bool, **_XFER}
+    OPTIONAL = frozenset(_XFER)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,9 @@ class Server:
         self.store = store
         self.transport = transport
         self.observer = observer
+        # on_result(request, result) after each successful op (kvstore.metrics uses it
+        # for transfer and reserve->commit / acquire->release timings); never raises.
+        self.on_result: Callable[[p.Request, dict], None] | None = None
         self.max_bytes = config.server.max_message_bytes
         self._stop = False
         self._started = time.time()
@@ -162,7 +165,8 @@ class Server:
         try:
             rid, req = p.decode_request(frame, self.max_bytes)
             op = req.OP
-            reply = p.encode_ok(rid, self._dispatch(req))
+            result = self._dispatch(req)
+            reply = p.encode_ok(rid, result)
             ok = True
         except KVStoreError as exc:
             rid = rid or p.peek_id(frame, self.max_bytes)
@@ -172,6 +176,11 @@ class Server:
             log.exception("internal error handling %s", op)
             reply = p.encode_error(rid, KVStoreError(f"internal error in {op}: {exc}"))
         self._count(op, time.perf_counter() - start, ok)
+        if ok and self.on_result is not None:
+            try:
+                self.on_result(req, result)
+            except Exception:  # noqa: BLE001 - metrics must not fail a request
+                log.exception("on_result hook failed for %s", op)
         return reply
 
     def _dispatch(self, req: p.Request) -> dict:

@@ -107,6 +107,7 @@ def _serve(cfg: KVStoreConfig) -> int:
             metrics = Metrics(stats_fn=server.stats)
             metrics.serve(cfg.server.host, cfg.server.metrics_port)
             server.observer = metrics.observe
+            server.on_result = metrics.on_result
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: server.stop())
         if etcd is not None:

@@ -54,6 +54,7 @@ from kvstore.store_types import (
     VerifyResult,
     check_keys,
     check_meta,
+    check_namespace,
     check_sizes,
     check_tier,
     check_tokens,
@@ -121,6 +122,7 @@ class Store(MovesMixin, AuditMixin):
         self._next_reap = float("inf")
         self._stats = collections.Counter()
         self._hits = collections.Counter()
+        self._tier_bytes: collections.Counter = collections.Counter()  # (tier, in/out)
         self._closed = False
         try:
             recovered = recover(self._index, self._tiers).records
@@ -160,9 +162,13 @@ class Store(MovesMixin, AuditMixin):
     # ------------------------------------------------------------ writes
     def reserve(self, keys: Sequence[bytes], sizes: Sequence[int], tokens: Sequence[bytes],
                 meta: Sequence[bytes | None] | None = None,
-                lease_s: float | None = None) -> Reservation:
-        """Space for the keys not yet stored, in the fastest memory tier with room."""
+                lease_s: float | None = None, namespace: bytes = b"") -> Reservation:
+        """Space for the keys not yet stored, in the fastest memory tier with room.
+
+        ``namespace``: the writer's ``hashing.namespace_of`` fingerprint (16 bytes, or
+        its first 8); the new records keep its first 8 bytes so ``ls`` can filter."""
         keys = check_keys(keys)
+        ns_tag = check_namespace(namespace)
         sizes = check_sizes(sizes, len(keys))
         tokens = check_tokens(tokens, len(keys))
         metas = check_meta(meta, len(keys))
@@ -183,7 +189,7 @@ class Store(MovesMixin, AuditMixin):
                 self._drop_now(self._unhold(held))
                 raise
             op = Open(new_id(), keys, tokens, metas, [None] * len(keys), held,
-                      time.time() + lease, {})
+                      time.time() + lease, {}, ns_tag)
             for i, ext in zip(new, extents):
                 op.extents[i] = ext
                 self._inflight[keys[i]] = op.id
@@ -225,7 +231,7 @@ class Store(MovesMixin, AuditMixin):
             key, ext = op.keys[i], op.extents[i]
             put[key] = Record(key, ext.tier, ext.offset, ext.nbytes, len(op.tokens[i]) // 4,
                               op.tokens[i], s, now, now, 0, 1 + op.extra.get(key, 0),
-                              op.meta[i])
+                              op.meta[i], namespace=op.namespace)
         deduped = lost = 0
         for i in (i for i, e in enumerate(op.extents) if e is None):
             key = op.keys[i]
@@ -245,6 +251,8 @@ class Store(MovesMixin, AuditMixin):
         del self._res[op.id]
         self._drop_now(self._unhold(op.held))
         self._stats["bytes_in"] += sum(op.extents[i].nbytes for i in new)
+        for i in new:
+            self._tier_bytes[op.extents[i].tier, "bytes_in"] += op.extents[i].nbytes
         self._stats["commits"] += 1
         return CommitResult(len(new), deduped, lost)
 
@@ -311,6 +319,8 @@ class Store(MovesMixin, AuditMixin):
                     self._claims[rec.key] = self._claims.get(rec.key, 0) + 1
             self._next_reap = min(self._next_reap, now + lease)
             self._stats["bytes_out"] += sum(r.nbytes for r in recs)
+            for tier, rec in zip(found_in, recs):  # counted where it was found
+                self._tier_bytes[tier, "bytes_out"] += rec.nbytes
             return Acquisition(aid, [self._info(r) for r in recs],
                                sum(r.ntokens for r in recs), now + lease)
 
@@ -499,7 +509,9 @@ class Store(MovesMixin, AuditMixin):
             tiers = {}
             for name, tier in self._tiers.items():
                 tiers[name] = {"capacity": tier.capacity, "used": tier.used,
-                               "entries": len(self._by_tier[name]), "hits": self._hits[name]}
+                               "entries": len(self._by_tier[name]), "hits": self._hits[name],
+                               "bytes_in": self._tier_bytes[name, "bytes_in"],
+                               "bytes_out": self._tier_bytes[name, "bytes_out"]}
             out = {"tiers": tiers, "entries": len(self._records),
                    "hits": sum(self._hits.values()), "reservations": len(self._res),
                    "leases": len(self._acqs), "leased_entries": len(self._leased),

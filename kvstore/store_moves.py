@@ -46,6 +46,7 @@ class Open:
     held: list[bytes]  # committed keys deduped onto, leased until commit/abort
     expires_at: float
     extra: dict[bytes, int]  # consumers that deduped onto our in-flight keys
+    namespace: bytes = b""  # the writer's namespace tag, kept in each new record
 
 
 class Lease(NamedTuple):

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from kvstore.errors import InvalidRequestError
 from kvstore.hashing import KEY_BYTES
-from kvstore.index import MAX_META_BYTES
+from kvstore.index import MAX_META_BYTES, NAMESPACE_TAG_BYTES
 
 TIER_ORDER = ("gpu", "dram", "nvme")  # fastest first; demotion follows this order
 MEMORY_TIERS = ("gpu", "dram")  # where new writes land (TE-addressable)
@@ -121,6 +121,17 @@ def check_meta(meta: Sequence[bytes | None] | None, n: int) -> list[bytes]:
             raise InvalidRequestError(f"meta must be bytes of at most {MAX_META_BYTES}")
         out.append(bytes(m))
     return out
+
+
+def check_namespace(namespace: bytes | None) -> bytes:
+    """A writer's namespace fingerprint -> the tag records keep (its first 8 bytes)."""
+    if namespace is None:
+        return b""
+    if not isinstance(namespace, (bytes, bytearray)) or len(namespace) not in (
+            0, NAMESPACE_TAG_BYTES, 2 * NAMESPACE_TAG_BYTES):
+        raise InvalidRequestError(f"namespace must be 0, {NAMESPACE_TAG_BYTES} or "
+                                  f"{2 * NAMESPACE_TAG_BYTES} bytes, got {namespace!r:.60}")
+    return bytes(namespace[:NAMESPACE_TAG_BYTES])
 
 
 def check_tier(name: str | None) -> None:

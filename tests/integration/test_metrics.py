@@ -125,3 +125,37 @@ def test_hidden_key_probe_is_not_a_miss(server_factory, client_factory):
     assert after[("kvstore_misses_total", ())] - before[("kvstore_misses_total", ())] == 2
     stats = client.stats()
     assert (stats["hits"], stats["misses"]) == (6, 2)
+
+
+def _sample(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_transfer_and_end_to_end_histograms_move_with_traffic(server_factory, client_factory):
+    """The client reports its TE moves with commit / release; the server exposes them
+    and its own reserve->commit / acquire->release durations (a real scrape)."""
+    mport = free_port()
+    srv = server_factory(extra=("--metrics-port", str(mport)))
+    before = scrape(mport)
+    client = client_factory(srv)
+    tokens = list(range(40, 52))  # 3 blocks
+    kv = make_kv(len(tokens), seed=5)
+    client.insert(tokens, kv)
+    assert client.drop_select(tokens).matched_tokens == len(tokens)
+    after = scrape(mport)
+    nbytes = LAYOUT.nbytes(len(tokens))
+    for direction in ("write", "read"):
+        count = "kvstore_transfer_duration_seconds_count"
+        assert _sample(after, count, direction=direction) == \
+            _sample(before, count, direction=direction) + 1, direction
+        assert _sample(after, "kvstore_transfer_duration_seconds_sum", direction=direction) > 0
+        assert _sample(after, "kvstore_transfer_bytes_total", direction=direction) == nbytes
+    for kind in ("insert", "drop_select"):
+        assert _sample(after, "kvstore_end_to_end_duration_seconds_count", kind=kind) == 1
+        e2e = _sample(after, "kvstore_end_to_end_duration_seconds_sum", kind=kind)
+        direction = "write" if kind == "insert" else "read"
+        # The end-to-end span contains the client's transfer.
+        assert e2e >= _sample(after, "kvstore_transfer_duration_seconds_sum",
+                              direction=direction) > 0
+    assert _sample(after, "kvstore_tier_bytes_in_total", tier="dram") == nbytes
+    assert _sample(after, "kvstore_tier_bytes_out_total", tier="dram") == nbytes
