@@ -28,6 +28,8 @@ class DataDirLock:
 
     flock locks belong to the open file, so a second store in the same process is
     refused too; the kernel drops the lock when the process dies (no stale locks).
+    Whoever takes the lock removes the shared DRAM arenas its dead predecessors on
+    this data dir left in /dev/shm (a SIGKILLed store cannot unlink its own).
     """
 
     def __init__(self, data_dir: Path) -> None:
@@ -42,6 +44,7 @@ class DataDirLock:
                               f"(lock {self.path} is held)") from None
         os.ftruncate(self._fd, 0)
         os.write(self._fd, f"{os.getpid()}\n".encode())
+        remove_stale_arenas(data_dir)
 
     def release(self) -> None:
         if self._fd is not None:
@@ -50,13 +53,58 @@ class DataDirLock:
             self._fd = None
 
 
+def _arena_prefix(data_dir: Path) -> str:
+    """``kvstore-<data-dir hash>-``: every arena of this data dir, any process."""
+    return f"kvstore-{hashlib.sha1(str(data_dir.resolve()).encode()).hexdigest()[:12]}-"
+
+
 def dram_shared_path(data_dir: Path) -> str | None:
     """A /dev/shm name unique to this data dir and process, or None without /dev/shm."""
     if not os.path.isdir(_SHM_DIR):
         log.warning("no %s: the DRAM arena is private, same-node clients use TE", _SHM_DIR)
         return None
-    tag = hashlib.sha1(str(data_dir.resolve()).encode()).hexdigest()[:12]
-    return f"{_SHM_DIR}/kvstore-{tag}-{os.getpid()}"
+    return f"{_SHM_DIR}/{_arena_prefix(data_dir)}{os.getpid()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True
+
+
+def remove_stale_arenas(data_dir: Path) -> list[str]:
+    """Unlink this data dir's shared DRAM arenas whose process is gone; the paths.
+
+    Called with the data-dir lock held, so no live store uses this data dir; the pid
+    check still keeps any file whose pid is alive (e.g. reused by another process).
+    Arenas of other data dirs are never looked at. Clients that still map a removed
+    arena keep their mapping; the memory is freed when the last one unmaps.
+    """
+    prefix = _arena_prefix(data_dir)
+    try:
+        names = os.listdir(_SHM_DIR)
+    except OSError:
+        return []  # no /dev/shm: arenas are private, nothing to clean
+    removed = []
+    for name in names:
+        pid = name[len(prefix):]
+        if not name.startswith(prefix) or not pid.isdigit() or _pid_alive(int(pid)):
+            continue
+        path = f"{_SHM_DIR}/{name}"
+        try:
+            nbytes = os.stat(path).st_size
+            os.unlink(path)
+        except OSError as exc:
+            log.warning("cannot remove stale DRAM arena %s: %s", path, exc)
+            continue
+        log.warning("removed stale DRAM arena %s (%s bytes) of dead process %s",
+                    path, nbytes, pid)
+        removed.append(path)
+    return removed
 
 
 def build_tiers(config: KVStoreConfig, data_dir: Path) -> dict[str, Tier]:
