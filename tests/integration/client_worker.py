@@ -10,6 +10,8 @@ Runs one job and prints one JSON line. Jobs:
 * ``seq``: the jobs in ``steps`` one after the other, in this one process;
 * ``wait_nvme``: wait until ``servers[0]`` has at least ``min_entries`` on NVMe;
 * ``hang_after_reserve``: reserve a prompt's blocks, write the first, print, sleep.
+* ``hang_after_acquire``: start a drop_select (acquire with claim, read the bytes),
+  print, sleep before the release: a consumer that dies holding a read lease.
 
 Prompts and their KV bytes are pure functions of the prompt id, so any process can
 check what another stored.
@@ -132,6 +134,22 @@ def hang_after_reserve(job: dict, clients: list[KVStoreClient]) -> dict:
     return {}
 
 
+def hang_after_acquire(job: dict, clients: list[KVStoreClient]) -> dict:
+    from kvstore import protocol as p
+    from kvstore.hashing import block_keys, block_token_bytes
+
+    client, pid, n = clients[0], job["pid"], job["ntokens"]
+    keys = block_keys(client.namespace, prompt_tokens(pid, n), LAYOUT.block_tokens).keys
+    toks = block_token_bytes(prompt_tokens(pid, n), LAYOUT.block_tokens)
+    client._segment()
+    # What drop_select sends first; its Release(drop=True) never comes.
+    acq = client._rpc.call(p.Acquire(keys=tuple(keys), tokens=tuple(toks), claim=True))
+    out = client._data.read(client._segment(acq["segment"]), acq["entries"])
+    print(json.dumps({"acquired": len(acq["entries"]), "digest": digest(out)}), flush=True)
+    time.sleep(600)
+    return {}
+
+
 def seq(job: dict, clients: list[KVStoreClient]) -> dict:
     """Run ``steps`` (jobs without servers) in order with the same clients."""
     return {"steps": [JOBS[step["job"]]({**job, **step}, clients) for step in job["steps"]]}
@@ -139,7 +157,7 @@ def seq(job: dict, clients: list[KVStoreClient]) -> dict:
 
 JOBS = {"seq": seq, "insert": insert, "consume": consume, "select": select, "stats": stats,
         "wait_nvme": wait_nvme,
-        "hang_after_reserve": hang_after_reserve}
+        "hang_after_reserve": hang_after_reserve, "hang_after_acquire": hang_after_acquire}
 
 
 def main() -> None:

@@ -1,19 +1,24 @@
-"""Faults: a server killed or stalled under a client, a client killed mid-insert."""
+"""Faults: a server killed or stalled under a client, a client killed mid-insert or
+mid-drop_select."""
 
 import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
 import pytest
 
 from kvstore.errors import KVTimeoutError, MissError
-from tests.integration.client_worker import prompt_kv, prompt_tokens
-from tests.integration.conftest import REPO, server_env
+from kvstore.layout import KVLayout
+from tests.integration.client_worker import digest, prompt_kv, prompt_tokens
+from tests.integration.conftest import LAYOUT, REPO, server_env
+
+# The test layout with 32-token (4 KiB) blocks.
+BIG = KVLayout(num_layers=LAYOUT.num_layers, kv_heads=LAYOUT.kv_heads, head_dim=LAYOUT.head_dim,
+               dtype=LAYOUT.dtype, block_tokens=32)
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -28,49 +33,96 @@ def _wait(cond, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _kill_when_called(client, method: str, srv, admin, open_field: str) -> dict:
+    """Wrap ``client._data.<method>`` (the TE move between Reserve/Acquire and
+    Commit/Release): once the server shows the open reservation/lease to ``admin`` (its
+    own channel), SIGKILL it and let the move run against the dead peer."""
+    real, seen = getattr(client._data, method), {}
+
+    def move(*args, **kwargs):
+        seen[open_field] = admin.stats()[open_field]
+        seen["nvme_keys"] = {e["key"] for e in admin.ls(tier="nvme")}
+        srv.kill()  # SIGKILL and reap: the peer is gone before the transfer goes out
+        seen["killed_at"] = time.monotonic()
+        return real(*args, **kwargs)
+
+    setattr(client._data, method, move)
+    return seen
+
+
+def _expect_miss_soon(call, seen: dict, bound_s: float) -> None:
+    with pytest.raises(MissError):  # PeerUnavailable / Transfer / Timeout: all documented
+        call()
+    assert "killed_at" in seen, "the call failed before its transfer started"
+    assert time.monotonic() - seen["killed_at"] < bound_s
+
+
 def test_server_killed_mid_transfer_then_restarted_serves_nvme(server_factory, client_factory):
-    # Tiny DRAM and low watermarks: the reaper demotes older entries to NVMe.
-    srv = server_factory(dram="2MiB", nvme="32MiB",
+    # Low watermarks: the reaper demotes older entries to NVMe, leaving room in DRAM
+    # (below the high watermark) for the 1 MiB insert the kill interrupts.
+    # 4 KiB blocks: a tier slot is a page, so smaller blocks would waste most of it.
+    srv = server_factory(dram="4MiB", nvme="32MiB", block_tokens=BIG.block_tokens,
                          extra=("--high-watermark", "0.5", "--low-watermark", "0.2"))
-    client = client_factory(srv, same_node=False, timeout_s=3.0)
-    ids, n = range(6), 2048  # 6 x 256 KiB
+    client = client_factory(srv, layout=BIG, same_node=False, timeout_s=3.0,
+                            staging_bytes=2 << 20)
+    admin = client_factory(srv, timeout_s=3.0)
+    ids, n, big = range(10), 2048, 8192  # 10 x 256 KiB, then one 1 MiB prompt over TE
+    nblocks, bt = n // BIG.block_tokens, BIG.block_tokens
     for pid in ids:
         client.insert(prompt_tokens(pid, n), prompt_kv(pid, n))
-    on_nvme = _wait(lambda: client.stats()["tiers"]["nvme"]["entries"], 15, "demotion to NVMe")
-    assert on_nvme >= 4 * (n // 4)
-    assert len(client.ls(tier="nvme")) >= on_nvme
+    _wait(lambda: admin.stats()["tiers"]["nvme"]["entries"] >= 3 * nblocks, 15, "demotion")
+    last = [-1]
 
-    errors: list[tuple[BaseException, float]] = []
-    stop = threading.Event()
+    def settled() -> bool:  # no demotion for longer than a reaper tick (0.5 s here)
+        time.sleep(0.6)
+        now = admin.stats()["demotions"]
+        same, last[0] = now == last[0], now
+        return same
+    _wait(settled, 10, "demotion to settle")
 
-    def traffic():  # TE-heavy loop: most of its time is spent in transfers
-        pid = 100
-        while not stop.is_set():
-            try:
-                client.insert(prompt_tokens(pid, n), prompt_kv(pid, n))
-                client.drop_select(prompt_tokens(pid, n), timeout=3.0)
-            except BaseException as exc:  # noqa: BLE001 - recorded and checked below
-                errors.append((exc, time.monotonic()))
-                return
-            pid += 1
+    # 1) Killed while an insert's TE write is in flight: a documented miss, in bounded
+    # time (client timeout 3 s; TE's own minimum is 5 s).
+    seen = _kill_when_called(client, "write", srv, admin, "reservations")
+    _expect_miss_soon(lambda: client.insert(prompt_tokens(99, big), prompt_kv(99, big)),
+                      seen, 3.0 + 5.0)
+    assert seen["reservations"] == 1
+    del client._data.write
+    srv.start()  # same data dir
+    assert admin.lookup(prompt_tokens(99, big)).matched_tokens == 0  # never committed
 
-    worker = threading.Thread(target=traffic)
-    worker.start()
-    time.sleep(1.0)
-    killed_at = time.monotonic()
-    srv.kill()
-    worker.join(timeout=20)
-    stop.set()
-    assert not worker.is_alive(), "client call hung after the server died"
-    assert errors, "no error after the server was killed"
-    exc, when = errors[0]
-    assert isinstance(exc, MissError), f"undocumented error {exc!r}"
-    assert when - killed_at < 3.0 + 5.0
+    # 2) Killed while a drop_select reads an NVMe entry (staged to DRAM, lease open).
+    nvme_keys = {e["key"] for e in admin.ls(tier="nvme")}
 
-    srv.start()  # same data dir: committed NVMe entries come back
-    for pid in ids[:2]:
-        got = client.drop_select(prompt_tokens(pid, n))  # same client: says hello again
-        assert got.matched_tokens == n and np.array_equal(got.kv.numpy(), prompt_kv(pid, n))
+    def nvme_prefix(pid: int) -> int:  # leading blocks of ``pid`` that are on NVMe
+        keys = client.keys_for(prompt_tokens(pid, n))
+        return next((i for i, k in enumerate(keys) if k not in nvme_keys), len(keys))
+
+    whole = [pid for pid in ids if nvme_prefix(pid) == nblocks]
+    assert len(whole) >= 3, f"only {whole} are wholly on NVMe"
+    seen = _kill_when_called(client, "read", srv, admin, "leases")
+    _expect_miss_soon(lambda: client.drop_select(prompt_tokens(whole[0], n), timeout=3.0),
+                      seen, 3.0 + 5.0)
+    # The leased entries were staged into DRAM for the read; their NVMe copies stay.
+    assert seen["leases"] == 1
+    assert nvme_keys - seen["nvme_keys"] == set(client.keys_for(prompt_tokens(whole[0], n)))
+    del client._data.read
+
+    # 3) Restarted: every committed NVMe entry is served again, the interrupted
+    # drop_select's too (its drop never happened); DRAM-only entries are gone.
+    srv.start()
+    assert {e["key"] for e in admin.ls()} == nvme_keys
+    served = set()
+    for pid in ids:
+        blocks = nvme_prefix(pid)
+        got = client.drop_select(prompt_tokens(pid, n), timeout=3.0)  # says hello again
+        assert got.matched_tokens == bt * blocks, pid
+        if blocks:
+            assert np.array_equal(got.kv.numpy(), prompt_kv(pid, n)[:BIG.nbytes(bt * blocks)])
+            served |= set(client.keys_for(prompt_tokens(pid, n))[:blocks])
+    stats = admin.stats()
+    # Left: NVMe blocks behind a DRAM block that died with the old server.
+    assert stats["entries"] == len(nvme_keys - served)
+    assert stats["leases"] == 0 and stats["reservations"] == 0
 
 
 def test_client_killed_mid_insert_leaves_nothing_visible(server, client_factory):
@@ -96,6 +148,37 @@ def test_client_killed_mid_insert_leaves_nothing_visible(server, client_factory)
     assert admin.lookup(prompt_tokens(7, 40)).matched_tokens == 0
     assert admin.insert(prompt_tokens(7, 40), prompt_kv(7, 40)).new_blocks == 10
     assert admin.health(deep=True)["status"] == "ok"
+
+
+def test_client_killed_mid_drop_select_its_lease_is_reclaimed(server_factory, client_factory):
+    srv = server_factory(read_lease=1.5)
+    admin = client_factory(srv)
+    admin.insert(prompt_tokens(8, 40), prompt_kv(8, 40))
+    job = {"job": "hang_after_acquire", "servers": [srv.address], "pid": 8, "ntokens": 40,
+           "same_node": False}
+    proc = subprocess.Popen([sys.executable, "-m", "tests.integration.client_worker",
+                             json.dumps(job)], stdout=subprocess.PIPE, text=True,
+                            env=server_env(), cwd=REPO)
+    try:
+        line = json.loads(_wait(lambda: proc.stdout.readline(), 30, "the worker's acquire"))
+        assert line == {"acquired": 10, "digest": digest(prompt_kv(8, 40))}  # bytes moved
+        stats = admin.stats()
+        assert stats["leases"] == 1 and stats["leased_entries"] == 10
+        # Claimed by the (stopped) consumer: nobody else gets it meanwhile.
+        assert admin.drop_select(prompt_tokens(8, 40), timeout=0.5).matched_tokens == 0
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)  # dies between acquire and release
+        proc.wait(10)
+        proc.stdout.close()
+    _wait(lambda: admin.stats()["leases"] == 0, 10, "the read lease to be reaped")
+    stats = admin.stats()
+    assert stats["leases_expired"] == 1 and stats["leased_entries"] == 0
+    assert stats["entries"] == 10  # released, not dropped: the consumer never finished
+    got = admin.drop_select(prompt_tokens(8, 40))  # another consumer, exactly once
+    assert got.matched_tokens == 40 and np.array_equal(got.kv.numpy(), prompt_kv(8, 40))
+    assert admin.drop_select(prompt_tokens(8, 40), timeout=0.5).matched_tokens == 0
+    stats = admin.stats()
+    assert stats["entries"] == 0 and stats["leases"] == 0 and stats["tiers"]["dram"]["used"] == 0
 
 
 def test_stalled_server_times_out_then_recovers(server, client_factory):
