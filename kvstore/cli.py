@@ -19,8 +19,9 @@ from typing import Any, Callable
 import click
 
 from kvstore import protocol as p
-from kvstore.cli_admin import (Admin, KeyType, SizeType, TokensType, fail, prompt_keys,
-                               prompt_options, server_options)
+from kvstore.cli_admin import (Admin, KeyType, NamespaceType, SizeType, TokensType, fail,
+                               has_model_options, namespace_tag, prompt_keys, prompt_options,
+                               server_options)
 from kvstore.cli_cluster import cluster_stats, nodes
 from kvstore.cli_cluster import etcd_option as cluster_etcd_option
 from kvstore.cli_cluster import prefix_option as cluster_prefix_option
@@ -34,12 +35,48 @@ LS_PAGE = 1000
 VERIFY_BATCH = 512
 
 
+class OneLineUsageError(click.UsageError):
+    """A usage error shown as its one line (no usage block, no hint); exit 2."""
+
+    def show(self, file: Any = None) -> None:
+        click.echo(self.message, err=True)
+
+
+def one_line(exc: click.UsageError) -> OneLineUsageError:
+    """``kvstore evict: --bytes: not a size: 'lots'`` for any click usage error."""
+    ctx = exc.ctx
+    path = ctx.command_path if ctx is not None else "kvstore"
+    param = getattr(exc, "param", None)
+    if (isinstance(exc, click.BadParameter) and not isinstance(exc, click.MissingParameter)
+            and param is not None):
+        name = param.opts[0] if getattr(param, "opts", None) else param.human_readable_name
+        text = f"{path}: {name}: {exc.message}"
+    else:
+        text = f"{path}: {exc.format_message()}"
+    return OneLineUsageError(" ".join(text.split()), ctx)
+
+
 class AdminGroup(click.Group):
-    """Turns any error a command lets escape into one line and exit 1, never a traceback."""
+    """Turns any error a command lets escape into one line, never a traceback: exit 1
+    (the server said no, or was unreachable), or exit 2 for bad arguments - click's
+    own usage errors included, shown without its usage block."""
+
+    def make_context(self, info_name: str | None, args: list[str],
+                     parent: click.Context | None = None, **extra: Any) -> click.Context:
+        try:  # the group's own options (kvstore --bogus)
+            return super().make_context(info_name, args, parent, **extra)
+        except OneLineUsageError:
+            raise
+        except click.UsageError as exc:
+            raise one_line(exc) from None
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except OneLineUsageError:
+            raise
+        except click.UsageError as exc:  # a command's arguments, or an unknown command
+            raise one_line(exc) from None
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
         except KVStoreError as exc:
@@ -124,6 +161,9 @@ def health(admin: Admin, deep: bool) -> None:
 @click.option("--idle-longer-than", "idle", metavar="DURATION", callback=lambda c, _, v: _dur(v),
               help="Only entries not accessed for DURATION.")
 @click.option("--pinned", is_flag=True, help="Only pinned entries.")
+@click.option("--namespace", "ns_hex", type=NamespaceType(), metavar="HEX",
+              help="Only entries written in this namespace (hex prefix of the NS column; "
+                   "or give --model-id/--layers/... without --tokens).")
 @prompt_options
 @click.option("--sort", "sort_by", type=click.Choice(SORT_FIELDS), default=None,
               help="Sort field [default: prompt order with --tokens, else age].")
@@ -132,15 +172,23 @@ def health(admin: Admin, deep: bool) -> None:
               help="Show at most this many entries (0: all).")
 @click.option("--offset", type=click.IntRange(min=0), default=0, help="Skip this many first.")
 def ls(admin: Admin, tier: str | None, older: float | None, newer: float | None,
-       idle: float | None, pinned: bool, sort_by: str | None, reverse: bool, limit: int,
-       offset: int, **prompt: Any) -> None:
-    """List entries: tier, size, age, last access, pins, pending consumers."""
-    wanted = prompt_keys(prompt)
+       idle: float | None, pinned: bool, ns_hex: str | None, sort_by: str | None,
+       reverse: bool, limit: int, offset: int, **prompt: Any) -> None:
+    """List entries: tier, size, age, last access, pins, pending consumers, namespace."""
+    wanted = None
+    if prompt.get("tokens") is None and prompt.get("prompt_file") is None \
+            and has_model_options(prompt):
+        if ns_hex is not None:
+            fail("give --namespace or the model options, not both")
+        ns_hex = namespace_tag(prompt).hex()  # the model's namespace, no prompt
+    else:
+        wanted = prompt_keys(prompt)
     now = time.time()
     results = []
     for server, channel in admin.each():
         entries = _all_entries(channel, tier)
-        keep = [e for e in entries if _matches(e, now, older, newer, idle, pinned, wanted)]
+        keep = [e for e in entries if _matches(e, now, older, newer, idle, pinned, wanted)
+                and (ns_hex is None or _tag(e).startswith(ns_hex))]
         ordered = sort_entries(keep, sort_by or ("prompt" if wanted else "age"), reverse,
                                wanted.all_keys if wanted else None)
         page = ordered[offset:offset + limit] if limit else ordered[offset:]
@@ -190,13 +238,19 @@ def _matches(e: dict, now: float, older: float | None, newer: float | None,
             and (wanted is None or e["key"] in wanted.position))
 
 
+def _tag(e: dict) -> str:
+    """An entry's namespace tag as hex; "" for entries written without one."""
+    tag = e.get("namespace") or b""
+    return tag.hex() if isinstance(tag, bytes) else ""
+
+
 def _public(e: dict, now: float) -> dict:
     """An entry for output: hex key, ages in seconds; offsets and tokens left out."""
     return {"key": e["key"].hex(), "tier": e.get("tier"), "nbytes": e.get("nbytes"),
             "ntokens": e.get("ntokens"), "created": e.get("created"),
             "last_access": e.get("last_access"), "age_s": now - e.get("created", now),
             "idle_s": now - e.get("last_access", now), "pins": e.get("pins"),
-            "pending": e.get("pending"), "checksum": e.get("checksum")}
+            "pending": e.get("pending"), "checksum": e.get("checksum"), "namespace": _tag(e)}
 
 
 # ------------------------------------------------------------------ evict / clear

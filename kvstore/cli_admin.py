@@ -15,12 +15,13 @@ import click
 from kvstore.cliformat import parse_bytes, parse_key, parse_tokens
 from kvstore.config import load_config
 from kvstore.errors import ConfigError, KVStoreError
+from kvstore.index import NAMESPACE_TAG_BYTES
 from kvstore.rpc import Channel, CurveKeys
 
 
 def fail(message: str) -> NoReturn:
-    """Bad arguments: one line and exit 2."""
-    raise click.UsageError(message)
+    """Bad arguments: one line and exit 2 (``kvstore.cli.one_line`` shows it)."""
+    raise click.UsageError(message, ctx=click.get_current_context(silent=True))
 
 
 # ------------------------------------------------------------------ parameter types
@@ -44,6 +45,11 @@ class SizeType(_Parsed):
 class KeyType(_Parsed):
     name = "hexkey"
     parse = staticmethod(parse_key)
+
+
+class NamespaceType(_Parsed):
+    name = "hex"
+    parse = staticmethod(lambda v: parse_namespace(v))
 
 
 class TokensType(_Parsed):
@@ -228,6 +234,36 @@ def prompt_keys(opts: dict[str, Any]) -> PromptKeys | None:
     hidden = hidden_key(chain.keys[-1])
     order = [*chain.keys, hidden]
     return PromptKeys(chain.keys, chain.token_counts, hidden, {k: i for i, k in enumerate(order)})
+
+
+def has_model_options(opts: dict[str, Any]) -> bool:
+    return any(opts.get(f) is not None for f in _NS_FIELDS + ("namespace_config",))
+
+
+def namespace_tag(opts: dict[str, Any]) -> bytes:
+    """The namespace tag records of this model/layout carry (the first 8 bytes of
+    ``hashing.namespace_of``), from --model-id/--layers/... or --namespace-config."""
+    from kvstore.hashing import namespace_of
+    from kvstore.layout import KVLayout
+
+    ns = _namespace_settings(opts)
+    try:
+        layout = KVLayout(ns["layers"], ns["kv_heads"], ns["head_dim"], ns["dtype"],
+                          ns["block_tokens"])
+        return namespace_of(ns["model_id"], layout, ns["tp_rank"], ns["tp_size"],
+                            ns["salt"])[:NAMESPACE_TAG_BYTES]
+    except KVStoreError as exc:
+        fail(str(exc))
+
+
+def parse_namespace(value: str) -> str:
+    """--namespace: hex, a prefix of the 16-hex-digit tag (or of the full 32-digit
+    fingerprint, whose first 16 digits are the tag) -> lower-case hex prefix."""
+    text = value.strip().lower()
+    if not text or len(text) > 2 * 2 * NAMESPACE_TAG_BYTES or any(
+            c not in "0123456789abcdef" for c in text):
+        raise ValueError(f"not a hex namespace (up to 32 hex digits): {value!r}")
+    return text[:2 * NAMESPACE_TAG_BYTES]
 
 
 def _refuse_stray_model_options(opts: dict[str, Any]) -> None:

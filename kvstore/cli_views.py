@@ -9,7 +9,8 @@ from kvstore.cliformat import (format_bytes, format_count, format_duration, form
 
 TIER_ORDER = ("gpu", "dram", "nvme")
 SORT_FIELDS = ("age", "last-access", "size", "tier", "pins", "pending", "key", "prompt")
-ENTRY_HEADERS = ("KEY", "TIER", "SIZE", "TOKENS", "AGE", "IDLE", "PINS", "PENDING")
+ENTRY_HEADERS = ("KEY", "TIER", "SIZE", "TOKENS", "AGE", "IDLE", "PINS", "PENDING", "NS")
+NS_SHOWN = 8  # hex digits of the namespace tag in the table (--json has all 16)
 
 
 # ------------------------------------------------------------------ stats
@@ -24,14 +25,19 @@ def stats_view(server: str, st: Mapping[str, Any]) -> str:
         rows.append([name, format_bytes(t.get("capacity")), format_bytes(t.get("used")),
                      format_ratio(t.get("used", 0), t.get("capacity", 0)),
                      format_count(t.get("entries")), format_count(t.get("hits")),
-                     format_ratio(t.get("hits", 0), lookups)])
+                     format_ratio(t.get("hits", 0), lookups), format_bytes(t.get("bytes_in")),
+                     format_bytes(t.get("bytes_out"))])
     cap = sum(t.get("capacity", 0) for t in tiers.values())
     used = sum(t.get("used", 0) for t in tiers.values())
     rows.append(["total", format_bytes(cap), format_bytes(used), format_ratio(used, cap),
                  format_count(st.get("entries")), format_count(hits),
-                 format_ratio(hits, lookups)])
-    table = render_table(["TIER", "CAPACITY", "USED", "USED%", "ENTRIES", "HITS", "HIT%"],
-                         rows)
+                 format_ratio(hits, lookups), format_bytes(st.get("bytes_in")),
+                 format_bytes(st.get("bytes_out"))])
+    # HIT%: blocks served from this tier / every block looked up (hits + misses), so
+    # the tiers' rates add up to the node's; IN: committed into the tier by writers,
+    # OUT: served to readers from where each entry was found (docs/operations.md).
+    table = render_table(["TIER", "CAPACITY", "USED", "USED%", "ENTRIES", "HITS", "HIT%",
+                          "IN", "OUT"], rows)
     pairs = [
         ("hits / misses", f"{format_count(hits)} / {format_count(misses)} "
                           f"(hit rate {format_ratio(hits, lookups)})"),
@@ -87,7 +93,7 @@ def entry_row(e: Mapping[str, Any]) -> list[str]:
     return [e["key"], str(e.get("tier")), format_bytes(e.get("nbytes")),
             format_count(e.get("ntokens")), format_duration(e.get("age_s")),
             format_duration(e.get("idle_s")), format_count(e.get("pins")),
-            format_count(e.get("pending"))]
+            format_count(e.get("pending")), (e.get("namespace") or "-")[:NS_SHOWN]]
 
 
 def ls_table(server: str, result: Mapping[str, Any]) -> str:

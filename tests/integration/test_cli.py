@@ -34,7 +34,8 @@ PROMPT_B = list(range(500, 510))  # 2 full blocks + a partial one
 
 
 def run(*args: str, input: str | None = None):
-    return CliRunner().invoke(cli, list(args), input=input, catch_exceptions=False)
+    return CliRunner().invoke(cli, list(args), input=input, catch_exceptions=False,
+                              prog_name="kvstore")
 
 
 def run_json(*args: str):
@@ -235,6 +236,69 @@ def test_pin_protects_from_evict_then_unpin(filled):
     assert run_json("ls", "--server", addr, "--pinned")[0]["total"] == 2
 
 
+def test_pin_unpin_verify_json(filled):
+    addr = filled.address
+    tokens = ["--tokens", ",".join(map(str, PROMPT_A)), *MODEL]
+    [pinned] = run_json("pin", "--server", addr, *tokens)
+    assert pinned == {"server": addr, "count": 3}
+    [unpinned] = run_json("unpin", "--server", addr, "--key", keys_of(PROMPT_A)[0].hex())
+    assert unpinned == {"server": addr, "count": 1}
+    assert run_json("ls", "--server", addr, "--pinned")[0]["total"] == 2
+    [checked] = run_json("verify", "--server", addr)
+    assert checked == {"server": addr, "checked": 6, "bad": []}
+
+
+def test_evict_fraction_of_a_tier_really_evicts_least_recently_used_first(filled, writer):
+    addr = filled.address
+    a_keys, b_keys = keys_of(PROMPT_A), keys_of(PROMPT_B)
+    listed = run_json("ls", "--server", addr, "--tier", "dram")[0]
+    assert listed["total"] == 6
+    # Read A (kept: get): B, inserted later, is now the least recently used.
+    assert writer.get(PROMPT_A).matched_tokens == len(PROMPT_A)
+    [node] = run_json("evict", "--server", addr, "--tier", "dram", "--fraction", "0.5")
+    # Half the tier's (page-rounded) bytes is B's 3 pages: B goes, though A is older.
+    assert node["dry_run"] is False and node["count"] == 3
+    assert set(node["keys"]) == {k.hex() for k in b_keys}
+    assert node["nbytes"] == LAYOUT.nbytes(len(PROMPT_B))
+    left = {e["key"] for e in run_json("ls", "--server", addr)[0]["entries"]}
+    assert left == {k.hex() for k in a_keys}  # really gone from the server
+
+
+def test_ls_filters_by_namespace(filled):
+    from kvstore.client import KVStoreClient
+
+    addr = filled.address
+    other = KVStoreClient(addr, layout=LAYOUT, model_id="other-model", timeout_s=10.0,
+                          staging_bytes=1 << 20)
+    try:
+        other.insert(PROMPT_A, make_kv(len(PROMPT_A), seed=9))  # same tokens, other model
+    finally:
+        other.close()
+    ours = namespace_of("cli-test", LAYOUT)[:8].hex()
+    theirs = namespace_of("other-model", LAYOUT)[:8].hex()
+    assert run_json("ls", "--server", addr)[0]["total"] == 9
+    mine = run_json("ls", "--server", addr, "--namespace", ours)[0]
+    assert mine["total"] == 6 and {e["namespace"] for e in mine["entries"]} == {ours}
+    # The full 16-byte fingerprint works too, and so do the model options alone.
+    full = namespace_of("other-model", LAYOUT).hex()
+    assert run_json("ls", "--server", addr, "--namespace", full)[0]["total"] == 3
+    assert run_json("ls", "--server", addr, "--namespace", theirs[:4])[0]["total"] == 3
+    assert run_json("ls", "--server", addr, *MODEL)[0]["total"] == 6
+    table = run("ls", "--server", addr, "--namespace", theirs)
+    assert table.exit_code == 0 and "NS" in table.stdout
+    assert table.stdout.count(theirs[:8]) == 3 and ours[:8] not in table.stdout
+
+
+def test_stats_shows_per_tier_traffic(filled, writer):
+    assert writer.get(PROMPT_A).matched_tokens == len(PROMPT_A)
+    [node] = run_json("stats", "--server", filled.address)
+    dram = node["tiers"]["dram"]
+    a_bytes, b_bytes = LAYOUT.nbytes(len(PROMPT_A)), LAYOUT.nbytes(len(PROMPT_B))
+    assert dram["bytes_in"] >= a_bytes + b_bytes and dram["bytes_out"] >= a_bytes
+    text = run("stats", "--server", filled.address).stdout
+    assert " IN " in text and " OUT" in text
+
+
 def test_clear_asks_unless_yes(filled):
     result = run("clear", "--server", filled.address, input="n\n")
     assert result.exit_code == 1 and total_entries(filled.address) == 6
@@ -311,8 +375,14 @@ def test_keys_and_curve_auth(server_factory, tmp_path):
     (["ls", "--older-than", "soon"], "duration"),
     (["ls", "--tokens", "1,2,3"], "--model-id"),
     (["ls", "--tokens", "1,x"], "token id"),
-    (["ls", "--layers", "2"], "only means something"),
-    (["ls", "--tier", "tape"], "tape"),
+    (["pin", "--layers", "2"], "only means something"),
+    (["ls", "--layers", "2"], "missing --model-id"),
+    (["ls", "--namespace", "xyz"], "hex namespace"),
+    (["ls", "--namespace", "ab", *MODEL], "not both"),
+    (["ls", "--tier", "tape"], "kvstore ls: --tier: 'tape' is not one of"),
+    (["ls", "--limit", "-1"], "kvstore ls: --limit:"),
+    (["stats", "--bogus"], "kvstore stats: No such option '--bogus'"),
+    (["nope"], "kvstore: No such command 'nope'"),
     (["pin"], "--key"),
 ])
 def test_bad_arguments_exit_2_with_a_reason(args, message):
@@ -320,7 +390,18 @@ def test_bad_arguments_exit_2_with_a_reason(args, message):
     result = run(*args, "--server", f"tcp://127.0.0.1:{free_port()}", "--timeout", "1")
     assert result.exit_code == 2, result.output
     assert message in result.stderr
-    assert "Traceback" not in result.output
+    # One line: no usage block, no "Try --help" hint, no traceback.
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "Usage:" not in result.output and "Traceback" not in result.output
+
+
+def test_bad_argument_of_the_console_script_is_one_line_exit_2():
+    proc = _kvstore("evict", "--bytes", "lots")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "kvstore evict: --bytes: not a size: 'lots' (use e.g. 512MiB, 64GiB)"]
+    proc = _kvstore("--bogus")
+    assert proc.returncode == 2 and proc.stderr.strip() == "kvstore: No such option '--bogus'."
 
 
 # ------------------------------------------------------------------ console script
@@ -356,6 +437,15 @@ def test_bench_and_demo_delegate_to_tools(tmp_path):
     proc = _kvstore("bench", "--help", cwd=tmp_path)
     assert proc.returncode == 0 and "tools.bench" in proc.stdout
     assert "--single-node" in CliRunner().invoke(cli, ["demo", "--help"]).output
+
+
+def test_bench_runs_its_quickest_section(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = _kvstore("bench", "--quick", "--only", "hashing", "--repeat", "1", "--json",
+                    str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["sections"]
+    assert "hashing" in json.dumps(rows) and proc.stdout.strip()
 
 
 def test_demo_single_node_runs_the_walkthrough(tmp_path):
