@@ -12,6 +12,7 @@ Jobs (``op``):
 * ``nodes``: node ids registered in etcd, and those this client considers live;
 * ``nvme_prefix`` ``address``, ``ids``: per id, how many leading blocks the node at
   ``address`` holds on NVMe (what a restart must serve again);
+* ``entries``: per live node, its entry count and NVMe entry count (its own stats);
 * ``quit``.
 
 Prompts and their KV bytes are pure functions of the prompt id.
@@ -92,7 +93,18 @@ def nvme_prefix(client: ClusterClient, job: dict) -> dict:
     return out
 
 
-JOBS = {"insert": insert, "select": select, "nodes": nodes, "nvme_prefix": nvme_prefix}
+def entries(client: ClusterClient, job: dict) -> dict:
+    out = {}
+    for node_id, info in client.nodes.nodes().items():
+        with KVStoreClient(info.address, timeout_s=TIMEOUT_S) as admin:  # admin: no TE
+            stats = admin.stats()
+        out[node_id] = {"entries": stats["entries"],
+                        "nvme": stats["tiers"].get("nvme", {}).get("entries", 0)}
+    return out
+
+
+JOBS = {"insert": insert, "select": select, "nodes": nodes, "nvme_prefix": nvme_prefix,
+        "entries": entries}
 
 
 def main() -> None:

@@ -57,10 +57,14 @@ class Worker:
         log = self.log_path.read_text(errors="replace")[-3000:]
         raise AssertionError(f"worker gave no reply in {timeout}s:\n{log}")
 
-    def __call__(self, op: str, timeout: float = 60.0, **job) -> dict:
+    def send(self, op: str, **job) -> "Worker":
+        """Start a job without waiting: several workers then run at once."""
         self.proc.stdin.write((json.dumps({"op": op, **job}) + "\n").encode())
         self.proc.stdin.flush()
-        return self.reply(timeout)
+        return self
+
+    def __call__(self, op: str, timeout: float = 60.0, **job) -> dict:
+        return self.send(op, **job).reply(timeout)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -77,7 +81,7 @@ class Worker:
 
 @pytest.fixture
 def world(tmp_path):
-    """(cluster, etcd_url, [3 ServerProc], producer Worker, consumer Worker)."""
+    """(cluster, etcd_url, [3 ServerProc], [2 producer Workers], [2 consumer Workers])."""
     with make_cluster(4) as cluster:
         print(f"cluster kind: {cluster.kind}")
         hub = cluster.nodes[3]
@@ -93,12 +97,12 @@ def world(tmp_path):
                    for n in cluster.nodes[:3]]
         workers = []
         try:
-            workers = [Worker(hub, url, tmp_path / f"worker{i}.log") for i in range(2)]
+            workers = [Worker(hub, url, tmp_path / f"worker{i}.log") for i in range(4)]
             for srv in servers:
                 srv.wait_ready()
             for w in workers:
                 assert w.reply()["ready"]
-            yield cluster, url, servers, workers[0], workers[1]
+            yield cluster, url, servers, workers[:2], workers[2:]
         finally:
             for w in workers:
                 w.close()
@@ -123,23 +127,50 @@ def _wait_nodes(worker: Worker, expect, timeout: float) -> dict:
         time.sleep(0.2)
 
 
+def _together(jobs: list[tuple[Worker, str, dict]]) -> list[dict]:
+    """Run jobs on several workers at once; their replies in order."""
+    for worker, op, job in jobs:
+        worker.send(op, **job)
+    return [worker.reply() for worker, _, _ in jobs]
+
+
+def _entries(worker: Worker) -> dict[str, dict]:
+    return worker("entries")  # node id -> {"entries", "nvme"}, from each node's own stats
+
+
 def test_cluster_places_fails_over_and_recovers(world):
-    cluster, url, servers, producer, consumer = world
+    cluster, url, servers, producers, consumers = world
+    producer, consumer = producers[0], consumers[0]
     node_ids = {f"{s.host}:{s.port}" for s in servers}
-    for worker in (producer, consumer):  # each watches etcd; registrations just happened
+    for worker in (*producers, *consumers):  # each watches etcd; registrations just happened
         assert set(_wait_nodes(worker, lambda n: set(n["live"]) == node_ids, 10)["live"]) \
             == node_ids
 
-    # Producers and consumers agree on homes without talking: every prompt inserted
-    # is found once, by another process, and the prompts spread over every node.
-    placed = _ids(producer("insert", ids=list(range(45))))
-    assert all("node" in r for r in placed.values()), placed
+    # Two producers insert at once; every node holds exactly the prompts placed on it.
+    ids, kept = list(range(60)), list(range(45, 60))  # kept: for the node kill below
+    placed = {}
+    for reply in _together([(producers[0], "insert", {"ids": ids[0::2]}),
+                            (producers[1], "insert", {"ids": ids[1::2]})]):
+        placed.update(_ids(reply))
+    assert all("node" in r and r["new"] == 4 for r in placed.values()), placed
     homes = {pid: r["node"] for pid, r in placed.items()}
-    assert set(homes.values()) == node_ids
-    first = _ids(consumer("select", ids=list(range(15))))
-    assert all(r["matched"] == 16 and r["bytes_ok"] for r in first.values()), first
-    again = _ids(producer("select", ids=list(range(15))))
-    assert all(r["matched"] == 0 for r in again.values()), "drop_select served a prompt twice"
+    held = _entries(producer)
+    assert set(held) == node_ids
+    for node_id in node_ids:  # spread: what each server says it holds, not placement
+        expect = 4 * sum(h == node_id for h in homes.values())
+        assert held[node_id]["entries"] == expect > 0, (node_id, held, expect)
+
+    # Two consumers race over the same 45 prompts (opposite orders): each is
+    # drop_selected exactly once, by one of them, with the inserted bytes.
+    race = ids[:45]
+    got = [_ids(r) for r in _together([(consumers[0], "select", {"ids": race}),
+                                       (consumers[1], "select", {"ids": race[::-1]})])]
+    for pid in race:
+        wins = [g[pid] for g in got if g[pid]["matched"]]
+        assert len(wins) == 1 and wins[0]["matched"] == 16 and wins[0]["bytes_ok"], (pid, got)
+    again = _ids(producer("select", ids=race, drop=False))
+    assert all(r["matched"] == 0 for r in again.values()), "drop_select left an entry behind"
+    assert sum(v["entries"] for v in _entries(producer).values()) == 4 * len(kept)
 
     # The CLI's cluster view sees the three nodes alive and the entries on them.
     cli = cluster.nodes[3].run([sys.executable, "-m", "kvstore.cli", "nodes", "--etcd", url,
@@ -147,26 +178,27 @@ def test_cluster_places_fails_over_and_recovers(world):
     assert cli.returncode == 0, cli.stderr
     rows = json.loads(cli.stdout)
     assert {r["node_id"] for r in rows} == node_ids and all(r["alive"] for r in rows)
-    assert sum(r["entries"] for r in rows) == 30 * 4
+    assert sum(r["entries"] for r in rows) == 4 * len(kept)
     cli = cluster.nodes[3].run([sys.executable, "-m", "kvstore.cli", "stats", "--cluster",
                                 "--etcd", url, "--json"], timeout=60, env=server_env(), cwd=REPO)
     assert cli.returncode == 0, cli.stderr
     total, *per_node = json.loads(cli.stdout)
-    assert total["nodes"] == 3 and total["entries"] == 30 * 4
+    assert total["nodes"] == 3 and total["entries"] == 4 * len(kept)
     assert {r["server"] for r in per_node} == {s.address for s in servers}
 
-    # Kill a node that holds prompts; take note of what its NVMe tier holds.
-    victim = next(s for s in servers if sum(h == f"{s.host}:{s.port}" for p, h in homes.items()
-                                            if p >= 15) >= 3)
+    # Kill a node that holds kept prompts; take note of what its NVMe tier holds.
+    victim = next(s for s in servers  # one exists: 15 prompts on 3 nodes
+                  if sum(homes[p] == f"{s.host}:{s.port}" for p in kept) >= 3)
     victim_id = f"{victim.host}:{victim.port}"
-    theirs = [p for p, h in homes.items() if p >= 15 and h == victim_id]
+    theirs = [p for p in kept if homes[p] == victim_id]
     on_nvme = {int(k): v for k, v in producer("nvme_prefix", address=victim.address,
                                               ids=theirs).items()}
     assert sum(on_nvme.values()) > 0, "tiny DRAM should have pushed entries to NVMe"
+    nvme_before = _entries(producer)[victim_id]["nvme"]
     victim.kill()
 
     # Reads of its prompts are misses within a bound (the consumer still lists it);
-    # new inserts go to the live nodes and are read back.
+    # new inserts go to the live nodes and are read back, once.
     lost = _ids(consumer("select", ids=theirs, drop=False))
     assert all(r["matched"] == 0 for r in lost.values()), lost
     assert max(r["seconds"] for r in lost.values()) < MISS_BOUND_S, lost
@@ -184,6 +216,16 @@ def test_cluster_places_fails_over_and_recovers(world):
     victim.start()
     back = _wait_nodes(consumer, lambda n: victim_id in n["live"], 30)
     assert victim_id in back["live"]
-    served = _ids(consumer("select", ids=theirs))
+    assert _entries(consumer)[victim_id]["entries"] == nvme_before
+    served = _ids(consumers[1]("select", ids=theirs))
     assert all(r["bytes_ok"] for r in served.values()), served
     assert {p: r["matched"] // 4 for p, r in served.items()} == on_nvme
+
+    # The kept prompts of the other nodes are consumed once too; then every store is
+    # empty but for the victim's NVMe blocks behind a block it lost with its DRAM.
+    rest = _ids(consumer("select", ids=[p for p in kept if p not in theirs]))
+    assert all(r["matched"] == 16 and r["bytes_ok"] for r in rest.values()), rest
+    assert all(r["matched"] == 0 for r in _ids(producer("select", ids=ids)).values())
+    left = _entries(producer)
+    assert {n: v["entries"] for n, v in left.items()} == {
+        n: nvme_before - sum(on_nvme.values()) if n == victim_id else 0 for n in node_ids}
