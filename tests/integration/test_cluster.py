@@ -57,7 +57,7 @@ class Worker:
         log = self.log_path.read_text(errors="replace")[-3000:]
         raise AssertionError(f"worker gave no reply in {timeout}s:\n{log}")
 
-    def send(self, op: str, **job) -> "Worker":
+    def send(self, op: str, **job) -> Worker:
         """Start a job without waiting: several workers then run at once."""
         self.proc.stdin.write((json.dumps({"op": op, **job}) + "\n").encode())
         self.proc.stdin.flush()
