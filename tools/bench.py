@@ -200,6 +200,18 @@ def machine_info() -> dict[str, Any]:
             "command": " ".join(["python -m tools.bench", *sys.argv[1:]])}
 
 
+def _gpu_problem() -> str:
+    """Why ``--gpu`` cannot run here ("" when it can)."""
+    try:
+        import torch
+    except ImportError as exc:
+        return f"needs torch with CUDA ({exc})"
+    if not torch.cuda.is_available():
+        return ("needs a CUDA GPU (torch.cuda.is_available() is False here) and the CUDA "
+                "build of mooncake-transfer-engine; run without --gpu")
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -223,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     names = [n.strip() for item in args.only or [] for n in item.split(",") if n.strip()]
     if args.gpu:
+        problem = _gpu_problem()
+        if problem:  # say so before minutes of CPU sections, not after them
+            print(f"--gpu: {problem}", file=sys.stderr)
+            return 2
         names = [*(names or [s.name for s in SECTIONS]), *(s.name for s in GPU_SECTIONS)]
     base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)

@@ -101,7 +101,23 @@ def bench_limits(opts: BenchOptions) -> list[Row]:
 # ------------------------------------------------------------------ sections
 def _sizes(opts: BenchOptions) -> dict[str, list[int]]:
     return {"small": opts.pick([512, 4096], [512, 2048, 8192, 32768], [512, 2048, 8192, 32768]),
-            "large": opts.pick([512], [512, 1024, 2048, 4096], [512, 1024, 2048, 4096, 8192])}
+            "large": opts.pick([512], [512, 1024, 2048, 4096],
+                               [512, 1024, 2048, 4096, 8192, 16384, 32768])}
+
+
+# Prompts above this run one system at a time ("solo"): interleaved, all three
+# systems hold ~3 copies of the prompt each at once (the producer's KV, the stored
+# copy, the consumer's buffer), 36 GiB at 32k tokens of the large layout (4 GiB).
+INTERLEAVE_MAX_BYTES = 1 << 30
+SOLO_COPIES = 3.5  # a prompt's copies one system holds during a solo point, + slack
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def bench_transfer(opts: BenchOptions) -> list[Row]:
@@ -131,33 +147,57 @@ def run_transfer(opts: BenchOptions, layouts: dict[str, list[int]],
     kind = ""
     for layout, sizes in layouts.items():
         lay = LAYOUTS[layout]
-        max_bytes = lay.nbytes(max(sizes))
-        with make_cluster(2) as cluster, ExitStack() as stack:
-            kind = cluster.kind
-            workdir = opts.workdir / layout
-            workdir.mkdir()
-            systems = start_systems(stack, cluster, workdir, [layout], {layout: max(sizes)},
-                                     2 * max_bytes + 64 * MiB, systems_run, device)
-            samples = Samples()
-            one_prompt(systems, Samples(), ("warm-up",), layout, min(sizes), 0)
-            for ntokens in sizes:
-                nbytes = lay.nbytes(ntokens)
-                for rep in range(reps(opts, nbytes)):
-                    one_prompt(systems, samples, (layout, ntokens), layout, ntokens, rep)
-                print(f"   {layout} layout, {ntokens} tokens: done, load "
-                      f"{os.getloadavg()[0]:.1f}", flush=True)
-                blocks = len(lay.entry_sizes(ntokens))
-                for name in systems:
-                    for op in ("put", "get", "put+get"):
-                        rows.append({"table": "prompts", "layout": layout, "tokens": ntokens,
-                                     "MiB": nbytes / MiB, "system": name, "op": op,
-                                     **samples.row((layout, ntokens, name, op), nbytes, blocks)})
-            rows += memory_rows(systems, f"peak memory, {layout} layout up to "
-                                          f"{max(sizes)} tokens")
+        shared = [n for n in sizes if lay.nbytes(n) <= INTERLEAVE_MAX_BYTES]  # sizes ascend
+        if shared:
+            kind = _run_points(opts, rows, layout, shared, systems_run, device, "interleaved")
+        for ntokens in sizes[len(shared):]:
+            nbytes = lay.nbytes(ntokens)
+            need, have = int(SOLO_COPIES * nbytes), mem_available()
+            if need > have:
+                print(f"   {layout} layout, {ntokens} tokens: skipped, one system needs "
+                      f"~{need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB available", flush=True)
+                rows.append({"table": "skipped", "layout": layout, "tokens": ntokens,
+                             "need GiB": need / 2**30, "available GiB": have / 2**30})
+                continue
+            for name in systems_run:  # one at a time: their copies would not fit together
+                kind = _run_points(opts, rows, layout, [ntokens], (name,), device, "solo")
     rows += ratios([r for r in rows if r["table"] == "prompts"], ("layout", "tokens"))
     save(section, rows, opts, {"nodes": kind, "device": device, "layouts": {
         n: LAYOUTS[n].describe() for n in layouts}})
     return rows
+
+
+def _run_points(opts: BenchOptions, rows: list[Row], layout: str, sizes: list[int],
+                systems_run: tuple[str, ...], device: str, mode: str) -> str:
+    """One pair of nodes running ``systems_run``; every prompt length of ``sizes``
+    put + get through them in rotating order. Appends rows; returns the node kind."""
+    lay = LAYOUTS[layout]
+    max_bytes = lay.nbytes(max(sizes))
+    # interleaved: room for a prompt and the next (drops free space behind the
+    # get); solo: one prompt at a time, sized to the prompt so 32k tokens fit.
+    store_bytes = (2 * max_bytes if mode == "interleaved" else max_bytes + max_bytes // 4)
+    with make_cluster(2) as cluster, ExitStack() as stack:
+        workdir = opts.workdir / f"{layout}-{max(sizes)}-{'-'.join(systems_run)}"
+        workdir.mkdir()
+        systems = start_systems(stack, cluster, workdir, [layout], {layout: max(sizes)},
+                                 store_bytes + 64 * MiB, systems_run, device)
+        samples = Samples()
+        one_prompt(systems, Samples(), ("warm-up",), layout, min(*sizes, 512), 0)
+        for ntokens in sizes:
+            nbytes = lay.nbytes(ntokens)
+            count = reps(opts, nbytes) if mode == "interleaved" else opts.pick(1, 2, 3)
+            for rep in range(count):
+                one_prompt(systems, samples, (layout, ntokens), layout, ntokens, rep)
+            print(f"   {layout} layout, {ntokens} tokens ({mode}: {', '.join(systems)}): "
+                  f"done, load {os.getloadavg()[0]:.1f}", flush=True)
+            blocks = len(lay.entry_sizes(ntokens))
+            for name in systems:
+                for op in ("put", "get", "put+get"):
+                    rows.append({"table": "prompts", "layout": layout, "tokens": ntokens,
+                                 "MiB": nbytes / MiB, "system": name, "op": op, "mode": mode,
+                                 **samples.row((layout, ntokens, name, op), nbytes, blocks)})
+        rows += memory_rows(systems, f"peak memory, {layout} layout up to {max(sizes)} tokens")
+        return cluster.kind
 
 
 def bench_entries(opts: BenchOptions) -> list[Row]:

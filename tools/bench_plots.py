@@ -132,18 +132,20 @@ def markdown(rows: list[Row]) -> str:
         if r.get("table") == "prompts":
             cells.setdefault((r["layout"], r["tokens"], r["MiB"], r["op"]), {})[r["system"]] = r
     head = ("| layout | tokens | MiB | op | kvstore GB/s | Mooncake GB/s | raw TE GB/s "
-            "| kv/Mooncake | kv/raw TE | p50 / p99 ms kvstore | p50 / p99 ms Mooncake "
-            "| p50 / p99 ms raw TE | CPU s/GB kv / Mc / TE |")
-    lines = [head, "|" + "---|" * 13]
+            "| kv/Mooncake | kv/raw TE | p50 / max ms kvstore | p50 / max ms Mooncake "
+            "| p50 / max ms raw TE | CPU s/GB kv / Mc / TE | runs |")
+    lines = [head, "|" + "---|" * 14]
     for (layout, tokens, mib, op), by in cells.items():
         kv, mc, te = (by.get(s, {}) for s in ("kvstore", "mooncake", "rawte"))
         g = [x.get("GB/s", math.nan) for x in (kv, mc, te)]
-        lat = [f"{x.get('p50 ms', math.nan):.0f} / {x.get('p99 ms', math.nan):.0f}"
+        # max, not p99: a point has 2 - 20 runs (tools/bench_cluster_run.py: Samples.row)
+        lat = [f"{x.get('p50 ms', math.nan):.0f} / {x.get('max ms', math.nan):.0f}"
                for x in (kv, mc, te)]
+        runs = "/".join(str(x.get("runs", "-")) for x in (kv, mc, te))
         cpu = " / ".join(f"{x.get('CPU s/GB', math.nan):.2f}" for x in (kv, mc, te))
         lines.append(f"| {layout} | {tokens} | {mib:g} | {op} | {g[0]:.2f} | {g[1]:.2f} | "
                      f"{g[2]:.2f} | {g[0] / g[1]:.2f} | {g[0] / g[2]:.2f} | {lat[0]} | "
-                     f"{lat[1]} | {lat[2]} | {cpu} |")
+                     f"{lat[1]} | {lat[2]} | {cpu} | {runs} |")
     return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,20 +38,40 @@ def profile(layout: str, ntokens: int, reps: int, out: Path) -> None:
         systems = start_systems(stack, cluster, workdir, [layout], {layout: ntokens},
                                  2 * nbytes + 64 * MiB, systems=("kvstore", "rawte"))
         server = systems["kvstore"].others["server"]
-        spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record",
-                                "--pid", str(server.pid), "--format", "raw", "--nonblocking",
-                                "-o", str(out / "kvstore-server.pyspy.txt")],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        spy_log = out / "py-spy.log"
+        with open(spy_log, "wb") as spy_out:
+            spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record",
+                                    "--pid", str(server.pid), "--format", "raw",
+                                    "--nonblocking", "-o", str(out / "kvstore-server.pyspy.txt")],
+                                   stdout=spy_out, stderr=subprocess.STDOUT)
+        stack.callback(_stop, spy)
         samples = Samples()
         for rep in range(reps):
             one_prompt(systems, samples, (layout, ntokens), layout, ntokens, rep)
-        spy.send_signal(2)  # SIGINT: py-spy writes its report and exits
-        spy.wait(timeout=60)
+        report = out / "kvstore-server.pyspy.txt"
+        if _stop(spy) != 0:  # e.g. no ptrace permission: the workers' profiles still count
+            print(f"py-spy on the server failed (exit {spy.returncode}): "
+                  f"{spy_log.read_text(errors='replace')[-500:]}")
+        elif not report.exists() or report.stat().st_size == 0:
+            print("py-spy caught the server busy in none of its samples (too little work: "
+                  "use more --reps or --tokens)")
         for name in systems:
             for op in ("put", "get"):
                 row = samples.row((layout, ntokens, name, op), nbytes, 1)
                 print(f"{name} {op}: {row['GB/s']:.3f} GB/s, p50 {row['p50 ms']:.1f} ms")
     print(f"profiles in {out}")
+
+
+def _stop(spy: subprocess.Popen) -> int:
+    """SIGINT makes py-spy write its report and exit; bounded, then killed."""
+    if spy.poll() is None:
+        spy.send_signal(signal.SIGINT)
+        try:
+            spy.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            spy.kill()
+            spy.wait(timeout=10)
+    return spy.returncode
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,3 +89,14 @@ def test_plots_are_drawn_from_bench_json(tmp_path):
     assert {p.name for p in (tmp_path / "img").iterdir()} == {"bench-ratios.png",
                                                               "bench-index.png"}
     assert [b[1] for b in bench_plot.ratio_bars(bench_plot.load([src]))] == [0.4, 0.6, 0.6]
+
+
+def test_gpu_without_cuda_stops_at_once_with_a_clear_message(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    ran = []
+    monkeypatch.setattr(bench, "run_sections", lambda *a: ran.append(a) or {})
+    assert bench.main(["--gpu", "--only", "limits"]) == 2
+    assert ran == []  # no section ran before the refusal
+    assert "--gpu: needs a CUDA GPU" in capsys.readouterr().err
