@@ -5,7 +5,10 @@ Real etcd on a loopback port; servers are real processes on loopback ports (the
 multi-node scenario with network namespaces is in test_cluster.py)."""
 
 import collections
+import glob
 import json
+import os
+import signal
 import subprocess
 import time
 
@@ -222,18 +225,25 @@ def test_forgotten_node_stays_hidden_until_it_registers_anew(etcd):
 
 def test_node_list_outlives_an_etcd_outage():
     with start_etcd() as proc:
-        client = EtcdClient(proc.url, timeout_s=1.0)
+        client = EtcdClient(proc.url, timeout_s=3.0)
         reg = Registration(client, "/out/", _info(6), ttl_s=30)
         sync = NodeSet(client, "/out/", refresh_s=0)
         watched = NodeSet(client, "/out/", refresh_s=0.1).watch()
-        reg._stop.set()  # no keepalives against a stopped etcd
+        reg._stop.set()  # no keepalives against a stalled or stopped etcd
         reg._thread.join()
+        # A stalled etcd (accepts, never answers): the watcher's fetch waits out its
+        # 3 s timeout, the caller does not. Far below 3 s even on busy shared cores.
+        os.kill(proc.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(0.3)  # the watcher is inside a fetch by now
+            start = time.monotonic()
+            assert set(watched.nodes()) == {"node6"}
+            assert time.monotonic() - start < 1.0
+        finally:
+            os.kill(proc.proc.pid, signal.SIGCONT)
     # etcd is gone: both keep serving the last listing instead of failing requests.
     assert set(sync.nodes()) == {"node6"}
-    time.sleep(0.3)
-    start = time.monotonic()
     assert set(watched.nodes()) == {"node6"}
-    assert time.monotonic() - start < 0.1  # the watcher, not the caller, waits on etcd
     watched.close()
 
 
@@ -280,6 +290,40 @@ def test_a_node_id_taken_at_another_address_is_refused(etcd):
     first.close()  # revokes the first lease only: the key now lives on the second
     assert set(NodeSet(client, "/dup/").nodes()) == {"same"}
     again.close()
+
+
+def test_server_from_toml_registers_and_a_duplicate_node_id_exits_2(etcd, server_factory,
+                                                                     tmp_path):
+    from tests.integration.conftest import server_argv, server_env
+
+    toml = tmp_path / "cluster.toml"
+    toml.write_text(f'[cluster]\netcd = "{etcd.url}"\nprefix = "/toml/"\nttl_s = 4\n'
+                    'node_id = "from-toml"\n')
+    first = server_factory(extra=("--config", str(toml)))  # no cluster flags: TOML only
+    (info,) = NodeSet(EtcdClient(etcd.url), "/toml/").nodes().values()
+    assert info.node_id == "from-toml" and info.address == first.address
+    assert set(info.tiers) == {"dram", "nvme"}
+    # A second real server under the same id at another address: refused, one line.
+    argv = server_argv(free_port(), tmp_path / "second", extra=("--config", str(toml)))
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=server_env())
+    try:
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 2, stderr
+    # Besides its INFO start-up log: one error line, no traceback.
+    errors = [line for line in stderr.splitlines() if line.startswith("kvstore-server:")]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr
+    assert f"'from-toml' is already registered by {first.address}" in errors[0]
+    assert not glob.glob(f"/dev/shm/kvstore-*-{proc.pid}")  # its DRAM arena went with it
+    # The refused server took nothing: the first keeps its record and serves.
+    (info,) = NodeSet(EtcdClient(etcd.url), "/toml/").nodes().values()
+    assert info.address == first.address
+    with KVStoreClient(first.address, timeout_s=5.0) as admin:
+        assert admin.health()["status"] == "ok"
 
 
 def test_nodes_cli_with_etcd_down_is_one_line():
