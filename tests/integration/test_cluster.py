@@ -214,8 +214,8 @@ def test_cluster_places_fails_over_and_recovers(world):
     # Back on the same data dir: it registers anew, wins its prompts back, and every
     # entry that was on NVMe is served again (DRAM ones were lost with the process).
     victim.start()
-    back = _wait_nodes(consumer, lambda n: victim_id in n["live"], 30)
-    assert victim_id in back["live"]
+    for worker in (*producers, *consumers):  # each refreshes its own view of etcd
+        assert victim_id in _wait_nodes(worker, lambda n: victim_id in n["live"], 30)["live"]
     assert _entries(consumer)[victim_id]["entries"] == nvme_before
     served = _ids(consumers[1]("select", ids=theirs))
     assert all(r["bytes_ok"] for r in served.values()), served
