@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from tools.bench import BenchOptions, Row, measure
-from tools.bench_cluster_procs import REPO, rss_mib
+from tools.bench_cluster_procs import REPO, WorkerError, rss_mib
 from tools.bench_cluster_run import (
     SYSTEMS,
     MiB,
@@ -160,7 +160,12 @@ def run_transfer(opts: BenchOptions, layouts: dict[str, list[int]],
                              "need GiB": need / 2**30, "available GiB": have / 2**30})
                 continue
             for name in systems_run:  # one at a time: their copies would not fit together
-                kind = _run_points(opts, rows, layout, [ntokens], (name,), device, "solo")
+                try:
+                    kind = _run_points(opts, rows, layout, [ntokens], (name,), device, "solo")
+                except WorkerError as exc:  # record it; the other systems still run
+                    print(f"   {layout} layout, {ntokens} tokens, {name}: failed: {exc}")
+                    rows.append({"table": "failed", "layout": layout, "tokens": ntokens,
+                                 "system": name, "error": str(exc)[:300]})
     rows += ratios([r for r in rows if r["table"] == "prompts"], ("layout", "tokens"))
     save(section, rows, opts, {"nodes": kind, "device": device, "layouts": {
         n: LAYOUTS[n].describe() for n in layouts}})

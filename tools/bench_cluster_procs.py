@@ -25,6 +25,9 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 def worker_env() -> dict[str, str]:
     env = dict(os.environ, MC_LOG_LEVEL="ERROR", PYTHONUNBUFFERED="1")
+    # TE gives up on a transfer after MC_TRANSFER_TIMEOUT seconds; a 4 GiB prompt
+    # (32k tokens, large layout) at ~0.5 GB/s over veth TCP needs more than the default.
+    env.setdefault("MC_TRANSFER_TIMEOUT", "120")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
