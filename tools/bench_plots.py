@@ -130,7 +130,9 @@ def markdown(rows: list[Row]) -> str:
     cells: dict[tuple, dict[str, Row]] = {}
     for r in rows:
         if r.get("table") == "prompts":
-            cells.setdefault((r["layout"], r["tokens"], r["MiB"], r["op"]), {})[r["system"]] = r
+            # solo points (one system at a time, tools/bench_cluster.py) are marked
+            tokens = f"{r['tokens']} (solo)" if r.get("mode") == "solo" else r["tokens"]
+            cells.setdefault((r["layout"], tokens, r["MiB"], r["op"]), {})[r["system"]] = r
     head = ("| layout | tokens | MiB | op | kvstore GB/s | Mooncake GB/s | raw TE GB/s "
             "| kv/Mooncake | kv/raw TE | p50 / max ms kvstore | p50 / max ms Mooncake "
             "| p50 / max ms raw TE | CPU s/GB kv / Mc / TE | runs |")
