@@ -137,3 +137,12 @@ def check_namespace(namespace: bytes | None) -> bytes:
 def check_tier(name: str | None) -> None:
     if name is not None and name not in TIER_ORDER:
         raise InvalidRequestError(f"unknown tier {name!r}; one of {TIER_ORDER}")
+
+
+def check_lease(lease_s: float | None, default: float) -> float:
+    """A caller's lease length in seconds, or ``default`` when it gives none."""
+    if lease_s is None:
+        return default
+    if not isinstance(lease_s, (int, float)) or not 0 < lease_s <= 3600:
+        raise InvalidRequestError(f"lease_s must be in (0, 3600], got {lease_s!r}")
+    return float(lease_s)

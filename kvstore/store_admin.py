@@ -1,0 +1,139 @@
+"""What an operator does to stored entries: pin, evict, demote, clear, verify, list.
+
+A mixin of ``kvstore.store.Store`` (the admin CLI reaches it through the server):
+every method here takes the store's lock and uses its state.
+
+Invariant kept here: a leased entry is never removed by any of these (``clear``
+and ``evict`` skip it, ``verify`` drops a bad one only once it is released), and
+a pinned one only by ``clear``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from kvstore.errors import InvalidRequestError, NotFoundError
+from kvstore.hashing import checksum
+from kvstore.index import Record
+from kvstore.policy import Candidate, Selection
+from kvstore.store_types import TIER_ORDER, EvictResult, VerifyResult, check_keys, check_tier
+
+
+class AdminMixin:
+    def pin(self, keys: Sequence[bytes]) -> int:
+        """Pin stored entries (they never move or go until unpinned)."""
+        return self._change_pins(check_keys(keys), +1)
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        return self._change_pins(check_keys(keys), -1)
+
+    def _change_pins(self, keys: list[bytes], delta: int) -> int:
+        with self._lock:
+            missing = [k.hex() for k in keys if k not in self._records]
+            if missing:
+                raise NotFoundError(f"not stored: {', '.join(missing[:4])}")
+            pins = {k: self._records[k].pins for k in keys}
+            for key in keys:
+                pins[key] += delta
+            if any(p < 0 for p in pins.values()):
+                raise InvalidRequestError("unpin of an entry that is not pinned")
+            put = [self._records[k]._replace(pins=p) for k, p in pins.items()]
+            gone = [r.key for r in put if self._idle_at_zero(r)]
+            self._apply(put=[r for r in put if r.key not in gone], drop=gone)
+            return len(pins)
+
+    def evict(self, tier: str | None = None, nbytes: int | None = None,
+              fraction: float | None = None, keys: Sequence[bytes] | None = None,
+              everything: bool = False, dry_run: bool = False) -> EvictResult:
+        """Remove entries for good, LRU first, never pinned or leased ones (those are
+        reported in ``skipped``). Exactly one of nbytes / fraction / keys / everything."""
+        _check_evict_args(tier, nbytes, fraction, keys, everything)
+        wanted = check_keys(keys) if keys is not None else None
+        with self._lock:
+            names = [tier] if tier else list(self._tiers)
+            cands = [c for name in names if name in self._tiers for c in self._candidates(name)]
+            sel = self._select_evictions(cands, nbytes, fraction, wanted, everything)
+            size = sum(self._records[k].nbytes for k in sel.keys)
+            if not dry_run:
+                self._apply(drop=sel.keys)
+                self._stats["evictions"] += len(sel.keys)
+            return EvictResult(sel.keys, size, sel.skipped)
+
+    def _select_evictions(self, cands: list[Candidate], nbytes: int | None,
+                          fraction: float | None, wanted: list[bytes] | None,
+                          everything: bool) -> Selection:
+        if wanted is not None:
+            want = set(wanted)
+            return self._policy.select([c for c in cands if c.key in want], None)
+        if fraction is not None:
+            return self._policy.select_fraction(cands, fraction)
+        return self._policy.select(cands, None if everything else nbytes)
+
+    def demote(self, keys: Sequence[bytes]) -> int:
+        """Move entries one tier down now (e.g. DRAM -> NVMe so they survive a
+        restart). Pinned, leased, missing and last-tier entries stay; like pressure
+        demotion, an entry no lower tier can take is evicted. Returns how many moved
+        or went."""
+        keys = check_keys(keys)
+        with self._lock:
+            moved = 0
+            for name, group in self._demotable_by_tier(keys).items():
+                # an earlier group's move may have pushed some of these down already
+                group = [k for k in group if k in self._records
+                         and self._records[k].tier == name]
+                if group:
+                    self._move_down(name, group)
+                moved += len(group)
+            return moved
+
+    def _demotable_by_tier(self, keys: list[bytes]) -> dict[str, list[bytes]]:
+        last = [n for n in TIER_ORDER if n in self._tiers][-1]
+        by_tier: dict[str, list[bytes]] = {}
+        for key in dict.fromkeys(keys):
+            rec = self._records.get(key)
+            if rec and rec.tier != last and not rec.pins and not self._leased.get(key):
+                by_tier.setdefault(rec.tier, []).append(key)
+        return by_tier
+
+    def clear(self) -> EvictResult:
+        """Remove every entry that no reader holds, pinned ones included."""
+        with self._lock:
+            gone = [k for k in self._records if not self._leased.get(k)]
+            size = sum(self._records[k].nbytes for k in gone)
+            skipped = [k for k in self._records if self._leased.get(k)]
+            self._apply(drop=gone)
+            self._stats["evictions"] += len(gone)
+            return EvictResult(gone, size, skipped)
+
+    def verify(self, keys: Sequence[bytes] | None = None) -> VerifyResult:
+        """Re-check every entry's checksum (or only those of ``keys``; keys not stored are
+        skipped); drop bad ones (leased ones when released). ``kvstore verify`` passes
+        batches of keys so the lock is never held for a whole NVMe tier's read."""
+        wanted = None if keys is None else check_keys(keys)
+        with self._lock:
+            recs = (list(self._records.items()) if wanted is None else
+                    [(k, self._records[k]) for k in wanted if k in self._records])
+            checked = len(recs)
+            bad = [k for k, r in recs if checksum(self._read_bytes(r)) != r.checksum]
+            self._stats["checksum_failures"] += len(bad)
+            self._apply(drop=[k for k in bad if not self._leased.get(k)])
+            return VerifyResult(checked, bad)
+
+    def entries(self, tier: str | None = None) -> Iterator[Record]:
+        """A snapshot of the committed records (of one tier), for ``kvstore ls``."""
+        check_tier(tier)
+        with self._lock:
+            snap = [r for r in self._records.values() if tier is None or r.tier == tier]
+        return iter(snap)
+
+
+def _check_evict_args(tier: str | None, nbytes: int | None, fraction: float | None,
+                      keys: Sequence[bytes] | None, everything: bool) -> None:
+    check_tier(tier)
+    chosen = [nbytes is not None, fraction is not None, keys is not None, everything]
+    if sum(chosen) != 1:
+        raise InvalidRequestError("evict needs exactly one of nbytes, fraction, keys, everything")
+    if nbytes is not None and (not isinstance(nbytes, int) or nbytes < 0):
+        raise InvalidRequestError(f"nbytes must be an int >= 0, got {nbytes!r}")
+    if fraction is not None and not 0 < fraction <= 1:
+        raise InvalidRequestError(f"fraction must be in (0, 1], got {fraction!r}")

@@ -1,0 +1,179 @@
+"""The read path of the store: lookup, acquire -> read -> release.
+
+A mixin of ``kvstore.store.Store``: every method here takes the store's lock (or
+runs under it) and uses its state (``_records``, ``_acqs``, ``_claims``, ...).
+
+Invariants kept here:
+* a prefix ends at the first missing key or the first key whose stored tokens
+  differ (a hash collision): a reader never gets another block's KV;
+* every key of an open acquisition is held (``_leased``) until its release or
+  expiry, so it cannot move or go while a reader may be reading it;
+* ``_claims[key]`` is the number of open claiming leases on ``key`` and never
+  exceeds its pending consumers: drop_select hands each insert out once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from kvstore.errors import ChecksumError, InvalidRequestError
+from kvstore.hashing import checksum
+from kvstore.index import Record
+from kvstore.store_moves import Lease
+from kvstore.store_types import (
+    Acquisition,
+    EntryInfo,
+    LookupResult,
+    check_keys,
+    check_lease,
+    check_tokens,
+    new_id,
+)
+from tiers.base import Extent
+
+
+class ReadsMixin:
+    def lookup(self, keys: Sequence[bytes], tokens: Sequence[bytes]) -> LookupResult:
+        """Longest stored prefix; binds nothing (it may be gone by the next call)."""
+        keys = check_keys(keys)
+        tokens = check_tokens(tokens, len(keys))
+        with self._lock:
+            recs = self._walk(keys, tokens)
+            return LookupResult(len(recs), sum(r.ntokens for r in recs), [r.tier for r in recs])
+
+    def acquire(self, keys: Sequence[bytes], tokens: Sequence[bytes],
+                lease_s: float | None = None, claim: bool = False,
+                optional_tail: bool = False) -> Acquisition:
+        """Longest stored prefix, leased (cannot move or go) until ``release``.
+
+        NVMe entries are staged into a memory tier and checksum-verified first; a
+        bad one is dropped and counted, and the prefix ends before it.
+
+        ``claim`` (drop_select): also reserve one of each entry's pending consumers
+        for this lease, and end the prefix at an entry whose pending consumers are
+        all claimed by open leases. So N concurrent drop_selects of an entry
+        inserted once get it exactly once. ``release(drop=True)`` spends the claim;
+        ``release(drop=False)`` or an expired lease gives it back.
+
+        ``optional_tail``: the last key is an optional extra (a prompt's hidden-state
+        entry), not a block: served or absent, it counts as neither hit nor miss.
+        """
+        keys = check_keys(keys)
+        tokens = check_tokens(tokens, len(keys))
+        lease_s = check_lease(lease_s, self.config.store.read_lease_s)
+        with self._lock:
+            self._maybe_reap()
+            recs = self._walk(keys, tokens)
+            if claim:
+                recs = self._claimable_prefix(recs)
+            found_in = [r.tier for r in recs]
+            self._hold([r.key for r in recs])
+            recs = self._stage_prefix(recs)
+            self._count_hits(found_in, len(recs), len(keys) - bool(optional_tail))
+            if not recs:
+                return Acquisition(0, [], 0, time.time())
+            return self._lease_prefix(recs, found_in, lease_s, claim)
+
+    def _count_hits(self, found_in: list[str], served: int, blocks: int) -> None:
+        served = min(served, blocks)
+        for tier in found_in[:served]:
+            self._hits[tier] += 1
+        self._stats["misses"] += blocks - served
+
+    def _lease_prefix(self, recs: list[Record], found_in: list[str], lease_s: float,
+                      claim: bool) -> Acquisition:
+        """Open the lease on ``recs`` (already held) and touch their access times."""
+        now = time.time()
+        # Re-read: room-making while staging may have dropped NVMe copies of
+        # these (held) entries; nothing else about them can have changed.
+        recs = [self._records[r.key]._replace(last_access=now) for r in recs]
+        for rec in recs:  # victim orders catch up lazily (store_order.py)
+            self._records[rec.key] = rec
+        aid = new_id()
+        self._acqs[aid] = Lease([r.key for r in recs], now + lease_s, claim)
+        if claim:
+            for rec in recs:
+                self._claims[rec.key] = self._claims.get(rec.key, 0) + 1
+        self._next_reap = min(self._next_reap, now + lease_s)
+        self._stats["bytes_out"] += sum(r.nbytes for r in recs)
+        for tier, rec in zip(found_in, recs):  # counted where it was found
+            self._tier_bytes[tier, "bytes_out"] += rec.nbytes
+        return Acquisition(aid, [self._info(r) for r in recs],
+                           sum(r.ntokens for r in recs), now + lease_s)
+
+    def read(self, acquisition_id: int, index: int) -> bytes:
+        """The bytes of one acquired entry (local readers)."""
+        with self._lock:
+            lease = self._open_lease(acquisition_id)
+            if not 0 <= index < len(lease.keys):
+                raise InvalidRequestError(f"acquisition has no entry {index}")
+            rec = self._records[lease.keys[index]]
+            data = bytes(self._read_bytes(rec))
+            if rec.tier == "nvme" and checksum(data) != rec.checksum:
+                self._stats["checksum_failures"] += 1
+                raise ChecksumError(f"entry {rec.key.hex()} failed its checksum on read")
+            return data
+
+    def release(self, acquisition_id: int, drop: bool = False) -> int:
+        """End a lease. ``drop`` (drop_select) decrements each entry's pending count;
+        entries at zero are freed once nothing else holds them. Returns how many
+        entries were freed now."""
+        with self._lock:
+            if acquisition_id == 0:
+                return 0  # the empty acquisition of a full miss
+            lease = self._open_lease(acquisition_id)
+            del self._acqs[acquisition_id]
+            return self._end_lease(lease, drop)
+
+    def _claimable_prefix(self, recs: list[Record]) -> list[Record]:
+        for i, rec in enumerate(recs):
+            if rec.pending - self._claims.get(rec.key, 0) <= 0:
+                return recs[:i]
+        return recs
+
+    def _end_lease(self, lease: Lease, drop: bool) -> int:
+        if lease.claim:
+            self._unclaim(lease.keys)
+        put = []
+        if drop:
+            for key in lease.keys:
+                rec = self._records[key]
+                self._records[key] = rec._replace(pending=max(0, rec.pending - 1))
+            put = [self._records[k] for k in dict.fromkeys(lease.keys)]
+        gone = self._unhold(lease.keys)
+        self._apply(put=[r for r in put if r.key not in gone], drop=gone)
+        self._stats["dropped"] += len(gone)
+        return len(gone)
+
+    def _unclaim(self, keys: list[bytes]) -> None:
+        for key in keys:
+            left = self._claims[key] - 1
+            if left:
+                self._claims[key] = left
+            else:
+                del self._claims[key]
+
+    def _open_lease(self, aid: int) -> Lease:
+        lease = self._acqs.get(aid)
+        if lease is None:
+            raise self._gone("acquisition", aid)
+        return lease
+
+    def _walk(self, keys: list[bytes], tokens: list[bytes]) -> list[Record]:
+        out = []
+        for key, tok in zip(keys, tokens):
+            rec = self._records.get(key)
+            if rec is None:
+                break
+            if rec.tokens != tok:  # a hash collision: a miss, never someone else's KV
+                self._stats["collisions"] += 1
+                break
+            out.append(rec)
+        return out
+
+    def _info(self, rec: Record) -> EntryInfo:
+        tier = self._tiers[rec.tier]
+        address = tier.address(Extent(rec.tier, rec.offset, rec.nbytes))
+        return EntryInfo(rec.key, rec.tier, rec.offset, rec.nbytes, address, rec.checksum,
+                         rec.ntokens, rec.meta)

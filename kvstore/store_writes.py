@@ -1,0 +1,187 @@
+"""The write path of the store: reserve -> write -> commit (or abort).
+
+A mixin of ``kvstore.store.Store``: every method here takes the store's lock (or
+runs under it) and uses its state (``_records``, ``_res``, ``_inflight``, ...).
+
+Invariants kept here:
+* a key is in ``_inflight`` exactly while one open reservation holds an extent
+  for it, so two writers never store the same key twice;
+* a reservation's dedups onto committed keys are held (leased) until it commits
+  or aborts, so the entries it counted on cannot go meanwhile;
+* nothing becomes visible unless every new entry matches its checksum.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from kvstore.errors import ChecksumError, InvalidRequestError
+from kvstore.index import Record
+from kvstore.store_moves import Open
+from kvstore.store_types import (
+    CommitResult,
+    Placement,
+    Reservation,
+    check_keys,
+    check_lease,
+    check_meta,
+    check_namespace,
+    check_sizes,
+    check_tokens,
+    new_id,
+)
+
+
+class WritesMixin:
+    def reserve(self, keys: Sequence[bytes], sizes: Sequence[int], tokens: Sequence[bytes],
+                meta: Sequence[bytes | None] | None = None,
+                lease_s: float | None = None, namespace: bytes = b"") -> Reservation:
+        """Space for the keys not yet stored, in the fastest memory tier with room.
+
+        ``namespace``: the writer's ``hashing.namespace_of`` fingerprint (16 bytes, or
+        its first 8); the new records keep its first 8 bytes so ``ls`` can filter."""
+        keys = check_keys(keys)
+        ns_tag = check_namespace(namespace)
+        sizes = check_sizes(sizes, len(keys))
+        tokens = check_tokens(tokens, len(keys))
+        metas = check_meta(meta, len(keys))
+        lease = check_lease(lease_s, self.config.store.reservation_lease_s)
+        with self._lock:
+            self._maybe_reap()
+            new, held = self._split_new(keys)
+            self._hold(held)
+            try:
+                extents = self._allocate_memory([sizes[i] for i in new]) if new else []
+            except BaseException:
+                self._drop_now(self._unhold(held))
+                raise
+            op = Open(new_id(), keys, tokens, metas, [None] * len(keys), held,
+                      time.time() + lease, {}, ns_tag)
+            for i, ext in zip(new, extents):
+                op.extents[i] = ext
+                self._inflight[keys[i]] = op.id
+            self._res[op.id] = op
+            self._next_reap = min(self._next_reap, op.expires_at)
+            return Reservation(op.id, self._placements(op), op.expires_at)
+
+    def _split_new(self, keys: list[bytes]) -> tuple[list[int], list[bytes]]:
+        """Indexes of the keys this reservation writes (first of each, not stored, not
+        in flight), and the stored keys it dedups onto (to hold until commit)."""
+        new, held, seen = [], [], set()
+        for i, key in enumerate(keys):
+            if key in self._records:
+                held.append(key)
+            elif key not in seen and key not in self._inflight:
+                new.append(i)
+                seen.add(key)
+        return new, held
+
+    def _placements(self, op: Open) -> list[Placement | None]:
+        return [None if e is None else Placement(k, e.tier, e.offset, e.nbytes,
+                                                 self._tiers[e.tier].address(e))
+                for k, e in zip(op.keys, op.extents)]
+
+    def write(self, reservation_id: int, index: int, data) -> None:
+        """Copy one new entry's bytes into its reserved extent (local writers)."""
+        with self._lock:
+            op = self._open_reservation(reservation_id)
+            if not 0 <= index < len(op.extents) or op.extents[index] is None:
+                raise InvalidRequestError(f"reservation has no placement {index} to write")
+            ext = op.extents[index]
+            self._tiers[ext.tier].write(ext, memoryview(data))
+
+    def commit(self, reservation_id: int, checksums: Sequence[int]) -> CommitResult:
+        """Verify the written bytes and make the reservation's entries visible."""
+        with self._lock:
+            op = self._open_reservation(reservation_id)
+            new = [i for i, e in enumerate(op.extents) if e is not None]
+            sums = _match_checksums(checksums, len(op.keys), new)
+            got = self._checksums([op.extents[i] for i in new])
+            bad = [op.keys[i] for i, s, g in zip(new, sums, got) if g != s]
+            if bad:
+                self._close_reservation(op)
+                self._stats["commit_checksum_failures"] += len(bad)
+                raise ChecksumError(f"{len(bad)} of {len(new)} written entries do not match "
+                                    f"their checksum (first {bad[0].hex()}); nothing stored")
+            return self._commit_verified(op, new, sums)
+
+    def _commit_verified(self, op: Open, new: list[int], sums: list[int]) -> CommitResult:
+        put = _new_records(op, new, sums, time.time())
+        deduped, lost = self._count_dedups(op, put)
+        self._apply(put=list(put.values()))  # first: if the index refuses, nothing changed
+        for i in new:
+            del self._inflight[op.keys[i]]
+        del self._res[op.id]
+        self._drop_now(self._unhold(op.held))
+        self._stats["bytes_in"] += sum(op.extents[i].nbytes for i in new)
+        for i in new:
+            self._tier_bytes[op.extents[i].tier, "bytes_in"] += op.extents[i].nbytes
+        self._stats["commits"] += 1
+        return CommitResult(len(new), deduped, lost)
+
+    def _count_dedups(self, op: Open, put: dict[bytes, Record]) -> tuple[int, int]:
+        """Give each deduped key of ``op`` its extra pending consumer (in ``put``, or
+        on the in-flight reservation that writes it); returns (deduped, lost)."""
+        deduped = lost = 0
+        for i in (i for i, e in enumerate(op.extents) if e is None):
+            key = op.keys[i]
+            rec = put.get(key) or self._records.get(key)
+            if rec is not None and rec.tokens == op.tokens[i]:
+                put[key] = rec._replace(pending=rec.pending + 1)
+                deduped += 1
+            elif rec is None and key in self._inflight and self._inflight[key] != op.id:
+                other = self._res[self._inflight[key]]
+                other.extra[key] = other.extra.get(key, 0) + 1
+                deduped += 1
+            else:  # its writer gave up, or a different block under the same key
+                lost += 1
+        return deduped, lost
+
+    def abort(self, reservation_id: int) -> None:
+        """Forget a reservation; its space is free at once, nothing becomes visible."""
+        with self._lock:
+            self._close_reservation(self._open_reservation(reservation_id))
+            self._stats["aborts"] += 1
+
+    def _open_reservation(self, rid: int) -> Open:
+        op = self._res.get(rid)
+        if op is None:
+            raise self._gone("reservation", rid)
+        return op
+
+    def _close_reservation(self, op: Open) -> None:
+        for key, ext in zip(op.keys, op.extents):
+            if ext is not None:
+                self._tiers[ext.tier].free(ext)
+                del self._inflight[key]
+        del self._res[op.id]
+        self._drop_now(self._unhold(op.held))
+
+
+def _new_records(op: Open, new: list[int], sums: list[int], now: float) -> dict[bytes, Record]:
+    """The records of ``op``'s written entries; each starts with one pending consumer
+    plus those that deduped onto it while it was in flight."""
+    put: dict[bytes, Record] = {}
+    for i, s in zip(new, sums):
+        key, ext = op.keys[i], op.extents[i]
+        put[key] = Record(key, ext.tier, ext.offset, ext.nbytes, len(op.tokens[i]) // 4,
+                          op.tokens[i], s, now, now, 0, 1 + op.extra.get(key, 0),
+                          op.meta[i], namespace=op.namespace)
+    return put
+
+
+def _match_checksums(checksums: Sequence[int], nkeys: int, new: list[int]) -> list[int]:
+    """Checksums of the new placements: given per key (deduped ones ignored) or per
+    new placement only."""
+    if len(checksums) == nkeys:
+        picked = [checksums[i] for i in new]
+    elif len(checksums) == len(new):
+        picked = list(checksums)
+    else:
+        raise InvalidRequestError(f"{len(checksums)} checksums for {nkeys} keys "
+                                  f"({len(new)} new placements)")
+    for s in picked:
+        if not isinstance(s, int) or isinstance(s, bool) or not 0 <= s < 2**64:
+            raise InvalidRequestError(f"checksum must be a uint64, got {s!r}")
+    return picked
