@@ -32,9 +32,10 @@ from kvstore.index import Index, Record, open_volatile
 from kvstore.policy import Candidate, make_policy
 from kvstore.store_admin import AdminMixin
 from kvstore.store_audit import AuditMixin
-from kvstore.store_moves import Lease, MovesMixin, Open
+from kvstore.store_moves import MovesMixin
 from kvstore.store_order import GroupOrder
 from kvstore.store_reads import ReadsMixin
+from kvstore.store_records import Lease, Open
 from kvstore.store_setup import DataDirLock, build_tiers, recover
 from kvstore.store_types import (  # the result types are re-exported: callers import them here
     TIER_ORDER,
@@ -60,7 +61,8 @@ _EXPIRED_MEMORY = 4096  # ids of reaped reservations/leases remembered for a cle
 # The public methods live in one mixin per concern: store_writes.py (reserve / write /
 # commit / abort), store_reads.py (lookup / acquire / read / release), store_admin.py
 # (pin / evict / demote / clear / verify / entries), store_moves.py (how entries
-# change place), store_audit.py (check_integrity). This class owns the state.
+# change place), store_records.py (``_apply``, holds), store_audit.py
+# (check_integrity). This class owns the state.
 class Store(WritesMixin, ReadsMixin, AdminMixin, MovesMixin, AuditMixin):
     def __init__(self, config: KVStoreConfig, tiers: dict[str, Tier] | None = None,
                  policy: str = "lru") -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 
 from kvstore.errors import IntegrityError
-from kvstore.store_moves import durable
+from kvstore.store_records import durable
 
 
 class AuditMixin:

@@ -1,14 +1,11 @@
 """How entries change place: allocation with room-making, demotion down the tiers,
-staging of NVMe hits, and the one primitive that writes the index and frees space.
+and staging of NVMe hits into memory.
 
 A mixin of ``kvstore.store.Store``: every method here runs under the store's lock
-and uses its state (``_records``, ``_by_tier``, ``_leased``, ``_tiers``, ...).
+and uses its state (``_records``, ``_by_tier``, ``_leased``, ``_tiers``, ...); every
+record change goes through ``_apply`` (store_records.py).
 
 Invariants kept here:
-* ``_apply`` is the only place records change: the index transactions first (the
-  volatile environment's, then the durable one's: ``_write_index``), then memory,
-  then the freeing of every extent no record points at any more. Freeing after
-  the transaction means a crash can never leave two records on one extent.
 * Room is made by policy victims only; leased and pinned entries are never
   victims, so when they fill a tier the caller gets ``TierFullError``.
 * Demotion writes (and flushes, per ``nvme_fsync``) the lower tier before the
@@ -19,192 +16,22 @@ Invariants kept here:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
 
 from kvstore.errors import TierFullError
 from kvstore.hashing import checksum
 from kvstore.index import Record
 from kvstore.policy import Candidate, Selection, bytes_to_free, over_watermark
 from kvstore.store_order import GroupOrder
+from kvstore.store_records import Lease, Open, RecordsMixin, durable
 from kvstore.store_types import MEMORY_TIERS, TIER_ORDER
 from tiers.base import Extent
+
+__all__ = ["Lease", "MovesMixin", "Open", "durable"]  # the books' names, re-exported
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Open:
-    """An open (uncommitted) reservation; lives only in memory."""
-
-    id: int
-    keys: list[bytes]
-    tokens: list[bytes]
-    meta: list[bytes]
-    extents: list[Extent | None]  # None: deduped onto an existing or in-flight entry
-    held: list[bytes]  # committed keys deduped onto, leased until commit/abort
-    expires_at: float
-    extra: dict[bytes, int]  # consumers that deduped onto our in-flight keys
-    namespace: bytes = b""  # the writer's namespace tag, kept in each new record
-
-
-class Lease(NamedTuple):
-    keys: list[bytes]
-    expires_at: float
-    claim: bool = False  # holds one pending consumer of each key (drop_select)
-
-
-class MovesMixin:
-    # ------------------------------------------------------------ records
-    def _apply(self, put: Sequence[Record] = (), drop: Sequence[bytes] = ()) -> None:
-        drop = [k for k in dict.fromkeys(drop) if k in self._records]
-        if not put and not drop:
-            return
-        self._write_index(put, drop)
-        records, by_tier, orders = self._records, self._by_tier, self._orders
-        for rec in put:
-            old = records.get(rec.key)
-            records[rec.key] = rec
-            if old is None and rec.nvme_copy is None:  # a new entry (commit): the short way
-                by_tier[rec.tier][rec.key] = None
-                orders[rec.tier].push(rec)
-                continue
-            if old is not None and old.tier != rec.tier:
-                del self._by_tier[old.tier][rec.key]
-            self._by_tier[rec.tier][rec.key] = None
-            if rec.nvme_copy is None:
-                self._copies.pop(rec.key, None)
-            else:
-                self._copies[rec.key] = None
-            self._reordered(rec, old)
-            if old is not None:
-                for ext in set(_owned(old)) - set(_owned(rec)):
-                    self._tiers[ext.tier].free(ext)
-        for key in drop:
-            rec = self._records.pop(key)
-            del self._by_tier[rec.tier][key]
-            self._copies.pop(key, None)
-            for ext in _owned(rec):
-                self._tiers[ext.tier].free(ext)
-
-    def _write_index(self, put: Sequence[Record], drop: list[bytes]) -> None:
-        """Each change into its environment: records naming NVMe bytes into the
-        durable index, the rest into the volatile one (no fsync). Volatile first:
-        if the durable transaction then fails, the volatile one is undone, so the
-        change is still all or nothing. A record that crosses over is deleted from
-        the other environment; a crash between the two transactions is harmless
-        because the volatile one is discarded on start anyway."""
-        vput, vdel, dput, ddel = [], [], [], []
-        for rec in put:
-            old = self._records.get(rec.key)
-            if durable(rec):
-                dput.append(rec)
-                if old is not None and not durable(old):
-                    vdel.append(rec.key)
-            else:
-                vput.append(rec)
-                if old is not None and durable(old):
-                    ddel.append(rec.key)
-        for key in drop:
-            (ddel if durable(self._records[key]) else vdel).append(key)
-        if vput or vdel:
-            self._vindex.apply(put=vput, delete=vdel)
-        if dput or ddel:
-            try:
-                self._index.apply(put=dput, delete=ddel)
-            except BaseException:
-                if vput or vdel:
-                    self._undo_volatile([r.key for r in vput] + vdel)
-                raise
-
-    def _undo_volatile(self, keys: list[bytes]) -> None:
-        """Put the volatile index back as memory still has it for ``keys``."""
-        back = [r for r in (self._records.get(k) for k in keys)
-                if r is not None and not durable(r)]
-        try:
-            self._vindex.apply(put=back, delete=[k for k in keys if k not in
-                                                 {r.key for r in back}])
-        except Exception:  # the first error (the durable one) is the one to report
-            log.exception("volatile index out of step after a failed index write")
-
-    def _apply_or_free(self, put: list[Record], drop: list[bytes]) -> None:
-        """``_apply`` for records moved into freshly allocated extents: if the index
-        refuses the change, those extents go back and the records stay where they were."""
-        try:
-            self._apply(put=put, drop=drop)
-        except BaseException:
-            for rec in put:
-                old = self._records[rec.key]
-                if (rec.tier, rec.offset) != (old.tier, old.offset) and not (
-                        rec.tier == "nvme" and rec.offset == old.nvme_copy):
-                    self._tiers[rec.tier].free(Extent(rec.tier, rec.offset, rec.nbytes))
-            raise
-
-    def _reordered(self, rec: Record, old: Record | None = None) -> None:
-        """Keep the victim orders (kvstore/store_order.py) in step with ``rec``, which
-        just replaced ``old``: a new item where it joined a group or moved in it."""
-        key = self._policy.sort_key
-        moved = old is None or key(old) != key(rec)
-        if moved or old.tier != rec.tier:
-            self._orders[rec.tier].push(rec)
-        if rec.nvme_copy is not None and (moved or old.nvme_copy is None):
-            self._copy_order.push(rec)
-
-    def _hold(self, keys: Sequence[bytes]) -> None:
-        for key in keys:
-            self._leased[key] = self._leased.get(key, 0) + 1
-
-    def _unhold(self, keys: Sequence[bytes]) -> list[bytes]:
-        """Drop one hold per key; returns the keys now due to be freed (pending 0,
-        unpinned, unheld)."""
-        for key in keys:
-            left = self._leased[key] - 1
-            if left:
-                self._leased[key] = left
-            else:
-                del self._leased[key]
-        return [k for k in dict.fromkeys(keys)
-                if k in self._records and self._idle_at_zero(self._records[k])]
-
-    def _idle_at_zero(self, rec: Record) -> bool:
-        return rec.pending == 0 and rec.pins == 0 and not self._leased.get(rec.key)
-
-    def _drop_now(self, keys: list[bytes]) -> None:
-        if keys:
-            self._apply(drop=keys)
-            self._stats["dropped"] += len(keys)
-
-    # ------------------------------------------------------------ bytes
-    def _extent(self, rec: Record) -> Extent:
-        return Extent(rec.tier, rec.offset, rec.nbytes)
-
-    def _bytes_at(self, ext: Extent):
-        """The extent's bytes: a zero-copy view where the tier has one, else a copy."""
-        tier = self._tiers[ext.tier]
-        view = tier.view(ext)
-        if view is not None:
-            return view
-        buf = bytearray(ext.nbytes)
-        tier.read_into(ext, memoryview(buf))
-        return buf
-
-    def _read_bytes(self, rec: Record):
-        return self._bytes_at(self._extent(rec))
-
-    def _checksum_at(self, ext: Extent) -> int:
-        return checksum(self._bytes_at(ext))
-
-    def _checksums(self, exts: list[Extent]) -> list[int]:
-        """xxh3_64 of each extent's bytes; views fetched per tier in one batch."""
-        if len({e.tier for e in exts}) > 1:
-            return [self._checksum_at(e) for e in exts]
-        if not exts:
-            return []
-        views = self._tiers[exts[0].tier].views(exts)
-        return [checksum(v) if v is not None else self._checksum_at(e)
-                for e, v in zip(exts, views)]
-
+class MovesMixin(RecordsMixin):
     # ------------------------------------------------------------ room
     def _allocate_memory(self, sizes: list[int]) -> list[Extent]:
         """Extents in the fastest memory tier that has (or can make) room."""
@@ -286,15 +113,28 @@ class MovesMixin:
             walk.close()
 
     def _move_down(self, name: str, keys: list[bytes]) -> None:
-        recs = [self._records[k] for k in keys]
+        recs = self._back_to_copies([self._records[k] for k in keys])
         below = [n for n in TIER_ORDER[TIER_ORDER.index(name) + 1:] if n in self._tiers]
-        # An entry with an NVMe copy goes straight back to it: no write needed. Done
-        # first, before room-making below could drop those very copies.
+        moved, left = self._write_below(recs, below)
+        self._apply_or_free(put=moved, drop=[r.key for r in left])
+        self._stats["demotions"] += len(moved)
+        self._stats["evictions"] += len(left)
+
+    def _back_to_copies(self, recs: list[Record]) -> list[Record]:
+        """Demote the entries that have an NVMe copy straight back to it (no write
+        needed); returns the others. Done first, before room-making below could
+        drop those very copies."""
         back = [r._replace(tier="nvme", offset=r.nvme_copy, nvme_copy=None)
                 for r in recs if r.nvme_copy is not None]
         self._apply(put=back)
         self._stats["demotions"] += len(back)
-        recs = [r for r in recs if r.nvme_copy is None]
+        return [r for r in recs if r.nvme_copy is None]
+
+    def _write_below(self, recs: list[Record],
+                     below: list[str]) -> tuple[list[Record], list[Record]]:
+        """Copy ``recs`` into the first tier of ``below`` with room for each; returns
+        (their moved records, not yet applied; those no tier could take). On error
+        the new extents are freed and the records stay where they were."""
         moved: list[Record] = []
         try:
             for dst in below:
@@ -310,12 +150,10 @@ class MovesMixin:
                     self._tiers[dst].flush()  # durable before the index points at it
                 recs = [r for r, e in zip(recs, exts) if e is None]
         except BaseException:
-            for rec in moved:  # the records stay where they were; their new homes go
+            for rec in moved:
                 self._tiers[rec.tier].free(self._extent(rec))
             raise
-        self._apply_or_free(put=moved, drop=[r.key for r in recs])
-        self._stats["demotions"] += len(moved)
-        self._stats["evictions"] += len(recs)
+        return moved, recs
 
     def _restore_watermarks(self) -> None:
         pol = self.config.policy
@@ -334,10 +172,28 @@ class MovesMixin:
         stage = self.config.policy.stage_nvme_hits
         target = "dram" if "dram" in self._tiers else "gpu"
         exts = self._allocate_each(target, [recs[i] for i in nv]) if stage else [None] * len(nv)
+        # the prefix ends before the first entry that should stage but found no room
         upto = next((i for i, e in zip(nv, exts) if stage and e is None), len(recs))
         bufs = self._read_nvme(recs, [i for i in nv if i < upto], dict(zip(nv, exts)))
+        cut, moved, bad = self._settle_staged(recs, list(zip(nv, exts)), bufs, upto, target)
+        gone = self._unhold([r.key for r in recs[cut:]])
+        # A bad entry someone else still holds stays until then (its reads verify).
+        bad = [k for k in bad if not self._leased.get(k)]
+        self._apply_or_free(put=moved, drop=bad + gone)
+        self._stats["stagings"] += len(moved)
+        self._stats["checksum_failures"] += len(bad)
+        staged = {r.key: r for r in moved}
+        return [staged.get(r.key, r) for r in recs[:cut]]
+
+    def _settle_staged(self, recs: list[Record], staging: list[tuple[int, Extent | None]],
+                       bufs: dict[int, memoryview], upto: int,
+                       target: str) -> tuple[int, list[Record], list[bytes]]:
+        """Check each read NVMe entry ``recs[i]`` (``staging``: its index and staging
+        extent, if any) and keep the good ones' staged records; returns (where the
+        served prefix ends, the staged records, the corrupt keys). The extents of
+        entries not staged go back to the tier."""
         cut, moved, bad = len(recs), [], []
-        for i, ext in zip(nv, exts):
+        for i, ext in staging:
             if i >= cut or i >= upto:
                 cut = min(cut, i)
             elif checksum(bufs[i]) != recs[i].checksum:
@@ -352,14 +208,7 @@ class MovesMixin:
                 continue
             if ext is not None:
                 self._tiers[target].free(ext)
-        gone = self._unhold([r.key for r in recs[cut:]])
-        # A bad entry someone else still holds stays until then (its reads verify).
-        bad = [k for k in bad if not self._leased.get(k)]
-        self._apply_or_free(put=moved, drop=bad + gone)
-        self._stats["stagings"] += len(moved)
-        self._stats["checksum_failures"] += len(bad)
-        staged = {r.key: r for r in moved}
-        return [staged.get(r.key, r) for r in recs[:cut]]
+        return cut, moved, bad
 
     def _read_nvme(self, recs: list[Record], which: list[int],
                    exts: dict[int, Extent | None]) -> dict[int, memoryview]:
@@ -375,15 +224,3 @@ class MovesMixin:
                                       [bufs[i] for i in which])
         return bufs
 
-
-def durable(rec: Record) -> bool:
-    """Does the record name NVMe bytes (then it lives in the synced index)?"""
-    return rec.tier == "nvme" or rec.nvme_copy is not None
-
-
-def _owned(rec: Record) -> list[Extent]:
-    """Extents a record owns: where it is served from, and its NVMe copy if any."""
-    out = [Extent(rec.tier, rec.offset, rec.nbytes)]
-    if rec.nvme_copy is not None:
-        out.append(Extent("nvme", rec.nvme_copy, rec.nbytes))
-    return out

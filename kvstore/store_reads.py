@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from kvstore.errors import ChecksumError, InvalidRequestError
 from kvstore.hashing import checksum
 from kvstore.index import Record
-from kvstore.store_moves import Lease
+from kvstore.store_records import Lease
 from kvstore.store_types import (
     Acquisition,
     EntryInfo,

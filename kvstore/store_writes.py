@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from kvstore.errors import ChecksumError, InvalidRequestError
 from kvstore.index import Record
-from kvstore.store_moves import Open
+from kvstore.store_records import Open
 from kvstore.store_types import (
     CommitResult,
     Placement,
