@@ -1,0 +1,59 @@
+"""Address ranges of a transfer: validation and coalescing (pure numpy, no TE).
+
+Kept apart from kvstore/transfer.py so the batching rule can be property-tested
+without an engine. Invariant: whatever these return moves exactly the bytes the
+caller asked for, zero-length entries aside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvstore.errors import InvalidRequestError
+
+Addrs = Sequence[int] | np.ndarray
+
+
+def coalesce(local: Addrs, remote: Addrs, lengths: Addrs
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge transfers whose ranges are contiguous on both sides.
+
+    Entries are ordered by remote then local address (a TE batch has no order), and
+    each one that starts where the previous ends on both sides joins it.
+    Zero-length entries are dropped. Moves exactly the same bytes.
+    """
+    loc, rem, ln = nonempty_ranges(local, remote, lengths)
+    if len(ln) < 2:
+        return loc, rem, ln
+    order = np.lexsort((loc, rem))
+    loc, rem, ln = loc[order], rem[order], ln[order]
+    joins = (loc[:-1] + ln[:-1] == loc[1:]) & (rem[:-1] + ln[:-1] == rem[1:])
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return loc[starts], rem[starts], np.add.reduceat(ln, starts)
+
+
+def nonempty_ranges(local: Addrs, remote: Addrs, lengths: Addrs
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The ranges as given, one TE entry each (benchmarks), less zero-length ones."""
+    loc, rem, ln = as_arrays(local, remote, lengths)
+    keep = ln > 0
+    return loc[keep], rem[keep], ln[keep]
+
+
+def as_arrays(local: Addrs, remote: Addrs, lengths: Addrs
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    try:
+        raw = [np.asarray(a).reshape(-1) for a in (local, remote, lengths)]
+        if any(a.size and a.dtype.kind not in "iu" for a in raw):
+            raise TypeError(f"got dtypes {[a.dtype.name for a in raw]}")
+        arrays = [a.astype(np.int64, copy=False) for a in raw]
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidRequestError(f"addresses and lengths must be integers: {exc}") from exc
+    if not len(arrays[0]) == len(arrays[1]) == len(arrays[2]):
+        raise InvalidRequestError(
+            f"local/remote/lengths differ in size: {[len(a) for a in arrays]}")
+    if any(len(a) and a.min() < 0 for a in arrays):
+        raise InvalidRequestError("addresses and lengths must be >= 0")
+    return arrays[0], arrays[1], arrays[2]
