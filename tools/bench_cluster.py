@@ -5,12 +5,15 @@ Sections (registered in tools/bench.py):
 * ``limits``: what the machine allows -- memcpy and plain file write/read GB/s;
 * ``transfer``: prompts of growing length in two KV layouts. On node A a producer
   stores each prompt, on node B a consumer takes it (get + drop). Systems:
-  ``kvstore`` (kvstore-server on A; producer inserts through the same-node shared
-  arena, consumer drop_selects over TE), ``mooncake`` (mooncake_master on A, the
+  ``kvstore`` (kvstore-server on A and on B, as deployed; the producer inserts into
+  A's through the same-node shared arena, the consumer on B drop_selects from A's over
+  TE), ``mooncake`` (mooncake_master on A, the
   producer's MooncakeDistributedStore mounts the segment, consumer get_into +
   remove), ``rawte`` (producer copies into a registered buffer, consumer reads it
   in one TE batch: the floor). Nodes are network namespaces where allowed
   (tools.netns), else loopback ports;
+  Prompts over ``INTERLEAVE_MAX_BYTES`` (``--full``: large layout, 16k and 32k
+  tokens) run one system at a time, since all three at once would not fit in RAM;
 * ``entries``: the same put/get at a fixed prompt length while the stores hold
   more and more other entries.
 
