@@ -1,0 +1,76 @@
+"""The frame every ``kvstore`` command runs in: errors as one line (exit 1 when the
+server said no or was unreachable, 2 for bad arguments) and per-node output."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from kvstore.cli_admin import Admin
+from kvstore.cliformat import to_json
+from kvstore.errors import KVStoreError
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+class OneLineUsageError(click.UsageError):
+    """A usage error shown as its one line (no usage block, no hint); exit 2."""
+
+    def show(self, file: Any = None) -> None:
+        click.echo(self.message, err=True)
+
+
+def one_line(exc: click.UsageError) -> OneLineUsageError:
+    """``kvstore evict: --bytes: not a size: 'lots'`` for any click usage error."""
+    ctx = exc.ctx
+    path = ctx.command_path if ctx is not None else "kvstore"
+    param = getattr(exc, "param", None)
+    if (isinstance(exc, click.BadParameter) and not isinstance(exc, click.MissingParameter)
+            and param is not None):
+        name = param.opts[0] if getattr(param, "opts", None) else param.human_readable_name
+        text = f"{path}: {name}: {exc.message}"
+    else:
+        text = f"{path}: {exc.format_message()}"
+    return OneLineUsageError(" ".join(text.split()), ctx)
+
+
+class AdminGroup(click.Group):
+    """Turns any error a command lets escape into one line, never a traceback: exit 1
+    (the server said no, or was unreachable), or exit 2 for bad arguments - click's
+    own usage errors included, shown without its usage block."""
+
+    def make_context(self, info_name: str | None, args: list[str],
+                     parent: click.Context | None = None, **extra: Any) -> click.Context:
+        try:  # the group's own options (kvstore --bogus)
+            return super().make_context(info_name, args, parent, **extra)
+        except OneLineUsageError:
+            raise
+        except click.UsageError as exc:
+            raise one_line(exc) from None
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except OneLineUsageError:
+            raise
+        except click.UsageError as exc:  # a command's arguments, or an unknown command
+            raise one_line(exc) from None
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except KVStoreError as exc:
+            raise click.ClickException(str(exc)) from None
+        except Exception as exc:  # the promise is one line, not a traceback
+            if ctx.meta.get("kvstore.debug"):
+                raise
+            raise click.ClickException(f"unexpected {type(exc).__name__}: {exc}") from None
+
+
+def emit(admin: Admin, results: list[tuple[str, Any]], render: Callable[[str, Any], str]) -> None:
+    """Print each node's result (JSON list or rendered text), then fail if any node failed."""
+    if results and admin.as_json:
+        click.echo(to_json([{"server": s, **r} for s, r in results]))
+    elif results:
+        click.echo("\n\n".join(render(s, r) for s, r in results))
+    admin.finish()
