@@ -16,6 +16,16 @@ NS_SHOWN = 8  # hex digits of the namespace tag in the table (--json has all 16)
 # ------------------------------------------------------------------ stats
 def stats_view(server: str, st: Mapping[str, Any]) -> str:
     """One node's stats: a per-tier table, then the node-wide counters."""
+    # HIT%: blocks served from this tier / every block looked up (hits + misses), so
+    # the tiers' rates add up to the node's; IN: committed into the tier by writers,
+    # OUT: served to readers from where each entry was found (docs/operations.md).
+    table = render_table(["TIER", "CAPACITY", "USED", "USED%", "ENTRIES", "HITS", "HIT%",
+                          "IN", "OUT"], _tier_rows(st))
+    return "\n".join([node_header(server, st), table, "", render_pairs(_counter_pairs(st))])
+
+
+def _tier_rows(st: Mapping[str, Any]) -> list[list[str]]:
+    """One row per tier (fastest first), then the node's total."""
     hits, misses = st.get("hits", 0), st.get("misses", 0)
     lookups = hits + misses
     tiers = st.get("tiers", {})
@@ -33,11 +43,13 @@ def stats_view(server: str, st: Mapping[str, Any]) -> str:
                  format_count(st.get("entries")), format_count(hits),
                  format_ratio(hits, lookups), format_bytes(st.get("bytes_in")),
                  format_bytes(st.get("bytes_out"))])
-    # HIT%: blocks served from this tier / every block looked up (hits + misses), so
-    # the tiers' rates add up to the node's; IN: committed into the tier by writers,
-    # OUT: served to readers from where each entry was found (docs/operations.md).
-    table = render_table(["TIER", "CAPACITY", "USED", "USED%", "ENTRIES", "HITS", "HIT%",
-                          "IN", "OUT"], rows)
+    return rows
+
+
+def _counter_pairs(st: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The node-wide counters as (label, value) lines."""
+    hits, misses = st.get("hits", 0), st.get("misses", 0)
+    lookups = hits + misses
     pairs = [
         ("hits / misses", f"{format_count(hits)} / {format_count(misses)} "
                           f"(hit rate {format_ratio(hits, lookups)})"),
@@ -58,7 +70,7 @@ def stats_view(server: str, st: Mapping[str, Any]) -> str:
     if "requests" in st:
         pairs.append(("requests (errors)", f"{format_count(st['requests'])} "
                                            f"({format_count(st.get('errors'))})"))
-    return "\n".join([node_header(server, st), table, "", render_pairs(pairs)])
+    return pairs
 
 
 def node_header(server: str, st: Mapping[str, Any]) -> str:

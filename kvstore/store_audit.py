@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 
 from kvstore.errors import IntegrityError
+from kvstore.index import Record
 from kvstore.store_records import durable
 
 
@@ -30,32 +31,7 @@ class AuditMixin:
             self._audit_index()
 
     def _audit_tiers(self) -> None:
-        owned: dict[str, dict[int, str]] = {name: {} for name in self._tiers}
-        used = collections.Counter()
-
-        def own(tier: str, offset: int, nbytes: int, owner: str) -> None:
-            if tier not in self._tiers:
-                raise IntegrityError(f"{owner} lives in absent tier {tier!r}")
-            if offset in owned[tier]:
-                raise IntegrityError(f"{tier}@{offset} owned by {owned[tier][offset]} and {owner}")
-            owned[tier][offset] = owner
-            page = self._tiers[tier].page_size
-            used[tier] += -(-nbytes // page) * page
-
-        for key, rec in self._records.items():
-            if rec.key != key:
-                raise IntegrityError(f"record under {key.hex()} names {rec.key.hex()}")
-            if rec.pins < 0 or rec.pending < 0:
-                raise IntegrityError(f"{key.hex()}: pins {rec.pins}, pending {rec.pending}")
-            own(rec.tier, rec.offset, rec.nbytes, f"record {key.hex()}")
-            if rec.nvme_copy is not None:
-                if rec.tier == "nvme":
-                    raise IntegrityError(f"{key.hex()} on NVMe has an NVMe copy")
-                own("nvme", rec.nvme_copy, rec.nbytes, f"copy of {key.hex()}")
-        for op in self._res.values():
-            for ext in op.extents:
-                if ext is not None:
-                    own(ext.tier, ext.offset, ext.nbytes, f"reservation {op.id}")
+        used = self._owned_bytes()
         for name, tier in self._tiers.items():
             tier.check_integrity()
             if used[name] != tier.used:
@@ -70,6 +46,34 @@ class AuditMixin:
         copies = {k for k, r in self._records.items() if r.nvme_copy is not None}
         if copies != set(self._copies):
             raise IntegrityError("NVMe copy list differs from the records")
+
+    def _owned_bytes(self) -> collections.Counter:
+        """Page-rounded bytes per tier of every record, NVMe copy and open reservation;
+        raises if two of them claim one offset."""
+        owned: dict[str, dict[int, str]] = {name: {} for name in self._tiers}
+        used = collections.Counter()
+
+        def own(tier: str, offset: int, nbytes: int, owner: str) -> None:
+            if tier not in self._tiers:
+                raise IntegrityError(f"{owner} lives in absent tier {tier!r}")
+            if offset in owned[tier]:
+                raise IntegrityError(f"{tier}@{offset} owned by {owned[tier][offset]} and {owner}")
+            owned[tier][offset] = owner
+            page = self._tiers[tier].page_size
+            used[tier] += -(-nbytes // page) * page
+
+        for key, rec in self._records.items():
+            _audit_record(key, rec)
+            own(rec.tier, rec.offset, rec.nbytes, f"record {key.hex()}")
+            if rec.nvme_copy is not None:
+                if rec.tier == "nvme":
+                    raise IntegrityError(f"{key.hex()} on NVMe has an NVMe copy")
+                own("nvme", rec.nvme_copy, rec.nbytes, f"copy of {key.hex()}")
+        for op in self._res.values():
+            for ext in op.extents:
+                if ext is not None:
+                    own(ext.tier, ext.offset, ext.nbytes, f"reservation {op.id}")
+        return used
 
     def _audit_holds(self) -> None:
         holds = collections.Counter()
@@ -105,3 +109,10 @@ class AuditMixin:
                 raise IntegrityError(f"{'durable' if wanted else 'volatile'} index and memory "
                                      f"disagree: {len(diff)} keys in one only, "
                                      f"{len(changed)} records differ")
+
+
+def _audit_record(key: bytes, rec: Record) -> None:
+    if rec.key != key:
+        raise IntegrityError(f"record under {key.hex()} names {rec.key.hex()}")
+    if rec.pins < 0 or rec.pending < 0:
+        raise IntegrityError(f"{key.hex()}: pins {rec.pins}, pending {rec.pending}")
