@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from kvstore.errors import ChecksumError, InvalidRequestError
 from kvstore.hashing import checksum
 from kvstore.index import Record
-from kvstore.store_records import Lease
+from kvstore.store_records import Lease, uncount
 from kvstore.store_types import (
     Acquisition,
     EntryInfo,
@@ -134,7 +134,7 @@ class ReadsMixin:
 
     def _end_lease(self, lease: Lease, drop: bool) -> int:
         if lease.claim:
-            self._unclaim(lease.keys)
+            uncount(self._claims, lease.keys)
         put = []
         if drop:
             for key in lease.keys:
@@ -145,14 +145,6 @@ class ReadsMixin:
         self._apply(put=[r for r in put if r.key not in gone], drop=gone)
         self._stats["dropped"] += len(gone)
         return len(gone)
-
-    def _unclaim(self, keys: list[bytes]) -> None:
-        for key in keys:
-            left = self._claims[key] - 1
-            if left:
-                self._claims[key] = left
-            else:
-                del self._claims[key]
 
     def _open_lease(self, aid: int) -> Lease:
         lease = self._acqs.get(aid)

@@ -157,12 +157,7 @@ class RecordsMixin:
     def _unhold(self, keys: Sequence[bytes]) -> list[bytes]:
         """Drop one hold per key; returns the keys now due to be freed (pending 0,
         unpinned, unheld)."""
-        for key in keys:
-            left = self._leased[key] - 1
-            if left:
-                self._leased[key] = left
-            else:
-                del self._leased[key]
+        uncount(self._leased, keys)
         return [k for k in dict.fromkeys(keys)
                 if k in self._records and self._idle_at_zero(self._records[k])]
 
@@ -203,6 +198,17 @@ class RecordsMixin:
         views = self._tiers[exts[0].tier].views(exts)
         return [checksum(v) if v is not None else self._checksum_at(e)
                 for e, v in zip(exts, views)]
+
+def uncount(counts: dict[bytes, int], keys: Sequence[bytes]) -> None:
+    """One less of each key in ``counts``; a key at zero leaves it (so ``counts``
+    only ever holds positive counts). Each key must be there."""
+    for key in keys:
+        left = counts[key] - 1
+        if left:
+            counts[key] = left
+        else:
+            del counts[key]
+
 
 def durable(rec: Record) -> bool:
     """Does the record name NVMe bytes (then it lives in the synced index)?"""
