@@ -100,10 +100,12 @@ def test_prompt_larger_than_staging_buffer(clean_server, client_factory):
     assert got.matched_tokens == 400 and np.array_equal(got.kv.numpy(), kv)
 
 
-def test_corrupt_bytes_are_a_checksum_miss_and_nothing_is_dropped(clean_server, client_factory):
+@pytest.mark.parametrize("same_node", ["auto", False], ids=["shm", "te"])
+def test_corrupt_bytes_are_a_checksum_miss_and_nothing_is_dropped(clean_server, client_factory,
+                                                                   same_node):
     from tiers.dram import map_shared
 
-    client = client_factory(clean_server, same_node=False)
+    client = client_factory(clean_server, same_node=same_node)
     client.insert(prompt(8, 5), make_kv(8, 5))
     dram = client.hello()["dram"]
     arena = map_shared(dram["path"], dram["nbytes"])

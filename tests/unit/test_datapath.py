@@ -1,6 +1,9 @@
 """How the client lays entries out in its staging buffer so TE transfers coalesce."""
 
-from kvstore.datapath import _mirror
+import numpy as np
+
+from kvstore.datapath import _copy_hashed, _mirror
+from kvstore.hashing import checksum
 
 BASE = 1 << 30
 
@@ -37,3 +40,13 @@ def test_out_of_order_entries_land_at_their_own_offsets():
     items = [pl("dram", 4096, 4096), pl("dram", 0, 4096)]
     offsets, local, remote, lengths = _mirror(items, writing=True)
     assert offsets == [4096, 0] and (local, remote, lengths) == ([0], [BASE], [8192])
+
+
+def test_copy_hashed_copies_and_equals_the_checksum_of_the_source():
+    rng = np.random.default_rng(3)
+    for n in (0, 1, 4096, (2 << 20) + 17):
+        src = rng.integers(0, 256, n, dtype=np.uint8)
+        for hash_dst in (False, True):
+            dst = np.zeros(n, np.uint8)
+            assert _copy_hashed(dst, src, hash_dst) == checksum(src)
+            assert np.array_equal(dst, src)
