@@ -140,9 +140,10 @@ class KVStoreClient:
 
     # ---------------------------------------------------------------- insert
     def insert(self, tokens: Sequence[int] | np.ndarray, kv: Any,
-               hidden: torch.Tensor | None = None) -> InsertResult:
+               hidden: torch.Tensor | None = None, pin: bool = False) -> InsertResult:
         """Store the KV of ``tokens``: per-layer HF ``(k, v)`` pairs, or the flat entry
-        bytes (uint8 torch tensor / numpy array of exactly ``layout.nbytes(n)``)."""
+        bytes (uint8 torch tensor / numpy array of exactly ``layout.nbytes(n)``).
+        ``pin``: the entries are pinned by the commit itself (unpin to release)."""
         prompt = self._prompt(tokens)
         data = self._entry_bytes(kv, prompt.ntokens)
         # token_nbytes once: layout.entry_sizes costs a torch call per block.
@@ -171,7 +172,7 @@ class KVStoreClient:
             moved = time.perf_counter() - start
             # The move's time and size go along: TE is one-sided, the server cannot see it.
             self._call(p.Commit(rid=rid, checksums=tuple(sums), xfer_s=moved,
-                                xfer_bytes=sum(pl[2] for _, pl in new)))
+                                xfer_bytes=sum(pl[2] for _, pl in new), pin=pin))
         except PeerUnavailableError:
             self._hello = None  # TE or control plane lost the server
             self._abort(rid)

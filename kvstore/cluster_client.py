@@ -118,12 +118,13 @@ class ClusterClient:
         return client
 
     # ------------------------------------------------------------ data API
-    def insert(self, tokens: Sequence[int] | np.ndarray, kv: Any, hidden: Any = None) -> InsertResult:
+    def insert(self, tokens: Sequence[int] | np.ndarray, kv: Any, hidden: Any = None,
+               pin: bool = False) -> InsertResult:
         """Insert on the prompt's home node; on a node failure, on the next live one."""
         order = self.placement(tokens)
         for attempt, node in enumerate(order):
             try:
-                return self.client_for(node).insert(tokens, kv, hidden)
+                return self.client_for(node).insert(tokens, kv, hidden, pin=pin)
             except NODE_FAILURES as exc:
                 self._node_failed(node, exc)
                 if attempt == len(order) - 1:

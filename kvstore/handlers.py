@@ -47,7 +47,7 @@ def reserve(store: Any, req: p.Reserve) -> dict:
 
 
 def commit(store: Any, req: p.Commit) -> dict:
-    res = store.commit(req.rid, list(req.checksums))
+    res = store.commit(req.rid, list(req.checksums), pin=req.pin)
     return {"new": res.new, "deduped": res.deduped}
 
 

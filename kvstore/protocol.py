@@ -183,9 +183,10 @@ class Commit(Request):
     checksums: tuple[int, ...]
     xfer_s: float | None = None
     xfer_bytes: int | None = None
+    pin: bool = False
     OP = "commit"
-    CHECKS = {"rid": _rid, "checksums": _checksums, **_XFER}
-    OPTIONAL = frozenset(_XFER)
+    CHECKS = {"rid": _rid, "checksums": _checksums, "pin": _bool, **_XFER}
+    OPTIONAL = frozenset({"pin", *_XFER})
 
 
 @dataclass(frozen=True)

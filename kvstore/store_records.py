@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvstore.hashing import checksum
@@ -39,6 +39,8 @@ class Open:
     expires_at: float
     extra: dict[bytes, int]  # consumers that deduped onto our in-flight keys
     namespace: bytes = b""  # the writer's namespace tag, kept in each new record
+    # pins that pinning commits deduped onto our in-flight keys; applied at our commit
+    extra_pins: dict[bytes, int] = field(default_factory=dict)
 
 
 class Lease(NamedTuple):

@@ -91,8 +91,13 @@ class WritesMixin:
             ext = op.extents[index]
             self._tiers[ext.tier].write(ext, memoryview(data))
 
-    def commit(self, reservation_id: int, checksums: Sequence[int]) -> CommitResult:
-        """Verify the written bytes and make the reservation's entries visible."""
+    def commit(self, reservation_id: int, checksums: Sequence[int],
+               pin: bool = False) -> CommitResult:
+        """Verify the written bytes and make the reservation's entries visible.
+
+        ``pin``: pin every entry this commit stores or dedups onto, in the same
+        locked step, so no eviction can come between the entry appearing and its
+        pin (a separate ``pin`` call races room-making by other writers)."""
         with self._lock:
             op = self._open_reservation(reservation_id)
             new = [i for i, e in enumerate(op.extents) if e is not None]
@@ -104,11 +109,14 @@ class WritesMixin:
                 self._stats["commit_checksum_failures"] += len(bad)
                 raise ChecksumError(f"{len(bad)} of {len(new)} written entries do not match "
                                     f"their checksum (first {bad[0].hex()}); nothing stored")
-            return self._commit_verified(op, new, sums)
+            return self._commit_verified(op, new, sums, pin)
 
-    def _commit_verified(self, op: Open, new: list[int], sums: list[int]) -> CommitResult:
+    def _commit_verified(self, op: Open, new: list[int], sums: list[int],
+                         pin: bool = False) -> CommitResult:
         put = _new_records(op, new, sums, time.time())
-        deduped, lost = self._count_dedups(op, put)
+        deduped, lost = self._count_dedups(op, put, pin)
+        if pin:
+            put = {k: r._replace(pins=r.pins + 1) for k, r in put.items()}
         self._apply(put=list(put.values()))  # first: if the index refuses, nothing changed
         for i in new:
             del self._inflight[op.keys[i]]
@@ -120,7 +128,8 @@ class WritesMixin:
         self._stats["commits"] += 1
         return CommitResult(len(new), deduped, lost)
 
-    def _count_dedups(self, op: Open, put: dict[bytes, Record]) -> tuple[int, int]:
+    def _count_dedups(self, op: Open, put: dict[bytes, Record],
+                      pin: bool = False) -> tuple[int, int]:
         """Give each deduped key of ``op`` its extra pending consumer (in ``put``, or
         on the in-flight reservation that writes it); returns (deduped, lost)."""
         deduped = lost = 0
@@ -133,6 +142,8 @@ class WritesMixin:
             elif rec is None and key in self._inflight and self._inflight[key] != op.id:
                 other = self._res[self._inflight[key]]
                 other.extra[key] = other.extra.get(key, 0) + 1
+                if pin:  # our pin waits for the writer's commit, like our consumer
+                    other.extra_pins[key] = other.extra_pins.get(key, 0) + 1
                 deduped += 1
             else:  # its writer gave up, or a different block under the same key
                 lost += 1
@@ -166,7 +177,8 @@ def _new_records(op: Open, new: list[int], sums: list[int], now: float) -> dict[
     for i, s in zip(new, sums):
         key, ext = op.keys[i], op.extents[i]
         put[key] = Record(key, ext.tier, ext.offset, ext.nbytes, len(op.tokens[i]) // 4,
-                          op.tokens[i], s, now, now, 0, 1 + op.extra.get(key, 0),
+                          op.tokens[i], s, now, now, op.extra_pins.get(key, 0),
+                          1 + op.extra.get(key, 0),
                           op.meta[i], namespace=op.namespace)
     return put
 

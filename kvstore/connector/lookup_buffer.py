@@ -107,7 +107,10 @@ class KVStoreLookupBuffer:
         pause = _POLL_START_S
         while True:
             try:
-                self._client.insert(masked.ids, masked.ids.view(np.uint8), hidden=record)
+                # Pinned by the commit itself: a pin sent afterwards raced other
+                # writers' room-making, and an evicted entry never reached its consumer.
+                self._client.insert(masked.ids, masked.ids.view(np.uint8), hidden=record,
+                                    pin=self.hold_until_consumed)
                 break
             except TierFullError:
                 self.full_waits += 1
@@ -118,11 +121,6 @@ class KVStoreLookupBuffer:
                                         f"{masked.ids.size} tokens not inserted") from None
                 time.sleep(min(pause, left))
                 pause = min(pause * 2, _POLL_MAX_S)
-        if self.hold_until_consumed:
-            try:
-                self._client.pin(masked.keys)
-            except MissError as exc:  # evicted in the instant before the pin: unprotected
-                log.warning("could not pin %d tokens' entry: %s", masked.ids.size, exc)
 
     # ------------------------------------------------------------ consumer
     def drop_select(self, input_tokens: torch.Tensor,
