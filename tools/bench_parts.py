@@ -1,0 +1,111 @@
+"""Where one insert / drop_select spends its time, by direct timers (one node).
+
+    python -m tools.bench_parts [--layout large] [--tokens 2048] [--path shm|te] [--reps 9]
+
+Starts one kvstore-server on loopback (DRAM only, sized to two prompts), then
+inserts and drop_selects (``into=`` a reused buffer) the same prompt size ``reps``
+times and prints, per operation, the median of: the whole call, the data move
+(``DataPath.write`` / ``read``: copy or TE transfer plus the client's checksums)
+and the two control round trips (which include the server's work: reservation,
+the commit's checksum verification, the index). The first prompt is a warm-up and
+not counted. ``--path shm``: the same-node shared-memory path; ``te``: TE over
+loopback TCP. Not a benchmark of the network: both ends are on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+import numpy as np
+
+from tests.integration.conftest import ServerFactory
+from tools.bench_cluster_worker import LAYOUTS
+
+MiB = 1 << 20
+
+
+def _timed(obj: Any, name: str, label: str, sink: dict[str, float]) -> None:
+    """Wrap ``obj.name`` so each call adds its seconds to ``sink[label]``."""
+    func: Callable = getattr(obj, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return func(*args, **kwargs)
+        finally:
+            sink[label] += time.perf_counter() - start
+
+    setattr(obj, name, wrapper)
+
+
+def run(layout_name: str, ntokens: int, path: str, reps: int) -> dict[str, dict[str, float]]:
+    """Median ms per part of insert and drop_select."""
+    from kvstore.client import KVStoreClient
+
+    layout = LAYOUTS[layout_name]
+    nbytes = layout.nbytes(ntokens)
+    base = Path(tempfile.mkdtemp(prefix="bench-parts-"))
+    servers = ServerFactory(base)
+    parts: dict[str, dict[str, list[float]]] = {"insert": defaultdict(list),
+                                                "get": defaultdict(list)}
+    try:
+        srv = servers(dram=str(2 * nbytes + 64 * MiB), nvme="0",
+                      block_tokens=layout.block_tokens, reservation_lease=60, read_lease=60)
+        client = KVStoreClient(srv.address, layout=layout, timeout_s=60,
+                               same_node="auto" if path == "shm" else False,
+                               staging_bytes=nbytes + 64 * MiB)
+        sink: dict[str, float] = defaultdict(float)
+        _timed(client._data, "write", "move", sink)
+        _timed(client._data, "read", "move", sink)
+        _timed(client, "_call", "round trips", sink)
+        kv = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+        out = np.empty(nbytes + MiB, np.uint8)
+        for rep in range(reps + 1):
+            tokens = (np.arange(ntokens) + rep * ntokens) % 50_000
+            for op, call, kwargs in (("insert", client.insert, {"kv": kv}),
+                                     ("get", client.drop_select, {"into": out})):
+                sink.clear()
+                start = time.perf_counter()
+                call(tokens, **kwargs)
+                total = time.perf_counter() - start
+                if rep:  # the first round is a warm-up (TE start, first page faults)
+                    parts[op]["total"].append(total)
+                    for label, seconds in sink.items():
+                        parts[op][label].append(seconds)
+        client.close()
+    finally:
+        servers.stop_all()
+        shutil.rmtree(base, ignore_errors=True)
+    return {op: {k: statistics.median(v) * 1e3 for k, v in p.items()}
+            for op, p in parts.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="time the parts of insert / drop_select")
+    parser.add_argument("--layout", default="large", choices=sorted(LAYOUTS))
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--path", default="shm", choices=("shm", "te"))
+    parser.add_argument("--reps", type=int, default=9)
+    args = parser.parse_args(argv)
+    result = run(args.layout, args.tokens, args.path, args.reps)
+    mib = LAYOUTS[args.layout].nbytes(args.tokens) / MiB
+    print(f"{args.layout} layout, {args.tokens} tokens ({mib:.0f} MiB), {args.path} path, "
+          f"median of {args.reps}:")
+    for op, parts in result.items():
+        print(f"  {op:6s} " + ", ".join(f"{k} {v:.1f} ms" for k, v in parts.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
