@@ -2,7 +2,8 @@
 
 import numpy as np
 
-from kvstore.datapath import _copy_hashed, _mirror
+from kvstore.datapath import _mirror
+from kvstore.datapath_shm import RUN_BYTES, copy_in, copy_out
 from kvstore.hashing import checksum
 
 BASE = 1 << 30
@@ -42,11 +43,32 @@ def test_out_of_order_entries_land_at_their_own_offsets():
     assert offsets == [4096, 0] and (local, remote, lengths) == ([0], [BASE], [8192])
 
 
-def test_copy_hashed_copies_and_equals_the_checksum_of_the_source():
+
+def test_shm_copies_merge_neighbours_and_hash_every_entry_from_the_callers_side():
     rng = np.random.default_rng(3)
-    for n in (0, 1, 4096, (2 << 20) + 17):
-        src = rng.integers(0, 256, n, dtype=np.uint8)
-        for hash_dst in (False, True):
-            dst = np.zeros(n, np.uint8)
-            assert _copy_hashed(dst, src, hash_dst) == checksum(src)
-            assert np.array_equal(dst, src)
+    shm = np.zeros(8 << 20, np.uint8)
+    data = rng.integers(0, 256, 5 << 20, dtype=np.uint8)
+    # 40 x 64 KiB back to back (merged in runs of RUN_BYTES), then a gap, a 2 MiB
+    # entry (a run of its own) and a buffer that is not the packed array's neighbour.
+    sizes = [64 << 10] * 40 + [2 << 20]
+    bufs = [data[i * (64 << 10):(i + 1) * (64 << 10)] for i in range(40)]
+    bufs.append(data[(40 << 16):(40 << 16) + (2 << 20)])
+    bufs.append(rng.integers(0, 256, 5000, dtype=np.uint8))
+    sizes.append(5000)
+    offsets = [i * (64 << 10) for i in range(40)] + [(40 << 16) + 4096, 5 << 20]
+    placements = [["dram", off, n, None] for off, n in zip(offsets, sizes)]
+    assert RUN_BYTES < sum(sizes[:40])  # the small ones really span several runs
+    assert copy_in(shm, bufs, placements) == [checksum(b) for b in bufs]
+    for buf, (_, off, n, _) in zip(bufs, placements):
+        assert np.array_equal(shm[off:off + n], buf)
+
+    entries = [[t, off, n, None, checksum(b), 1, None]
+               for (t, off, n, _), b in zip(placements, bufs)]
+    starts = np.cumsum([0, *sizes[:-1]]).tolist()
+    out = np.zeros(sum(sizes), np.uint8)
+    assert copy_out(shm, out, list(zip(starts, entries)), verify=True) is None
+    assert np.array_equal(out, np.concatenate(bufs))
+
+    shm[offsets[7] + 100] ^= 0xFF  # inside the first run
+    assert copy_out(shm, out, list(zip(starts, entries)), verify=True) == 7
+    assert copy_out(shm, out, list(zip(starts, entries)), verify=False) is None
