@@ -227,3 +227,19 @@ def client_factory():
     yield make
     for client in clients:
         client.close()
+
+
+@pytest.fixture
+def transports_made(monkeypatch) -> list:
+    """Every ``kvstore.transfer.Transport`` (one TE engine each) created in the test."""
+    import kvstore.transfer
+
+    made: list = []
+
+    class CountedTransport(kvstore.transfer.Transport):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(kvstore.transfer, "Transport", CountedTransport)
+    return made

@@ -332,19 +332,10 @@ def test_nodes_cli_with_etcd_down_is_one_line():
     assert len(out.output.strip().splitlines()) == 1, out.output
 
 
-def test_cluster_client_shares_one_te_engine_across_nodes(etcd, server_factory, monkeypatch):
+def test_cluster_client_shares_one_te_engine_across_nodes(etcd, server_factory, transports_made):
     """Per-node clients share one TE engine and staging buffer: TE recommends one
     engine per process (registrations and busy-waiting threads multiply otherwise)."""
-    import kvstore.transfer
-
-    made = []
-
-    class CountedTransport(kvstore.transfer.Transport):
-        def __init__(self, *args, **kw):
-            super().__init__(*args, **kw)
-            made.append(self)
-
-    monkeypatch.setattr(kvstore.transfer, "Transport", CountedTransport)
+    made = transports_made
     prefix = "/share/"
     servers = [server_factory(extra=("--cluster", etcd.url, "--cluster-prefix", prefix,
                                      "--node-id", name)) for name in ("a", "b")]

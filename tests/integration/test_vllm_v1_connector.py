@@ -351,19 +351,10 @@ def test_server_address_of_another_scheme_is_refused():
         make_connectors("kv_both", server="http://127.0.0.1:2379")
 
 
-def test_consumer_loading_from_two_servers_runs_one_te_engine(server_factory, monkeypatch):
+def test_consumer_loading_from_two_servers_runs_one_te_engine(server_factory, transports_made):
     """The worker's clients (one per producer server) share one TE engine and staging
     buffer: an engine each would multiply registrations and busy-waiting threads."""
-    import kvstore.transfer
-
-    made = []
-
-    class CountedTransport(kvstore.transfer.Transport):
-        def __init__(self, *args, **kw):
-            super().__init__(*args, **kw)
-            made.append(self)
-
-    monkeypatch.setattr(kvstore.transfer, "Transport", CountedTransport)
+    made = transports_made
     servers = [server_factory(), server_factory()]
     prompts = [list(range(400, 409)), list(range(500, 509))]
     sources = [prefill(srv, p, [1, 2, 3], req_id=f"p{i}")
