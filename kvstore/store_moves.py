@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 
-from kvstore.errors import TierFullError
+from kvstore.errors import MissError, TierFullError
 from kvstore.hashing import checksum
 from kvstore.index import Record
 from kvstore.policy import Candidate, Selection, bytes_to_free, over_watermark
@@ -174,7 +174,13 @@ class MovesMixin(RecordsMixin):
         exts = self._allocate_each(target, [recs[i] for i in nv]) if stage else [None] * len(nv)
         # the prefix ends before the first entry that should stage but found no room
         upto = next((i for i, e in zip(nv, exts) if stage and e is None), len(recs))
-        bufs = self._read_nvme(recs, [i for i in nv if i < upto], dict(zip(nv, exts)))
+        try:
+            bufs = self._read_nvme(recs, [i for i in nv if i < upto], dict(zip(nv, exts)))
+        except OSError as exc:  # the staging extents have no owner yet: give them back
+            for ext in exts:
+                if ext is not None:
+                    self._tiers[ext.tier].free(ext)
+            raise MissError(f"NVMe read failed staging {len(nv)} entries: {exc}") from exc
         cut, moved, bad = self._settle_staged(recs, list(zip(nv, exts)), bufs, upto, target)
         gone = self._unhold([r.key for r in recs[cut:]])
         # A bad entry someone else still holds stays until then (its reads verify).

@@ -68,8 +68,13 @@ class ReadsMixin:
             if claim:
                 recs = self._claimable_prefix(recs)
             found_in = [r.tier for r in recs]
-            self._hold([r.key for r in recs])
-            recs = self._stage_prefix(recs)
+            held = [r.key for r in recs]
+            self._hold(held)
+            try:
+                recs = self._stage_prefix(recs)
+            except BaseException:  # NVMe I/O error: nothing served, no hold stays
+                self._drop_now(self._unhold(held))
+                raise
             self._count_hits(found_in, len(recs), len(keys) - bool(optional_tail))
             if not recs:
                 return Acquisition(0, [], 0, time.time())

@@ -1,0 +1,54 @@
+"""An NVMe read error while staging: a miss that leaves nothing held or allocated.
+
+Story: entries demoted to NVMe, the disk returns EIO on the staging read -> the
+acquire is a miss (MissError), no lease or hold stays, the staging extents go
+back to DRAM, and once the disk reads again the same entries are served.
+"""
+
+import errno
+
+import pytest
+
+from kvstore.errors import MissError
+from kvstore.hashing import checksum
+
+from tests.unit.conftest import data, key, put, toks
+
+
+def test_nvme_read_error_while_staging_is_a_clean_miss(make_store, monkeypatch):
+    store = make_store(dram=2, nvme=8)
+    put(store, [1, 2])
+    store.demote([key(1), key(2)])
+    assert {r.tier for r in store.entries()} == {"nvme"}
+    nvme = store._tiers["nvme"]
+    real_read = nvme.read_many
+
+    def failing_read(*args, **kw):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(nvme, "read_many", failing_read)
+    dram_used = store._tiers["dram"].used
+    with pytest.raises(MissError, match="NVMe read failed"):
+        store.acquire([key(1), key(2)], [toks(1), toks(2)])
+    assert store._tiers["dram"].used == dram_used
+    assert not store._leased
+    store.check_integrity()
+
+    monkeypatch.setattr(nvme, "read_many", real_read)
+    got = store.acquire([key(1), key(2)], [toks(1), toks(2)])
+    assert [store.read(got.id, i) for i in range(2)] == [data(1), data(2)]
+    store.release(got.id, drop=True)
+    assert list(store.entries()) == []
+
+
+def test_pinning_dedups_onto_one_in_flight_key_pin_it_once(make_store):
+    store = make_store(dram=4)
+    first = store.reserve([key(5)], [4096], [toks(5)])
+    store.write(first.id, 0, data(5))
+    second = store.reserve([key(5), key(5)], [4096, 4096], [toks(5), toks(5)])
+    assert second.placements == [None, None]
+    store.commit(second.id, [0, 0], pin=True)  # nothing new: checksums ignored
+    store.commit(first.id, [checksum(data(5))])
+    rec = {r.key: r for r in store.entries()}[key(5)]
+    assert (rec.pins, rec.pending) == (1, 3)
+    store.unpin([key(5)])
