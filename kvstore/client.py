@@ -171,8 +171,8 @@ class KVStoreClient:
             sums = self._data.write(seg, [b for b, _ in new], [pl for _, pl in new])
             moved = time.perf_counter() - start
             # The move's time and size go along: TE is one-sided, the server cannot see it.
-            self._call(p.Commit(rid=rid, checksums=tuple(sums), xfer_s=moved,
-                                xfer_bytes=sum(pl[2] for _, pl in new), pin=pin))
+            done = self._call(p.Commit(rid=rid, checksums=tuple(sums), xfer_s=moved,
+                                       xfer_bytes=sum(pl[2] for _, pl in new), pin=pin))
         except PeerUnavailableError:
             self._hello = None  # TE or control plane lost the server
             self._abort(rid)
@@ -182,6 +182,11 @@ class KVStoreClient:
             raise
         nblocks = len(prompt.keys)
         new_blocks = sum(pl is not None for pl in placements[:nblocks])
+        if done.get("lost"):
+            # Deduped onto another writer's insert of the same blocks, which gave up
+            # before committing: those blocks are not stored (a reader will miss).
+            log.warning("%d of %d blocks not stored: their other writer aborted",
+                        done["lost"], nblocks)
         return InsertResult(new_blocks, nblocks - new_blocks, prompt.ntokens,
                             sum(pl[2] for pl in placements if pl is not None))
 

@@ -48,7 +48,7 @@ def reserve(store: Any, req: p.Reserve) -> dict:
 
 def commit(store: Any, req: p.Commit) -> dict:
     res = store.commit(req.rid, list(req.checksums), pin=req.pin)
-    return {"new": res.new, "deduped": res.deduped}
+    return {"new": res.new, "deduped": res.deduped, "lost": res.lost}
 
 
 def abort(store: Any, req: p.Abort) -> dict:

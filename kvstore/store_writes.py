@@ -133,6 +133,7 @@ class WritesMixin:
         """Give each deduped key of ``op`` its extra pending consumer (in ``put``, or
         on the in-flight reservation that writes it); returns (deduped, lost)."""
         deduped = lost = 0
+        pinned: set[bytes] = set()
         for i in (i for i, e in enumerate(op.extents) if e is None):
             key = op.keys[i]
             rec = put.get(key) or self._records.get(key)
@@ -142,7 +143,8 @@ class WritesMixin:
             elif rec is None and key in self._inflight and self._inflight[key] != op.id:
                 other = self._res[self._inflight[key]]
                 other.extra[key] = other.extra.get(key, 0) + 1
-                if pin:  # our pin waits for the writer's commit, like our consumer
+                if pin and key not in pinned:  # one pin per key, as for committed keys
+                    pinned.add(key)
                     other.extra_pins[key] = other.extra_pins.get(key, 0) + 1
                 deduped += 1
             else:  # its writer gave up, or a different block under the same key
