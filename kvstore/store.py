@@ -178,8 +178,8 @@ class Store(WritesMixin, ReadsMixin, AdminMixin, MovesMixin, AuditMixin):
                 self._stats["reservations_expired"] += 1
                 done += 1
             for aid, lease in [(a, l) for a, l in self._acqs.items() if l.expires_at <= now]:
-                del self._acqs[aid]
                 self._end_lease(lease, drop=False)
+                del self._acqs[aid]
                 self._remember_expired(aid)
                 self._stats["leases_expired"] += 1
                 done += 1

@@ -14,6 +14,8 @@ Invariants kept here:
 
 from __future__ import annotations
 
+from collections import Counter
+
 import time
 from collections.abc import Sequence
 
@@ -128,8 +130,9 @@ class ReadsMixin:
             if acquisition_id == 0:
                 return 0  # the empty acquisition of a full miss
             lease = self._open_lease(acquisition_id)
+            freed = self._end_lease(lease, drop)  # raises with nothing changed
             del self._acqs[acquisition_id]
-            return self._end_lease(lease, drop)
+            return freed
 
     def _claimable_prefix(self, recs: list[Record]) -> list[Record]:
         for i, rec in enumerate(recs):
@@ -138,16 +141,19 @@ class ReadsMixin:
         return recs
 
     def _end_lease(self, lease: Lease, drop: bool) -> int:
+        """Give back the lease's holds (and claims); with ``drop``, one pending
+        consumer per key. The index write comes first: if it fails, the lease,
+        its holds, claims and records are exactly as they were."""
+        times = Counter(lease.keys)
+        recs = {k: self._records[k] for k in times if k in self._records}
+        if drop:
+            recs = {k: r._replace(pending=max(0, r.pending - times[k])) for k, r in recs.items()}
+        gone = [k for k, r in recs.items() if r.pending == 0 and r.pins == 0
+                and self._leased.get(k, 0) <= times[k]]
+        self._apply(put=[r for k, r in recs.items() if drop and k not in gone], drop=gone)
+        uncount(self._leased, lease.keys)
         if lease.claim:
             uncount(self._claims, lease.keys)
-        put = []
-        if drop:
-            for key in lease.keys:
-                rec = self._records[key]
-                self._records[key] = rec._replace(pending=max(0, rec.pending - 1))
-            put = [self._records[k] for k in dict.fromkeys(lease.keys)]
-        gone = self._unhold(lease.keys)
-        self._apply(put=[r for r in put if r.key not in gone], drop=gone)
         self._stats["dropped"] += len(gone)
         return len(gone)
 

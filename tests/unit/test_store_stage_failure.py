@@ -52,3 +52,25 @@ def test_pinning_dedups_onto_one_in_flight_key_pin_it_once(make_store):
     rec = {r.key: r for r in store.entries()}[key(5)]
     assert (rec.pins, rec.pending) == (1, 3)
     store.unpin([key(5)])
+
+
+def test_release_whose_index_write_fails_changes_nothing(make_store, monkeypatch):
+    """A failed LMDB write at release leaves the lease open and whole, so the
+    caller can release again (before: lease gone, holds dropped, pending changed)."""
+    store = make_store(dram=4)
+    put(store, [1])
+    got = store.acquire([key(1)], [toks(1)], claim=True)
+    real_write = store._write_index
+
+    def failing_write(*args, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store, "_write_index", failing_write)
+    with pytest.raises(OSError):
+        store.release(got.id, drop=True)
+    assert store._leased == {key(1): 1} and store._claims == {key(1): 1}
+    assert {r.key: r.pending for r in store.entries()} == {key(1): 1}
+    store.check_integrity()
+    monkeypatch.setattr(store, "_write_index", real_write)
+    assert store.release(got.id, drop=True) == 1
+    assert list(store.entries()) == [] and not store._leased and not store._claims
