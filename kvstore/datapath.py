@@ -175,7 +175,12 @@ class DataPath:
         and for 2 MiB entries)."""
         sums: list[int] = [0] * len(buffers)
         local, remote, where = [], [], []
+        if len(buffers) != len(placements):
+            raise InvalidRequestError(f"{len(buffers)} buffers for {len(placements)} placements")
         for i, (buf, pl) in enumerate(zip(buffers, placements)):
+            if buf.nbytes != pl[_NBYTES]:  # numpy would broadcast a 1-byte buffer
+                raise InvalidRequestError(
+                    f"buffer {i} has {buf.nbytes} bytes, its placement {pl[_NBYTES]}")
             if seg.shm is not None and pl[_TIER] == "dram":
                 local.append(i)
             else:

@@ -72,3 +72,22 @@ def test_shm_copies_merge_neighbours_and_hash_every_entry_from_the_callers_side(
     shm[offsets[7] + 100] ^= 0xFF  # inside the first run
     assert copy_out(shm, out, list(zip(starts, entries)), verify=True) == 7
     assert copy_out(shm, out, list(zip(starts, entries)), verify=False) is None
+
+
+def test_write_refuses_a_buffer_whose_size_is_not_its_placements():
+    """numpy would broadcast a 1-byte buffer over the whole extent and the commit
+    would then fail on a checksum; a wrong size is the caller's error, said so."""
+    import pytest
+
+    from kvstore.datapath import DataPath, Segment
+    from kvstore.errors import InvalidRequestError
+
+    shm = np.zeros(4 * 4096, np.uint8)
+    path = DataPath("127.0.0.1", 1 << 20, same_node=True)
+    seg = Segment("unused:0", shm)
+    with pytest.raises(InvalidRequestError, match="1 bytes, its placement 4096"):
+        path.write(seg, [np.ones(1, np.uint8)], [pl("dram", 0, 4096)])
+    assert not shm.any()
+    assert path.write(seg, [np.ones(4096, np.uint8)], [pl("dram", 0, 4096)]) == [
+        checksum(np.ones(4096, np.uint8))]
+    path.close()
