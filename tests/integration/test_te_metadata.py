@@ -11,19 +11,15 @@ import pytest
 from kvstore.datapath import TeEngine
 from kvstore.errors import ConfigError
 from tests.integration.conftest import LAYOUT, make_kv
+from tools.etcd_proc import start_etcd
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
 def etcd_url():
-    etcd_proc = pytest.importorskip("tools.etcd_proc")
-    try:
-        etcd = etcd_proc.start_etcd()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    yield etcd.url
-    etcd.stop()
+    with start_etcd() as etcd:
+        yield etcd.url
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from kvstore.errors import ConfigError, InvalidRequestError, PeerUnavailableError, TransferError
 from kvstore.transfer import MAX_BATCH_ENTRIES, Transport, coalesce
 from tests.integration.te_peer import REPO, PeerProcess
+from tools.etcd_proc import start_etcd
 
 PEER_BYTES = 4 << 20
 LOCAL_BYTES = 8 << 20
@@ -322,14 +323,9 @@ def test_bad_configuration_is_refused(monkeypatch):
 @pytest.fixture(params=["http", "etcd"])
 def metadata_url(request):
     """A throwaway TE metadata server on loopback: the bundled HTTP one, or etcd."""
-    if request.param == "etcd":
-        etcd_proc = pytest.importorskip("tools.etcd_proc")
-        try:
-            etcd = etcd_proc.start_etcd()
-        except FileNotFoundError as exc:
-            pytest.skip(str(exc))
-        yield etcd.url
-        etcd.stop()
+    if request.param == "etcd":  # installed by the Makefile: missing is a failure
+        with start_etcd() as etcd:
+            yield etcd.url
         return
     server = shutil.which("mooncake_http_metadata_server", path=os.path.dirname(sys.executable))
     if server is None:
