@@ -74,6 +74,15 @@ class TierFullError(MissError):
     code = "full"
 
 
+class StorageError(MissError):
+    """A miss for a writer: the server could not write its index or its files
+    (file system full, read-only, I/O error). Nothing was changed; the server stays
+    up and serves what it has. Counted in ``storage_errors`` and logged; free
+    space on the data dir's file system to end it."""
+
+    code = "storage"
+
+
 # ---------------------------------------------------------------- fatal
 class ConfigError(KVStoreError):
     """Fatal: invalid configuration. Fix the config and restart."""

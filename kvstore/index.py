@@ -26,7 +26,7 @@ from typing import NamedTuple
 import lmdb
 import msgpack
 
-from kvstore.errors import ConfigError, IntegrityError, TierFullError
+from kvstore.errors import ConfigError, IntegrityError, StorageError, TierFullError
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,10 @@ MAX_META_BYTES = 1024
 NAMESPACE_TAG_BYTES = 8  # what a record keeps of a 16-byte namespace fingerprint
 COMMITTED = "committed"
 _FORMAT = 1  # first element of every value; bump when the field list changes
+# LMDB maps its lock file writable: a page the file system cannot back (full disk)
+# is a SIGBUS when touched, so the file's blocks are allocated before LMDB opens it.
+# LMDB keeps a lock file at least this big as it is (more reader slots).
+_LOCK_FILE_BYTES = 64 << 10
 
 
 class Record(NamedTuple):
@@ -88,16 +92,23 @@ class Index:
     """LMDB environment at ``path`` (a directory) holding one unnamed database."""
 
     def __init__(self, path: str | os.PathLike, map_size: int, sync: bool = True,
-                 writemap: bool = False) -> None:
-        Path(path).mkdir(parents=True, exist_ok=True)
+                 lock: bool = True) -> None:
+        try:
+            Path(path).mkdir(parents=True, exist_ok=True)
+            if lock:
+                _allocate_lock_file(Path(path) / "lock.mdb")
+        except OSError as exc:
+            raise ConfigError(f"cannot open index at {path}: {exc.strerror or exc}") from None
         try:
             # sync=False (fsync "never") trades durability of the last commits
             # after a power loss for speed; a killed process loses nothing.
-            # writemap: commits write the mapped pages in place (no write() calls);
-            # a power loss can then tear the file, so only for the volatile index.
+            # Never writemap: LMDB would then write into a writable map of a sparse
+            # file, and a page a full file system cannot back kills the process
+            # with SIGBUS. With write() calls a full disk is an error (ENOSPC).
+            # lock=False only for an environment its one owner serializes itself.
             self._env = lmdb.open(str(path), map_size=map_size, subdir=True,
-                                  sync=sync, metasync=sync, max_dbs=0, lock=True,
-                                  writemap=writemap)
+                                  sync=sync, metasync=sync, max_dbs=0, lock=lock,
+                                  writemap=False)
         except lmdb.Error as exc:
             raise ConfigError(f"cannot open index at {path}: {exc}") from exc
         self.path = str(path)
@@ -138,6 +149,9 @@ class Index:
         except lmdb.MapFullError as exc:
             raise TierFullError(f"index map is full ({self.path}): raise "
                                 f"store.index_map_bytes") from exc
+        except lmdb.Error as exc:  # DiskError (ENOSPC, EIO), ReadonlyError, ...
+            raise StorageError(f"cannot write the index at {self.path}: {_reason(exc)}; "
+                               f"nothing was changed") from exc
 
     def put_many(self, records: Iterable[Record]) -> None:
         self.apply(put=records)
@@ -146,13 +160,23 @@ class Index:
         self.apply(delete=keys)
 
     def clear(self) -> None:
-        with self._env.begin(write=True) as txn:
-            txn.drop(self._env.open_db(txn=txn), delete=False)
+        try:
+            with self._env.begin(write=True) as txn:
+                txn.drop(self._env.open_db(txn=txn), delete=False)
+        except lmdb.Error as exc:
+            raise StorageError(f"cannot write the index at {self.path}: {_reason(exc)}; "
+                               f"nothing was changed") from exc
 
     def load(self, persistent_tiers: set[str]) -> LoadResult:
         """Start-up pass: keep committed records of ``persistent_tiers``, delete the
         rest (volatile tiers lost their bytes with the process) in one transaction.
         A volatile-tier record with an NVMe copy falls back to that copy."""
+        try:
+            return self._load(persistent_tiers)
+        except lmdb.Error as exc:
+            raise ConfigError(f"cannot load the index at {self.path}: {_reason(exc)}") from exc
+
+    def _load(self, persistent_tiers: set[str]) -> LoadResult:
         kept: list[Record] = []
         fallen_back: list[Record] = []
         doomed: list[bytes] = []
@@ -203,4 +227,24 @@ def open_volatile(path: str | os.PathLike, map_size: int) -> Index:
     NVMe bytes never go here (see ``Store._apply``).
     """
     shutil.rmtree(path, ignore_errors=True)
-    return Index(path, map_size, sync=False, writemap=True)
+    return Index(path, map_size, sync=False, lock=False)  # the store's lock serializes it
+
+
+def _allocate_lock_file(path: Path) -> None:
+    """Give LMDB's lock file real blocks now (ENOSPC here is an error, not a SIGBUS
+    later when LMDB touches its writable map of the file)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, max(_LOCK_FILE_BYTES, os.fstat(fd).st_size))
+    finally:
+        os.close(fd)
+
+
+def _reason(exc: lmdb.Error) -> str:
+    """LMDB's message without its C function name: 'No space left on device'. A
+    short write (the disk filled up mid-write) is LMDB's EIO: say what it likely is."""
+    text = str(exc)
+    text = text.split(": ", 1)[1] if ": " in text else text
+    if "Input/output" in text:
+        text += " (a short write: is its file system full?)"
+    return text

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from kvstore.config import KVStoreConfig
-from kvstore.errors import ConfigError, LeaseExpiredError, NotFoundError
+from kvstore.errors import ConfigError, LeaseExpiredError, NotFoundError, StorageError
 from kvstore.index import Index, Record, open_volatile
 from kvstore.policy import Candidate, make_policy
 from kvstore.store_admin import AdminMixin
@@ -178,7 +178,10 @@ class Store(WritesMixin, ReadsMixin, AdminMixin, MovesMixin, AuditMixin):
                 self._stats["reservations_expired"] += 1
                 done += 1
             for aid, lease in [(a, l) for a, l in self._acqs.items() if l.expires_at <= now]:
-                self._end_lease(lease, drop=False)
+                try:
+                    self._end_lease(lease, drop=False)
+                except StorageError:  # counted and logged; the lease is reaped next tick
+                    continue
                 del self._acqs[aid]
                 self._remember_expired(aid)
                 self._stats["leases_expired"] += 1
@@ -186,7 +189,12 @@ class Store(WritesMixin, ReadsMixin, AdminMixin, MovesMixin, AuditMixin):
             self._next_reap = min([o.expires_at for o in self._res.values()]
                                   + [l.expires_at for l in self._acqs.values()],
                                   default=float("inf"))
-            self._restore_watermarks()
+            if self._next_reap <= now:  # a lease the index refused to end: retry soon
+                self._next_reap = now + 1.0
+            try:
+                self._restore_watermarks()
+            except StorageError:  # counted and logged; demotion resumes when space does
+                pass
             return done
 
     def stats(self) -> dict:
@@ -205,7 +213,7 @@ class Store(WritesMixin, ReadsMixin, AdminMixin, MovesMixin, AuditMixin):
             for name in ("misses", "bytes_in", "bytes_out", "evictions", "demotions",
                          "stagings", "checksum_failures", "commit_checksum_failures",
                          "collisions", "commits", "aborts", "dropped",
-                         "reservations_expired", "leases_expired"):
+                         "reservations_expired", "leases_expired", "storage_errors"):
                 out[name] = self._stats[name]
             return out
 

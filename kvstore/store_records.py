@@ -16,15 +16,19 @@ Invariants kept here:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from kvstore.errors import StorageError
 from kvstore.hashing import checksum
 from kvstore.index import Record
 from tiers.base import Extent
 
 log = logging.getLogger(__name__)
+
+_STORAGE_LOG_EVERY_S = 10.0  # a full disk fails every write: one log line per this long
 
 @dataclass
 class Open:
@@ -54,7 +58,11 @@ class RecordsMixin:
         drop = [k for k in dict.fromkeys(drop) if k in self._records]
         if not put and not drop:
             return
-        self._write_index(put, drop)
+        try:
+            self._write_index(put, drop)
+        except StorageError as exc:  # full / read-only / failing disk: nothing changed
+            self._storage_failed(exc)
+            raise
         self._put_records(put)
         self._drop_records(drop)
 
@@ -167,9 +175,26 @@ class RecordsMixin:
         return rec.pending == 0 and rec.pins == 0 and not self._leased.get(rec.key)
 
     def _drop_now(self, keys: list[bytes]) -> None:
-        if keys:
+        """Free entries that nothing needs any more. Runs after the change that made
+        them due (a commit, a release) has been applied: if the index cannot be
+        written now, they stay stored (idle, evictable) rather than failing it."""
+        if not keys:
+            return
+        try:
             self._apply(drop=keys)
-            self._stats["dropped"] += len(keys)
+        except StorageError:
+            return  # counted and logged by _apply
+        self._stats["dropped"] += len(keys)
+
+    def _storage_failed(self, exc: StorageError) -> None:
+        """Count an index write the file system refused; log it, once per
+        ``_STORAGE_LOG_EVERY_S`` (a full disk fails every write until it is freed)."""
+        self._stats["storage_errors"] += 1
+        now = time.monotonic()
+        if now - getattr(self, "_storage_logged_at", -_STORAGE_LOG_EVERY_S) >= _STORAGE_LOG_EVERY_S:
+            self._storage_logged_at = now
+            log.error("%s (%d index writes failed so far; writes that need space fail, "
+                      "reads go on)", exc, self._stats["storage_errors"])
 
     # ------------------------------------------------------------ bytes
     def _extent(self, rec: Record) -> Extent:
