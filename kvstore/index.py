@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -95,6 +96,7 @@ class Index:
                  lock: bool = True) -> None:
         try:
             Path(path).mkdir(parents=True, exist_ok=True)
+            check_data_file(Path(path) / "data.mdb")
             if lock:
                 _allocate_lock_file(Path(path) / "lock.mdb")
         except OSError as exc:
@@ -228,6 +230,57 @@ def open_volatile(path: str | os.PathLike, map_size: int) -> Index:
     """
     shutil.rmtree(path, ignore_errors=True)
     return Index(path, map_size, sync=False, lock=False)  # the store's lock serializes it
+
+
+# LMDB's data file starts with two meta pages (x86-64 layout, LMDB 0.9): after a
+# 16-byte page header, magic u32, version u32, address, mapsize, two 48-byte db
+# records (the first's leading u32 is the page size), last page number, txn id.
+_META = struct.Struct("<IIQQ I44x 48x QQ")
+_MAGIC = 0xBEEFC0DE
+
+
+def check_data_file(path: Path) -> None:
+    """Refuse an LMDB data file shorter than its own meta page says it is.
+
+    LMDB maps the file and trusts its meta pages: reading a page past the end of
+    a truncated file is a SIGBUS that kills the process. So before opening, the
+    newest valid meta page's last page number is checked against the file size.
+    A missing file is fine (LMDB creates it), an empty one is not; anything else
+    wrong with the meta pages is left to LMDB, which refuses it with an error.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 16 + _META.size, 0)
+        # An empty file would be initialized as a new index: refused too, since
+        # every record it held would be lost without a word.
+        if len(head) < 16 + _META.size:
+            raise ConfigError(f"index {path} is truncated ({size} bytes, less than its "
+                              f"first page): {_ASIDE}")
+        page = _META.unpack_from(head, 16)[4]
+        metas = [head, os.pread(fd, 16 + _META.size, page)] if 512 <= page <= 1 << 16 else [head]
+    finally:
+        os.close(fd)
+    best = None
+    for raw in metas:
+        if len(raw) < 16 + _META.size:
+            continue
+        magic, _version, _addr, _mapsize, _psize, last_pg, txnid = _META.unpack_from(raw, 16)
+        if magic == _MAGIC and (best is None or txnid > best[1]):
+            best = (last_pg, txnid)
+    if best is None:
+        return  # not a data file LMDB recognises: it says so itself
+    need = (best[0] + 1) * page
+    if size < need:
+        raise ConfigError(f"index {path} is truncated ({size} bytes, its meta page needs "
+                          f"{need}): {_ASIDE}")
+
+
+_ASIDE = ("stop, move the data dir aside (or restore it) and start again; the NVMe "
+          "entries it indexed are lost")
 
 
 def _allocate_lock_file(path: Path) -> None:

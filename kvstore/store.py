@@ -73,7 +73,14 @@ class Store(WritesMixin, ReadsMixin, AdminMixin, MovesMixin, AuditMixin):
         """
         self.config = config
         self.data_dir = Path(config.store.data_dir)
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise ConfigError(f"data dir {self.data_dir} exists and is not a "
+                              f"directory") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot create data dir {self.data_dir}: "
+                              f"{exc.strerror or exc}") from None
         self._lock = threading.RLock()
         self._dir_lock = DataDirLock(self.data_dir)
         try:

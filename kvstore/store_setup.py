@@ -34,23 +34,45 @@ class DataDirLock:
 
     def __init__(self, data_dir: Path) -> None:
         self.path = data_dir / LOCK_NAME
-        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._fd)
-            self._fd = None
-            raise ConfigError(f"data dir {data_dir} is in use by another kvstore store "
-                              f"(lock {self.path} is held)") from None
+        self._fd: int | None = _lock_file(self.path, data_dir)
         os.ftruncate(self._fd, 0)
         os.write(self._fd, f"{os.getpid()}\n".encode())
         remove_stale_arenas(data_dir)
 
     def release(self) -> None:
+        """Remove the lock file and let go. Unlinked while still locked: a store
+        that opened the old file meanwhile sees it is no longer the path's (below)."""
         if self._fd is not None:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+def _lock_file(path: Path, data_dir: Path) -> int:
+    """An fd of ``path`` holding its exclusive flock. The file is removed when its
+    holder lets go, so a lock won on a file that is no longer ``path`` is retried."""
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise ConfigError(f"cannot use data dir {data_dir}: {exc.strerror or exc}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(f"data dir {data_dir} is in use by another kvstore store "
+                              f"(lock {path} is held)") from None
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)  # its holder removed it after we opened it: take the new one
 
 
 def _arena_prefix(data_dir: Path) -> str:

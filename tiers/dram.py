@@ -1,7 +1,8 @@
 """Host DRAM tier: one page-aligned arena, mapped once, registered with TE once.
 
-With ``shared_path`` the arena is a file (normally under /dev/shm) mapped
-MAP_SHARED, so a client process on the same node can ``map_shared`` the very same
+With ``shared_path`` the arena is a file (normally under /dev/shm), its pages
+reserved at start (``posix_fallocate``: a /dev/shm too small for it is refused
+then, not a SIGBUS later), mapped MAP_SHARED, so a client process on the same node can ``map_shared`` the very same
 bytes and memcpy an insert straight into a reserved extent, with no TE transfer.
 Without it the arena is an anonymous mapping. Either way mmap gives page alignment.
 Where CUDA exists *and torch is already imported* the arena is pinned
@@ -11,6 +12,7 @@ tier never imports torch itself.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -54,13 +56,62 @@ def _map_arena(path: str | None, nbytes: int) -> mmap.mmap:
     except OSError as exc:
         raise ConfigError(f"cannot create shared DRAM arena {path}: {exc}") from exc
     try:
-        os.ftruncate(fd, nbytes)
+        # Reserve every page now. A file only ftruncate'd to size is sparse: when
+        # its file system (a container's 64 MiB /dev/shm) cannot back a page the
+        # first touch of it is a SIGBUS, long after start. fallocate fails instead.
+        _reserve(fd, path, nbytes)
         return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as exc:
         os.unlink(path)
         raise ConfigError(f"cannot size/map shared DRAM arena {path}: {exc}") from exc
+    except BaseException:
+        os.unlink(path)
+        raise
     finally:
         os.close(fd)
+
+
+def _reserve(fd: int, path: str, nbytes: int) -> None:
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise
+        st = os.statvfs(os.path.dirname(path) or ".")
+        free = st.f_bavail * st.f_frsize
+        raise ConfigError(
+            f"cannot reserve {format_bytes(nbytes)} for the shared DRAM arena {path}: "
+            f"{exc.strerror} ({os.path.dirname(path)} has {format_bytes(free)} free); "
+            f"lower tiers.dram_bytes or enlarge it (e.g. docker --shm-size)") from None
+
+
+def physical_memory() -> int | None:
+    """Bytes of memory this process may use: RAM, or a smaller cgroup limit."""
+    limits = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    limits.append(int(line.split()[1]) * 1024)
+                    break
+    except (OSError, ValueError):
+        pass
+    for cg in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(cg) as f:
+                value = f.read().strip()
+        except OSError:
+            continue
+        if value.isdigit() and int(value) < 1 << 60:
+            limits.append(int(value))
+    return min(limits) if limits else None
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n}B"
 
 
 def _cuda_host_register(address: int, nbytes: int) -> bool:
@@ -99,6 +150,10 @@ class DramTier(ArenaTier):
     volatile = True
 
     def __init__(self, capacity: int, shared_path: str | None = None) -> None:
+        memory = physical_memory()
+        if memory is not None and capacity > memory:
+            raise ConfigError(f"dram tier of {format_bytes(capacity)} exceeds this machine's "
+                              f"memory ({format_bytes(memory)}): lower tiers.dram_bytes")
         super().__init__(capacity, PAGE_SIZE)
         self.shared_path = shared_path
         self._mm: mmap.mmap | None = _map_arena(shared_path, self.capacity)

@@ -1,0 +1,127 @@
+"""Starts that cannot work are refused at once: one line on stderr, exit 2, and
+nothing left behind (no /dev/shm arena, no ``kvstore.lock``).
+
+Faults are real: a data dir that is a regular file, a read-only tmpfs, a /dev/shm
+smaller than the DRAM tier (a private mount namespace with a small tmpfs on
+/dev/shm, as in a container), a DRAM tier larger than the machine.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.faults.conftest import mount_tmpfs, needs_root, shm_files, umount
+from tests.integration.client_worker import prompt_kv, prompt_tokens
+from tests.integration.conftest import REPO, free_port, server_argv, server_env
+
+pytestmark = pytest.mark.timeout(120)
+
+# Runs the server in a private mount namespace whose /dev/shm is a tmpfs of $SHM
+# bytes: the namespace (and its mount) ends with the process.
+SMALL_SHM = ["unshare", "-m", "--propagation", "private", "--", "sh", "-c",
+             'mount -t tmpfs -o size="$0" tmpfs /dev/shm && exec "$@"']
+
+
+def _run(argv: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                          env=server_env(), cwd=REPO)
+
+
+def _one_line_exit_2(proc: subprocess.CompletedProcess, *words: str) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("kvstore-server:")]
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+def _argv(data_dir, **opts) -> list[str]:
+    return server_argv(free_port(), data_dir, **opts)
+
+
+def test_data_dir_that_is_a_file(tmp_path, fault_log):
+    path = tmp_path / "not-a-dir"
+    path.write_text("x")
+    _one_line_exit_2(_run(_argv(path)), "not a directory")
+    assert path.read_text() == "x"
+    fault_log("data dir is a regular file (server start)", 1, 1, 0)
+
+
+@needs_root
+@pytest.mark.parametrize("existing", [True, False])
+def test_data_dir_on_a_read_only_mount(tmp_path, fault_log, existing):
+    mnt = tmp_path / "ro"
+    mount_tmpfs(mnt, "4m")
+    try:
+        if existing:
+            (mnt / "data").mkdir()
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        before = shm_files(mnt / "data")
+        line = _one_line_exit_2(_run(_argv(mnt / "data")), "Read-only file system")
+        assert shm_files(mnt / "data") == before
+        assert "data" in line
+    finally:
+        umount(mnt)
+    fault_log(f"data dir on a read-only mount ({'existing' if existing else 'new'} dir)",
+              1, 1, 0)
+
+
+def test_failed_start_leaves_no_lock_and_no_arena(tmp_path, fault_log):
+    # The store opens (lock taken, arena made), then TE cannot bind the address.
+    data = tmp_path / "data"
+    proc = _run(_argv(data, extra=("--te-host", "192.0.2.1")))
+    _one_line_exit_2(proc)
+    assert not (data / "kvstore.lock").exists()
+    assert shm_files(data) == set()
+    fault_log("failed start after the store opened (bad --te-host)", 1, 1, 0)
+
+
+def test_dram_larger_than_the_machine(tmp_path, fault_log):
+    data = tmp_path / "data"
+    for shared in ("--dram-shared", "--no-dram-shared"):
+        _one_line_exit_2(_run(_argv(data, dram="1TiB", extra=(shared,))),
+                         "exceeds this machine's memory")
+        assert shm_files(data) == set() and not (data / "kvstore.lock").exists()
+    fault_log("--dram 1TiB (larger than the machine)", 2, 2, 0)
+
+
+@needs_root
+def test_dev_shm_smaller_than_dram_is_refused(tmp_path, fault_log):
+    data = tmp_path / "data"
+    proc = _run([*SMALL_SHM, "8m", *_argv(data, dram="64MiB")])
+    _one_line_exit_2(proc, "cannot reserve 64.0MiB", "/dev/shm")
+    assert not (data / "kvstore.lock").exists()
+    fault_log("/dev/shm (8 MiB) smaller than --dram 64MiB (server start)", 1, 1, 0)
+
+
+@needs_root
+def test_dram_that_fits_a_small_dev_shm_serves_when_full(server_factory, client_factory,
+                                                         fault_log):
+    # 6 MiB of 8: the arena's pages are reserved at start, so filling the tier to
+    # the brim (inserts past it demote or are refused) touches only backed pages.
+    srv = server_factory(dram="6MiB", nvme="0", prefix=(*SMALL_SHM, "8m"),
+                         extra=("--high-watermark", "1.0", "--low-watermark", "1.0"))
+    client = client_factory(srv, same_node=False)  # its /dev/shm is not ours
+    stored, tries = [], 0
+    for pid in range(120):  # 120 x 16 pages > 1536 pages of DRAM
+        tries += 1
+        try:
+            client.insert(prompt_tokens(pid, 64), prompt_kv(pid, 64))
+            stored.append(pid)
+        except Exception as exc:  # noqa: BLE001 - a full tier is a miss; no crash
+            assert type(exc).__name__ in ("TierFullError",), exc
+        assert srv.proc.poll() is None, srv.log()
+    got = [client.get(prompt_tokens(pid, 64)) for pid in stored]
+    wrong = sum(g.matched_tokens > 0 and not np.array_equal(
+        g.kv.numpy(), prompt_kv(p, 64)[:g.kv.numel()]) for g, p in zip(got, stored))
+    assert wrong == 0 and srv.proc.poll() is None
+    fault_log("DRAM tier filled on a /dev/shm barely larger than it", tries, tries, 0)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__]))
