@@ -32,7 +32,7 @@ from kvstore.cli_prompt import (
     prompt_options,
 )
 from kvstore.config import load_config
-from kvstore.errors import ConfigError, KVStoreError
+from kvstore.errors import KVStoreError
 from kvstore.rpc import Channel, CurveKeys
 
 __all__ = ["Admin", "KeyType", "NamespaceType", "PromptKeys", "SizeType", "TokensType",
@@ -105,8 +105,10 @@ def _open_admin(server: tuple[str, ...], timeout: float | None, config_file: str
     servers = [_address(s) for s in server] or [_address(cfg.server)]
     curve = None
     if cfg.curve_secret_key or cfg.curve_server_public_key:
-        if not (cfg.curve_secret_key and cfg.curve_server_public_key):
-            raise ConfigError("CURVE needs both --curve-secret-key and --curve-server-key")
+        if not (cfg.curve_secret_key and cfg.curve_server_public_key):  # usage: exit 2
+            missing = "--curve-secret-key" if cfg.curve_server_public_key else "--curve-server-key"
+            fail(f"{missing}: missing (CURVE needs both --curve-secret-key and "
+                 f"--curve-server-key)")
         curve = CurveKeys.load(cfg.curve_secret_key, cfg.curve_server_public_key)
     return Admin(servers, cfg.timeout_s, curve, as_json)
 

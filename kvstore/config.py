@@ -49,6 +49,7 @@ def format_size(n: int) -> str:
 
 
 Size = int  # annotation marker: fields typed Size accept "64GiB" strings
+TIER_PAGE_BYTES = 4096  # every tier allocates whole pages of this size
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,11 @@ class TiersConfig:
 
     def __post_init__(self) -> None:
         _sizes(self, "gpu_bytes", "dram_bytes", "nvme_bytes")
+        for name in ("gpu_bytes", "dram_bytes", "nvme_bytes"):
+            value = getattr(self, name)
+            if 0 < value < TIER_PAGE_BYTES:  # a tier is whole 4 KiB pages
+                raise ConfigError(f"tiers.{name}: {value} bytes is less than one 4KiB page "
+                                  f"(use 0 to disable the tier, or e.g. 64MiB)")
         _choice(self, "nvme_direct", ("auto", "on", "off"))
         _choice(self, "nvme_fsync", ("never", "commit", "always"))
 
@@ -242,13 +248,20 @@ def _coerce(name: str, typ: Any, value: Any) -> Any:
             # bool is an int subclass and 1.5 would truncate: both are mistakes here.
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError(value)
+            if isinstance(value, str) and value.strip().startswith("-") and _SIZE_RE.match(
+                    value.strip()[1:]):  # "-1GiB": say what is wrong with it
+                raise ConfigError(f"{name}: must be >= 0, got {value!r}")
             if isinstance(value, str) and _SIZE_RE.match(value) and not value.strip().isdigit():
                 return parse_size(value)
             return int(value)
         if typ is float:
             return float(value)
         return str(value)
-    except (TypeError, ValueError, ConfigError) as exc:
+    except ConfigError as exc:
+        if str(exc).startswith(f"{name}:"):
+            raise
+        raise ConfigError(f"{name}: cannot use {value!r} as {_type_name(typ)}") from exc
+    except (TypeError, ValueError) as exc:
         raise ConfigError(f"{name}: cannot use {value!r} as {_type_name(typ)}") from exc
 
 

@@ -133,6 +133,19 @@ def test_unreachable_server_fails_fast_with_one_line():
     assert len(lines) == 1 and "not reachable" in lines[0]
 
 
+@pytest.mark.parametrize("given,missing", [("--curve-server-key", "--curve-secret-key"),
+                                           ("--curve-secret-key", "--curve-server-key")])
+def test_half_a_curve_key_pair_is_a_usage_error(tmp_path, given, missing):
+    # Was exit 1 ("Error: CURVE needs both"); the docs say bad arguments exit 2.
+    key = tmp_path / "half.key"
+    key.write_text("x")
+    result = run("stats", "--server", f"tcp://127.0.0.1:{free_port()}", given, str(key))
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines == [f"kvstore stats: {missing}: missing (CURVE needs both "
+                     f"--curve-secret-key and --curve-server-key)"]
+
+
 # ------------------------------------------------------------------ ls
 def test_ls_lists_every_entry(filled):
     result = run("ls", "--server", filled.address)
@@ -360,7 +373,7 @@ def test_keys_and_curve_auth(server_factory, tmp_path):
     assert plain.exit_code == 1 and len(plain.stderr.strip().splitlines()) == 1
     assert "CURVE" in plain.stderr
     half = run("health", "--server", srv.address, *server_key)
-    assert half.exit_code == 1 and "both" in half.stderr
+    assert half.exit_code == 2 and "both" in half.stderr  # a usage error (docs: exit 2)
 
 
 # ------------------------------------------------------------------ bad arguments

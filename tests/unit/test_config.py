@@ -182,3 +182,21 @@ def test_resolve_data_path(tmp_path):
     assert resolve_data_path(str(tmp_path), "", "nvme.slab") == tmp_path / "nvme.slab"
     assert resolve_data_path(str(tmp_path), "/dev/nvme0n1", "nvme.slab").as_posix() == \
         "/dev/nvme0n1"
+
+
+@pytest.mark.parametrize("name,value,words", [
+    ("nvme_bytes", "100", "tiers.nvme_bytes: 100 bytes is less than one 4KiB page"),
+    ("dram_bytes", 4095, "tiers.dram_bytes: 4095 bytes is less than one 4KiB page"),
+    ("dram_bytes", "-1GiB", "tiers.dram_bytes: must be >= 0, got '-1GiB'"),
+    ("nvme_bytes", "-5", "tiers.nvme_bytes: must be >= 0, got '-5'"),
+])
+def test_tier_size_messages_say_what_is_wrong(name, value, words):
+    # Were "nvme capacity 0 is smaller than one page" and "cannot use '-1GiB' as int".
+    with pytest.raises(ConfigError) as err:
+        load_config(env={}, overrides={"tiers": {name: value}})
+    assert words in str(err.value)
+
+
+def test_a_tier_of_one_page_or_zero_is_fine():
+    cfg = load_config(env={}, overrides={"tiers": {"nvme_bytes": "4KiB", "gpu_bytes": 0}})
+    assert cfg.tiers.nvme_bytes == 4096 and cfg.tiers.gpu_bytes == 0
