@@ -1,9 +1,12 @@
-"""paged_io: vLLM 0.33 [B, H, N, C] caches <-> entry bytes, against kvstore.layout."""
+"""paged_io through a truthful-view placement (flash-attention's [B, H, N, K|V] caches)
+<-> entry bytes, against kvstore.layout. Backend-specific placements (CPU attention,
+MLA) are tested against vLLM's own cache writes in test_block_format.py."""
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstore.connector.block_format import truthful
 from kvstore.connector.paged_io import gather_blocks, scatter_blocks
 from kvstore.layout import KVLayout, pack_paged
 
@@ -15,6 +18,9 @@ def _caches(seed: int, nblocks: int = 12) -> list[torch.Tensor]:
     return [torch.randn(nblocks, 2, 4, 8, generator=g).half() for _ in range(3)]
 
 
+FMT = truthful(_caches(0)[0], "view")
+
+
 @settings(max_examples=40, deadline=None)
 @given(ntokens=st.integers(1, 16), extra=st.integers(0, 3), seed=st.integers(0, 99),
        perm=st.permutations(range(12)))
@@ -22,12 +28,12 @@ def test_gather_matches_layout_and_scatter_inverts_it(ntokens, extra, seed, perm
     held = min(16, ntokens + extra)  # the store may hold more of the last block
     src_ids, dst_ids = list(perm[:4]), list(perm[4:8])
     src = _caches(seed)
-    data = gather_blocks(LAYOUT, src, src_ids, held)
+    data = gather_blocks(LAYOUT, FMT, src, src_ids, held)
     # Same bytes as layout.pack_paged over the equivalent [2, B, N, H, D] caches.
     legacy = [c.unflatten(-1, (2, 4)).permute(3, 0, 2, 1, 4) for c in src]
     assert torch.equal(data, pack_paged(LAYOUT, legacy, src_ids, held))
     dst = [torch.zeros_like(c) for c in src]
-    scatter_blocks(LAYOUT, data, dst, dst_ids, ntokens, data_tokens=held)
+    scatter_blocks(LAYOUT, FMT, data, dst, dst_ids, ntokens, data_tokens=held)
     full, rest = divmod(ntokens, 4)
     for s, d in zip(src, dst):
         for i in range(full):
@@ -41,9 +47,9 @@ def test_gather_matches_layout_and_scatter_inverts_it(ntokens, extra, seed, perm
 
 def test_first_block_skips_local_prefix_blocks():
     src = _caches(1)
-    data = gather_blocks(LAYOUT, src, [5, 6, 7], 10)
+    data = gather_blocks(LAYOUT, FMT, src, [5, 6, 7], 10)
     dst = [torch.zeros_like(c) for c in src]
-    scatter_blocks(LAYOUT, data, dst, [0, 1, 2], 10, first_block=1)
+    scatter_blocks(LAYOUT, FMT, data, dst, [0, 1, 2], 10, first_block=1)
     for s, d in zip(src, dst):
         assert not d[0].any() and torch.equal(d[1], s[6])
 
@@ -56,7 +62,8 @@ def test_kvstore_and_its_connector_helpers_import_without_vllm():
     code = ("import sys; sys.modules['vllm'] = None\n"
             "import kvstore, kvstore.client, kvstore.connector.lookup_buffer\n"
             "import kvstore.connector.paged_io, kvstore.connector.v1_config\n"
-            "import kvstore.connector.v1_stores\n")
+            "import kvstore.connector.v1_stores, kvstore.connector.block_format\n"
+            "import kvstore.connector.v1_backend\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
