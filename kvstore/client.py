@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 # Abort/release after a failure are courtesies (leases reclaim anyway): wait briefly.
 _CLEANUP_TIMEOUT_S = 2.0
+_SCOPES_KEPT = 4096  # per-request namespaces remembered (a cache_salt per user is normal)
 
 
 class InsertResult(NamedTuple):
@@ -83,13 +84,17 @@ class KVStoreClient:
                  curve_server_public_key: str | None = None,
                  config: ClientConfig | None = None,
                  observer: Callable[[str, float, bool], None] | None = None,
-                 te_engine: TeEngine | None = None) -> None:
+                 te_engine: TeEngine | None = None, pp_rank: int = 0,
+                 pp_size: int = 1) -> None:
         cfg = config or ClientConfig()
         self.server = server or cfg.server
         self.layout = layout
         self.timeout_s = timeout_s or cfg.timeout_s
-        self.namespace = None if layout is None else namespace_of(model_id, layout, tp_rank,
-                                                                  tp_size, salt)
+        self._ns_args = dict(model_id=model_id, tp_rank=tp_rank, tp_size=tp_size, salt=salt,
+                             pp_rank=pp_rank, pp_size=pp_size)
+        self.namespace = None if layout is None else namespace_of(layout=layout,
+                                                                  **self._ns_args)
+        self._scoped: dict[bytes | str, bytes] = {}
         self._token_nbytes = 0 if layout is None else layout.token_nbytes
         secret = curve_secret_key if curve_secret_key is not None else cfg.curve_secret_key
         server_key = (curve_server_public_key if curve_server_public_key is not None
@@ -125,26 +130,44 @@ class KVStoreClient:
             self._hello = None  # the server may come back as a new process
             raise
 
-    def keys_for(self, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
-        return self._prompt(tokens).keys
+    def keys_for(self, tokens: Sequence[int] | np.ndarray,
+                 scope: bytes | str = b"") -> list[bytes]:
+        return self._prompt(tokens, scope).keys
 
-    def _prompt(self, tokens: Sequence[int] | np.ndarray) -> _Prompt:
+    def namespace_for(self, scope: bytes | str = b"") -> bytes:
+        """This client's key namespace, narrowed by a per-request ``scope`` (see
+        kvstore.hashing.namespace_of); the unscoped one is ``self.namespace``."""
         if self.layout is None or self.namespace is None:
             raise InvalidRequestError("this client was created without a KV layout")
+        if not scope:
+            return self.namespace
+        ns = self._scoped.get(scope)
+        if ns is None:
+            if len(self._scoped) >= _SCOPES_KEPT:
+                self._scoped.clear()  # a bound, not a policy: rebuilding one is a hash
+            ns = self._scoped[scope] = namespace_of(layout=self.layout, scope=scope,
+                                                    **self._ns_args)
+        return ns
+
+    def _prompt(self, tokens: Sequence[int] | np.ndarray, scope: bytes | str = b"") -> _Prompt:
+        namespace = self.namespace_for(scope)
+        assert self.layout is not None
         arr = tokens_to_array(tokens)
         if arr.size == 0:
             raise InvalidRequestError("empty prompt")
         bt = self.layout.block_tokens
-        bk = block_keys(self.namespace, arr, bt)
+        bk = block_keys(namespace, arr, bt)
         return _Prompt(bk.keys, block_token_bytes(arr, bt), bk.token_counts, int(arr.size))
 
     # ---------------------------------------------------------------- insert
     def insert(self, tokens: Sequence[int] | np.ndarray, kv: Any,
-               hidden: torch.Tensor | None = None, pin: bool = False) -> InsertResult:
+               hidden: torch.Tensor | None = None, pin: bool = False,
+               scope: bytes | str = b"") -> InsertResult:
         """Store the KV of ``tokens``: per-layer HF ``(k, v)`` pairs, or the flat entry
         bytes (uint8 torch tensor / numpy array of exactly ``layout.nbytes(n)``).
-        ``pin``: the entries are pinned by the commit itself (unpin to release)."""
-        prompt = self._prompt(tokens)
+        ``pin``: the entries are pinned by the commit itself (unpin to release).
+        ``scope``: what else the KV depends on (namespace_for); readers must pass it too."""
+        prompt = self._prompt(tokens, scope)
         data = self._entry_bytes(kv, prompt.ntokens)
         # token_nbytes once: layout.entry_sizes costs a torch call per block.
         token_nbytes = self._token_nbytes
@@ -212,23 +235,23 @@ class KVStoreClient:
 
     # ---------------------------------------------------------------- select
     def drop_select(self, tokens: Sequence[int] | np.ndarray, timeout: float | None = None,
-                    into: Any = None) -> SelectResult:
+                    into: Any = None, scope: bytes | str = b"") -> SelectResult:
         """Longest stored prefix of ``tokens``: move its KV here, then drop it there.
 
         ``into``: a buffer the caller reuses (contiguous numpy array or CPU tensor, at
         least the prompt's KV bytes plus its hidden state); the bytes land there with
         no copy and no fresh memory per call, and ``kv`` is a view of it."""
-        return self._select(tokens, drop=True, timeout=timeout, into=into)
+        return self._select(tokens, drop=True, timeout=timeout, into=into, scope=scope)
 
     def get(self, tokens: Sequence[int] | np.ndarray, timeout: float | None = None,
-            into: Any = None) -> SelectResult:
+            into: Any = None, scope: bytes | str = b"") -> SelectResult:
         """Like ``drop_select`` but leaves the entries stored (prefix caching)."""
-        return self._select(tokens, drop=False, timeout=timeout, into=into)
+        return self._select(tokens, drop=False, timeout=timeout, into=into, scope=scope)
 
     def _select(self, tokens: Any, drop: bool, timeout: float | None,
-                into: Any = None) -> SelectResult:
+                into: Any = None, scope: bytes | str = b"") -> SelectResult:
         deadline = time.monotonic() + (timeout or self.timeout_s)
-        prompt = self._prompt(tokens)
+        prompt = self._prompt(tokens, scope)
         self._segment()
         keys = [*prompt.keys, hidden_key(prompt.keys[-1])]
         toks = [*prompt.tokens, prompt.tokens[-1]]
@@ -268,8 +291,9 @@ class KVStoreClient:
         except KVStoreError as exc:  # the read lease reclaims it anyway
             log.debug("release of %s failed: %s", aid, exc)
 
-    def lookup(self, tokens: Sequence[int] | np.ndarray) -> LookupResult:
-        prompt = self._prompt(tokens)
+    def lookup(self, tokens: Sequence[int] | np.ndarray,
+               scope: bytes | str = b"") -> LookupResult:
+        prompt = self._prompt(tokens, scope)
         res = self._call(p.Lookup(keys=tuple(prompt.keys), tokens=tuple(prompt.tokens)))
         return LookupResult(res["matched_tokens"], res["matched_blocks"], list(res["tiers"]))
 

@@ -67,6 +67,7 @@ class ClusterClient:
     def __init__(self, etcd: str, layout: KVLayout, model_id: str = "default",
                  tp_rank: int = 0, tp_size: int = 1, salt: bytes | str = b"",
                  prefix: str = "/kvstore/nodes/", placement_blocks: int = 1,
+                 pp_rank: int = 0, pp_size: int = 1,
                  timeout_s: float = 10.0, refresh_s: float = 1.0, forget_s: float = 10.0,
                  **client_opts: Any) -> None:
         if placement_blocks < 1:
@@ -74,7 +75,9 @@ class ClusterClient:
         self.layout = layout
         self.placement_blocks = placement_blocks
         self.timeout_s = timeout_s
-        self.namespace = namespace_of(model_id, layout, tp_rank, tp_size, salt)
+        self._ns_args = dict(model_id=model_id, tp_rank=tp_rank, tp_size=tp_size, salt=salt,
+                             pp_rank=pp_rank, pp_size=pp_size)
+        self.namespace = namespace_of(layout=layout, **self._ns_args)
         cfg = client_opts.get("config") or ClientConfig()
         te_host = client_opts.pop("te_host", None) or cfg.te_host
         staging_bytes = client_opts.pop("staging_bytes", None) or cfg.staging_bytes
@@ -82,7 +85,8 @@ class ClusterClient:
         self._owns_engine = shared is None
         self.te_engine = shared or TeEngine(te_host, staging_bytes, timeout_s)
         self._client_args = dict(layout=layout, model_id=model_id, tp_rank=tp_rank,
-                                 tp_size=tp_size, salt=salt, timeout_s=timeout_s,
+                                 tp_size=tp_size, salt=salt, pp_rank=pp_rank,
+                                 pp_size=pp_size, timeout_s=timeout_s,
                                  te_engine=self.te_engine, **client_opts)
         self.nodes = NodeSet(EtcdClient(etcd, timeout_s=min(timeout_s, 2.0)), prefix,
                              refresh_s=refresh_s, forget_s=forget_s).watch()
@@ -90,20 +94,29 @@ class ClusterClient:
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ placement
-    def placement_key(self, tokens: Sequence[int] | np.ndarray) -> bytes:
+    def _namespace(self, scope: bytes | str) -> bytes:
+        if not scope:
+            return self.namespace
+        return namespace_of(layout=self.layout, scope=scope, **self._ns_args)
+
+    def placement_key(self, tokens: Sequence[int] | np.ndarray,
+                      scope: bytes | str = b"") -> bytes:
         arr = tokens_to_array(tokens)
         if arr.size == 0:
             raise InvalidRequestError("empty prompt")
-        keys = block_keys(self.namespace, arr, self.layout.block_tokens).keys
+        keys = block_keys(self._namespace(scope), arr, self.layout.block_tokens).keys
         return keys[min(self.placement_blocks, len(keys)) - 1]
 
-    def placement(self, tokens: Sequence[int] | np.ndarray) -> list[NodeInfo]:
+    def placement(self, tokens: Sequence[int] | np.ndarray,
+                  scope: bytes | str = b"") -> list[NodeInfo]:
         """Live nodes in the order this prompt tries them; the first is its home."""
-        return self.nodes.order(self.placement_key(tokens))
+        return self.nodes.order(self.placement_key(tokens, scope))
 
-    def keys_for(self, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
+    def keys_for(self, tokens: Sequence[int] | np.ndarray,
+                 scope: bytes | str = b"") -> list[bytes]:
         """The prompt's chained block keys (as KVStoreClient.keys_for; no node needed)."""
-        return block_keys(self.namespace, tokens_to_array(tokens), self.layout.block_tokens).keys
+        return block_keys(self._namespace(scope), tokens_to_array(tokens),
+                          self.layout.block_tokens).keys
 
     def client_for(self, node: NodeInfo) -> KVStoreClient:
         """The (lazily made) client of ``node``; remade when its address changed."""
@@ -119,12 +132,12 @@ class ClusterClient:
 
     # ------------------------------------------------------------ data API
     def insert(self, tokens: Sequence[int] | np.ndarray, kv: Any, hidden: Any = None,
-               pin: bool = False) -> InsertResult:
+               pin: bool = False, scope: bytes | str = b"") -> InsertResult:
         """Insert on the prompt's home node; on a node failure, on the next live one."""
-        order = self.placement(tokens)
+        order = self.placement(tokens, scope)
         for attempt, node in enumerate(order):
             try:
-                return self.client_for(node).insert(tokens, kv, hidden, pin=pin)
+                return self.client_for(node).insert(tokens, kv, hidden, pin=pin, scope=scope)
             except NODE_FAILURES as exc:
                 self._node_failed(node, exc)
                 if attempt == len(order) - 1:
@@ -132,18 +145,21 @@ class ClusterClient:
         raise AssertionError("unreachable: order is never empty")
 
     def drop_select(self, tokens: Sequence[int] | np.ndarray, timeout: float | None = None,
-                    into: Any = None) -> SelectResult:
+                    into: Any = None, scope: bytes | str = b"") -> SelectResult:
         return self._read(tokens, timeout,
-                          lambda c, t: c.drop_select(tokens, timeout=t, into=into),
-                          SelectResult(0, None, None))
+                          lambda c, t: c.drop_select(tokens, timeout=t, into=into, scope=scope),
+                          SelectResult(0, None, None), scope)
 
     def get(self, tokens: Sequence[int] | np.ndarray, timeout: float | None = None,
-            into: Any = None) -> SelectResult:
-        return self._read(tokens, timeout, lambda c, t: c.get(tokens, timeout=t, into=into),
-                          SelectResult(0, None, None))
+            into: Any = None, scope: bytes | str = b"") -> SelectResult:
+        return self._read(tokens, timeout,
+                          lambda c, t: c.get(tokens, timeout=t, into=into, scope=scope),
+                          SelectResult(0, None, None), scope)
 
-    def lookup(self, tokens: Sequence[int] | np.ndarray) -> LookupResult:
-        return self._read(tokens, None, lambda c, t: c.lookup(tokens), LookupResult(0, 0, []))
+    def lookup(self, tokens: Sequence[int] | np.ndarray,
+               scope: bytes | str = b"") -> LookupResult:
+        return self._read(tokens, None, lambda c, t: c.lookup(tokens, scope=scope),
+                          LookupResult(0, 0, []), scope)
 
     def pin(self, keys: Sequence[bytes]) -> Any:
         """Pin on the home node of the prompt whose chain ``keys`` starts with (a
@@ -164,12 +180,13 @@ class ClusterClient:
             raise
 
     def _read(self, tokens: Any, timeout: float | None,
-              call: Callable[[KVStoreClient, float], T], miss: T) -> T:
+              call: Callable[[KVStoreClient, float], T], miss: T,
+              scope: bytes | str = b"") -> T:
         """``call`` on the home node; a failed node is forgotten and the next one tried
         while time is left; a miss once the deadline passes or no node is left."""
         deadline = time.monotonic() + (timeout or self.timeout_s)
         try:
-            order = self.placement(tokens)
+            order = self.placement(tokens, scope)
         except PeerUnavailableError as exc:  # no node registered, or etcd unreachable
             log.warning("read is a miss: %s", exc)
             return miss

@@ -42,16 +42,33 @@ class BlockKeys(NamedTuple):
 
 
 def namespace_of(model_id: str, layout: KVLayout, tp_rank: int = 0, tp_size: int = 1,
-                 salt: bytes | str = b"") -> bytes:
-    """Fingerprint of everything that makes two caches' bytes interchangeable."""
+                 salt: bytes | str = b"", pp_rank: int = 0, pp_size: int = 1,
+                 scope: bytes | str = b"") -> bytes:
+    """Fingerprint of everything that makes two caches' bytes interchangeable.
+
+    ``pp_rank``/``pp_size``: a pipeline stage holds only its own layers' KV.
+    ``scope``: what else a request's KV depends on beyond its tokens (the vLLM
+    connector passes the request's LoRA adapter, multimodal inputs and cache_salt:
+    what vLLM's own prefix-cache block hashes carry), so only requests vLLM would
+    let share a cached block share an entry."""
     if not 0 <= tp_rank < tp_size:
         raise InvalidRequestError(f"tp_rank {tp_rank} outside 0..{tp_size - 1}")
-    salt_bytes = salt.encode() if isinstance(salt, str) else bytes(salt)
+    if not 0 <= pp_rank < pp_size:
+        raise InvalidRequestError(f"pp_rank {pp_rank} outside 0..{pp_size - 1}")
     parts = [model_id.encode(), repr(layout.describe()).encode(),
-             f"tp{tp_rank}/{tp_size}".encode(), salt_bytes]
+             f"tp{tp_rank}/{tp_size}".encode(), _as_bytes(salt)]
+    # Appended only when set, so keys without them stay what they always were.
+    if pp_size > 1:
+        parts.append(f"pp{pp_rank}/{pp_size}".encode())
+    if scope:
+        parts.append(b"scope:" + _as_bytes(scope))
     # Length-prefix each part so ("ab", "c") and ("a", "bc") differ.
     blob = b"".join(len(p).to_bytes(4, "little") + p for p in parts)
     return xxhash.xxh3_128_digest(blob)
+
+
+def _as_bytes(value: bytes | str) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
 
 
 def tokens_to_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
