@@ -7,6 +7,11 @@ Every key (docs/vllm.md lists them with examples):
   hashing, kvstore.cluster_client). A producer saves there and names it in
   ``kv_transfer_params``; a consumer loads from the address a request's
   ``kv_transfer_params`` names, else from here. [tcp://127.0.0.1:7700]
+* ``allowed_servers`` — further ``tcp://`` servers a consumer may load from when a
+  request's ``kv_transfer_params`` name them (the prefill nodes' servers). Those
+  params arrive in an HTTP request: an address that is neither ``server``, nor
+  listed here, nor a member of ``server``'s cluster is ignored (warned, counted),
+  never connected to. [[]]
 * ``cluster_prefix`` — the etcd key prefix the cluster's servers register under
   (their ``--cluster-prefix``); only with an ``etcd://`` server. [/kvstore/nodes/]
 * ``model_id`` — part of the key namespace; producer and consumer must agree.
@@ -35,13 +40,14 @@ from kvstore.errors import ConfigError
 from kvstore.layout import KVLayout, dtype_name
 
 SERVER_SCHEMES = ("tcp://", "etcd://")  # one server / a cluster's registry
-_KEYS = {"server", "cluster_prefix", "model_id", "salt", "timeout_s", "te_host",
+_KEYS = {"server", "allowed_servers", "cluster_prefix", "model_id", "salt", "timeout_s", "te_host",
          "staging_bytes", "same_node", "load_mode", "save", "load"}
 
 
 @dataclass(frozen=True)
 class ConnectorSettings:
     server: str
+    allowed_servers: tuple[str, ...]
     cluster_prefix: str
     model_id: str
     salt: str
@@ -69,6 +75,7 @@ class ConnectorSettings:
             same_node = same_node.lower() == "true"
         settings = cls(
             server=str(extra.get("server", "tcp://127.0.0.1:7700")),
+            allowed_servers=_addresses(extra.get("allowed_servers", ())),
             cluster_prefix=str(extra.get("cluster_prefix", "/kvstore/nodes/")),
             model_id=str(extra.get("model_id", default_model_id)),
             salt=str(extra.get("salt", "")),
@@ -87,6 +94,10 @@ class ConnectorSettings:
         if not self.server.startswith(SERVER_SCHEMES):
             raise ConfigError(f"server must be tcp://host:port or etcd://host:port, "
                               f"got {self.server!r}")
+        for address in self.allowed_servers:
+            if not address.startswith("tcp://"):
+                raise ConfigError(f"allowed_servers entries must be tcp://host:port, "
+                                  f"got {address!r}")
         if not self.cluster_prefix:
             raise ConfigError("cluster_prefix must not be empty")
         if self.timeout_s <= 0:
@@ -95,6 +106,15 @@ class ConnectorSettings:
             raise ConfigError(f"load_mode must be 'drop' or 'keep', got {self.load_mode!r}")
         if self.same_node not in (True, False, "auto"):
             raise ConfigError(f"same_node must be true, false or 'auto', got {self.same_node!r}")
+
+
+def _addresses(value: Any) -> tuple[str, ...]:
+    """A list of addresses, or one string of them separated by commas."""
+    if isinstance(value, str):
+        value = [v for v in value.split(",")]
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"allowed_servers must be a list of tcp://host:port, got {value!r}")
+    return tuple(str(v).strip() for v in value if str(v).strip())
 
 
 def _flag(value: Any) -> bool:

@@ -8,6 +8,10 @@ whatever the store or the network does: a lookup that fails is 0 tokens, a load
 that fails names the blocks vLLM must recompute, a save that fails is logged and
 skipped (a later reader recomputes). A server that timed out or is gone is skipped
 for ``_DOWN_S`` seconds, so a dead peer costs one timeout, not one per request.
+
+Addresses come from requests (``kv_transfer_params``), so ``source`` admits only the
+configured ones; clients are kept for at most ``_CLIENTS_KEPT`` addresses (least
+recently used closed first), so no stream of addresses grows the process.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +28,7 @@ import torch
 from kvstore.client import KVStoreClient
 from kvstore.cluster_client import ClusterClient, connect
 from kvstore.datapath import TeEngine
+from kvstore.connector.block_format import BlockFormat
 from kvstore.connector.paged_io import gather_blocks, scatter_blocks
 from kvstore.connector.v1_config import ConnectorSettings
 from kvstore.errors import KVTimeoutError, MissError, PeerUnavailableError
@@ -31,29 +37,66 @@ from kvstore.layout import KVLayout
 log = logging.getLogger(__name__)
 
 _DOWN_S = 10.0
+_CLIENTS_KEPT = 32
 
 
 class StoreClients:
     def __init__(self, settings: ConnectorSettings, layout: KVLayout, tp_rank: int,
-                 tp_size: int, worker: bool) -> None:
+                 tp_size: int, worker: bool, pp_rank: int = 0, pp_size: int = 1) -> None:
         self.settings, self.layout = settings, layout
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.pp_rank, self.pp_size = pp_rank, pp_size
         # The scheduler only looks up: its clients never move bytes.
         staging = settings.staging_bytes if worker else 1 << 20
         self._engine = TeEngine(settings.te_host, staging, settings.timeout_s)
-        self._clients: dict[str, KVStoreClient | ClusterClient] = {}
+        self._clients: OrderedDict[str, KVStoreClient | ClusterClient] = OrderedDict()
         self._down_until: dict[str, float] = {}
         self._lock = threading.Lock()
+        self.rejected_sources = 0  # request-named addresses nobody configured
 
     def client(self, server: str) -> KVStoreClient | ClusterClient:
         with self._lock:
-            if server not in self._clients:
-                s = self.settings
-                self._clients[server] = connect(
-                    server, self.layout, prefix=s.cluster_prefix, model_id=s.model_id,
-                    tp_rank=self.tp_rank, tp_size=self.tp_size, salt=s.salt,
-                    timeout_s=s.timeout_s, same_node=s.same_node, te_engine=self._engine)
-            return self._clients[server]
+            client = self._clients.get(server)
+            if client is not None:
+                self._clients.move_to_end(server)
+                return client
+            s = self.settings
+            client = self._clients[server] = connect(
+                server, self.layout, prefix=s.cluster_prefix, model_id=s.model_id,
+                tp_rank=self.tp_rank, tp_size=self.tp_size, salt=s.salt,
+                pp_rank=self.pp_rank, pp_size=self.pp_size,
+                timeout_s=s.timeout_s, same_node=s.same_node, te_engine=self._engine)
+            old = self._clients.popitem(last=False)[1] \
+                if len(self._clients) > _CLIENTS_KEPT else None
+        if old is not None:
+            _close(old)
+        return client
+
+    def source(self, named: Any) -> str:
+        """The server to load from when a request names ``named``: that one if the
+        operator configured it (``server``, ``allowed_servers``, or a member of
+        ``server``'s cluster), else this node's ``server``."""
+        own = self.settings.server
+        if named is None or named == own:
+            return own
+        if isinstance(named, str) and (named in self.settings.allowed_servers
+                                       or self._cluster_member(named)):
+            return named
+        self.rejected_sources += 1
+        log.warning("ignoring kv_transfer_params server %.100r: not this connector's server, "
+                    "in allowed_servers or in its cluster (%d ignored so far)", named,
+                    self.rejected_sources)
+        return own
+
+    def _cluster_member(self, address: str) -> bool:
+        if not self.settings.server.startswith("etcd://"):
+            return False
+        try:
+            cluster = self.client(self.settings.server)
+            return any(node.address == address for node in cluster.nodes.nodes().values())
+        except Exception as exc:  # noqa: BLE001 - an unknown cluster admits nobody
+            log.warning("cluster membership of %.100r unknown: %s", address, exc)
+            return False
 
     def _usable(self, server: str) -> bool:
         return time.monotonic() >= self._down_until.get(server, 0.0)
@@ -67,17 +110,17 @@ class StoreClients:
             self._down_until[server] = time.monotonic() + _DOWN_S
 
     # ------------------------------------------------------------------ calls
-    def lookup(self, server: str, tokens: Sequence[int]) -> int:
+    def lookup(self, server: str, tokens: Sequence[int], scope: str = "") -> int:
         """Prompt tokens the store holds (a non-binding answer); 0 on any failure."""
         if not tokens or not self._usable(server):
             return 0
         try:
-            return self.client(server).lookup(tokens).matched_tokens
+            return self.client(server).lookup(tokens, scope=scope).matched_tokens
         except Exception as exc:  # noqa: BLE001 - never into the scheduler
             self._failed(server, "lookup", exc)
             return 0
 
-    def load(self, order: Any, caches: Sequence[torch.Tensor]) -> set[int]:
+    def load(self, order: Any, fmt: BlockFormat, caches: Sequence[torch.Tensor]) -> set[int]:
         """Load ``order.ntokens`` prompt tokens into ``order.block_ids``; returns the
         block ids that did not get their KV (vLLM recomputes from the first one)."""
         bt = self.layout.block_tokens
@@ -89,13 +132,13 @@ class StoreClients:
             if not self._usable(order.server):
                 raise MissError(f"{order.server} failed recently")
             fetch = client.drop_select if self.settings.load_mode == "drop" else client.get
-            res = fetch(order.token_ids)
+            res = fetch(order.token_ids, scope=order.scope)
             held = res.matched_tokens
             got = min(held, order.ntokens)
             # A partially received block is recomputed whole: keep only full ones.
             good = got if got == order.ntokens else got - got % bt
             if good > order.first_block * bt:
-                scatter_blocks(self.layout, res.kv, caches, order.block_ids, good,
+                scatter_blocks(self.layout, fmt, res.kv, caches, order.block_ids, good,
                                order.first_block, data_tokens=held)
             got = good
         except Exception as exc:  # noqa: BLE001 - reported as load errors, never raised
@@ -108,14 +151,15 @@ class StoreClients:
                  got, order.ntokens, nblocks - first_bad)
         return set(order.block_ids[first_bad:nblocks]) & set(wanted)
 
-    def save(self, order: Any, caches: Sequence[torch.Tensor]) -> bool:
+    def save(self, order: Any, fmt: BlockFormat, caches: Sequence[torch.Tensor]) -> bool:
         """Insert a finished prompt's KV into this node's server; False if skipped."""
         server = self.settings.server
         if not self._usable(server):
             return False
         try:
-            data = gather_blocks(self.layout, caches, order.block_ids, len(order.token_ids))
-            self.client(server).insert(order.token_ids, data)
+            data = gather_blocks(self.layout, fmt, caches, order.block_ids,
+                                 len(order.token_ids))
+            self.client(server).insert(order.token_ids, data, scope=order.scope)
             return True
         except Exception as exc:  # noqa: BLE001 - a failed save only costs a later miss
             self._failed(server, f"save of {order.req_id}", exc)
@@ -123,10 +167,15 @@ class StoreClients:
 
     def close(self) -> None:
         with self._lock:
-            for client in self._clients.values():
-                try:
-                    client.close()
-                except Exception:
-                    log.debug("closing a kvstore client failed", exc_info=True)
+            clients = list(self._clients.values())
             self._clients.clear()
+        for client in clients:
+            _close(client)
         self._engine.close()
+
+
+def _close(client: KVStoreClient | ClusterClient) -> None:
+    try:
+        client.close()
+    except Exception:  # noqa: BLE001 - closing is best effort
+        log.debug("closing a kvstore client failed", exc_info=True)

@@ -11,15 +11,23 @@ Load it with::
 (keys: kvstore.connector.v1_config; docs/vllm.md). vLLM imports this module itself,
 so it imports vLLM at the top; nothing else in kvstore imports it.
 
+What is stored for a prompt of ``n`` tokens is the KV of its first ``n - 1``: a decode
+engine computes the last prompt token itself (it needs its logits), so it can never
+use more, and a 1-token prompt stores nothing that no consumer could ever take.
+Keys are scoped per request (``request_scope``: LoRA adapter, multimodal inputs,
+``cache_salt``), so two requests share KV only where vLLM's prefix cache would.
+
 Scheduler side (one per engine): ``get_num_new_matched_tokens`` asks the store
 (``lookup``, non-binding) how many prompt tokens it holds; ``update_state_after_alloc``
 notes where they go; ``build_connector_meta`` turns that, and every prompt whose
 prefill finishes this step, into load and save orders for the workers;
 ``request_finished`` hands the server's address to the decode side.
 
-Worker side (one per GPU worker): ``start_load_kv`` drop_selects (or gets) each
-order's prefix and scatters it into the allocated blocks before the forward
-(synchronous load); ``wait_for_save`` gathers each finished prompt's blocks after
+Worker side (one per GPU worker): ``register_kv_caches`` asks the attention backend
+where it keeps K/V inside a block (kvstore.connector.v1_backend: its own cache
+write, probed; a backend it cannot place is a ConfigError at start);
+``start_load_kv`` drop_selects (or gets) each order's prefix and scatters it into the
+allocated blocks before the forward (synchronous load); ``wait_for_save`` gathers each finished prompt's blocks after
 the forward and inserts them. Invariant: no kvstore error ever reaches vLLM — a
 miss, timeout or dead server turns into "0 tokens matched" (scheduler) or into the
 block ids returned by ``get_block_ids_with_load_errors`` (worker), which vLLM
@@ -39,8 +47,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvstore.connector.block_format import BlockFormat
+from kvstore.connector.v1_backend import block_format_of
 from kvstore.connector.v1_config import (
-    SERVER_SCHEMES,
     ConnectorSettings,
     layout_from_kv_cache_config,
 )
@@ -59,24 +68,25 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PARAM_SERVER = "kvstore_server"  # kv_transfer_params key: where the prompt's KV is
-PARAM_TOKENS = "kvstore_tokens"
 
 
 @dataclass(frozen=True)
 class LoadOrder:
     req_id: str
-    token_ids: list[int]  # the prompt
+    token_ids: list[int]  # the stored part of the prompt: all but its last token
     block_ids: list[int]  # the request's blocks, in token order
     ntokens: int  # tokens whose KV must be present after the load
     first_block: int  # blocks before this one are local prefix-cache hits
     server: str
+    scope: str = ""  # request_scope(): part of the keys
 
 
 @dataclass(frozen=True)
 class SaveOrder:
     req_id: str
-    token_ids: list[int]
+    token_ids: list[int]  # the stored part of the prompt: all but its last token
     block_ids: list[int]
+    scope: str = ""
 
 
 @dataclass
@@ -89,8 +99,34 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 class _Tracked:
     """Scheduler-side view of a running request whose prompt may need saving."""
 
-    token_ids: list[int]
+    token_ids: list[int]  # what will be saved: the prompt but its last token
     block_ids: list[int]
+    scope: str
+
+
+def stored_part(prompt: list[int]) -> list[int]:
+    """The prompt tokens whose KV is stored: all but the last (see the module doc)."""
+    return prompt[:-1]
+
+
+def request_scope(request: Request) -> str:
+    """What a request's KV depends on besides its tokens, as vLLM's prefix-cache block
+    hashes see it: its cache_salt, LoRA adapter and multimodal inputs (by content
+    hash and position). Requests with prompt embeddings get a scope no other
+    request has (their KV depends on the embeddings), so they never share."""
+    parts = []
+    if getattr(request, "prompt_embeds", None) is not None:
+        parts.append(f"embeds={request.request_id}")
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts.append(f"salt={salt}")
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(f"lora={lora.lora_name}@{getattr(lora, 'lora_path', '')}")
+    for feature in getattr(request, "mm_features", None) or []:
+        pos = feature.mm_position
+        parts.append(f"mm={feature.identifier}@{pos.offset}+{pos.length}")
+    return "\n".join(parts)
 
 
 class KVStoreConnectorV1(KVConnectorBase_V1):
@@ -101,49 +137,62 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
         self.settings = ConnectorSettings.from_extra(kvt.kv_role, kvt.kv_connector_extra_config,
                                                      _model_name(vllm_config))
         self.layout, self.layer_names = layout_from_kv_cache_config(kv_cache_config)
-        tp_size = vllm_config.parallel_config.tensor_parallel_size
-        tp_rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
-        self.stores = StoreClients(self.settings, self.layout, tp_rank, tp_size,
-                                   worker=role == KVConnectorRole.WORKER)
+        parallel = vllm_config.parallel_config
+        worker = role == KVConnectorRole.WORKER
+        tp_rank, pp_rank = (_tp_rank(), _pp_rank()) if worker else (0, 0)
+        self.stores = StoreClients(self.settings, self.layout, tp_rank,
+                                   parallel.tensor_parallel_size, worker=worker,
+                                   pp_rank=pp_rank,
+                                   pp_size=parallel.pipeline_parallel_size)
         # scheduler side
-        self._matched: dict[str, tuple[int, str]] = {}  # req -> (local tokens, server)
+        self._scopes: dict[str, str] = {}  # req -> request_scope(), from its first sight
+        self._matched: dict[str, tuple[int, str, int]] = {}  # req -> (local, server, stored)
         self._pending_loads: dict[str, tuple[int, int, str]] = {}  # req -> (ntokens, first, server)
         self._tracked: dict[str, _Tracked] = {}
         # worker side
         self._caches: list[torch.Tensor] = []
+        self._format: BlockFormat | None = None
         self._load_errors: set[int] = set()
 
     # ============================================================ scheduler side
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
+        scope = self._scopes.setdefault(request.request_id, request_scope(request))
         if not self.settings.load:
             return 0, False
-        prompt = list(request.prompt_token_ids or [])
+        stored_tokens = stored_part(list(request.prompt_token_ids or []))
+        if not stored_tokens:
+            return 0, False
         server = self._source(request)
-        # vLLM must compute at least the last prompt token itself (its logits).
-        stored = min(self.stores.lookup(server, prompt), len(prompt) - 1)
+        stored = self.stores.lookup(server, stored_tokens, scope)
         new = max(0, stored - num_computed_tokens)
-        self._matched[request.request_id] = (num_computed_tokens, server)
+        self._matched[request.request_id] = (num_computed_tokens, server, stored)
         return new, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         matched = self._matched.pop(request.request_id, None)
-        if num_external_tokens <= 0 or matched is None:
+        if matched is None:
             return
-        local, server = matched  # local: vLLM's block-aligned prefix-cache hit
-        self._pending_loads[request.request_id] = (local + num_external_tokens,
+        local, server, stored = matched  # local: vLLM's block-aligned prefix-cache hit
+        if num_external_tokens <= 0 and not (stored and self.settings.load_mode == "drop"):
+            return
+        # With nothing new to load, a drop still takes the entries (an order that
+        # writes no block): left behind, they would wait for a consumer forever.
+        self._pending_loads[request.request_id] = (local + max(0, num_external_tokens),
                                                    local // self.layout.block_tokens, server)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVStoreConnectorMetadata()
         for new in scheduler_output.scheduled_new_reqs:
-            tokens, blocks = list(new.prompt_token_ids or []), list(new.block_ids[0])
+            tokens = stored_part(list(new.prompt_token_ids or []))
+            blocks = list(new.block_ids[0])
+            scope = self._scopes.get(new.req_id, "")
             load = self._pending_loads.pop(new.req_id, None)
             if load is not None:
-                meta.loads.append(LoadOrder(new.req_id, tokens, blocks, *load))
+                meta.loads.append(LoadOrder(new.req_id, tokens, blocks, *load, scope=scope))
             if self.settings.save and tokens:
-                self._tracked[new.req_id] = _Tracked(tokens, blocks)
+                self._tracked[new.req_id] = _Tracked(tokens, blocks, scope)
                 self._maybe_save(meta, new.req_id, new.num_computed_tokens,
                                  scheduler_output.num_scheduled_tokens.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
@@ -163,53 +212,61 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
 
     def _maybe_save(self, meta: KVStoreConnectorMetadata, req_id: str, computed: int,
                     scheduled: int) -> None:
-        """Order the save in the step that computes the prompt's last token."""
+        """Order the save in the step that computes the last stored token."""
         tracked = self._tracked[req_id]
         if computed + scheduled >= len(tracked.token_ids):
-            meta.saves.append(SaveOrder(req_id, tracked.token_ids, list(tracked.block_ids)))
+            meta.saves.append(SaveOrder(req_id, tracked.token_ids, list(tracked.block_ids),
+                                        tracked.scope))
             del self._tracked[req_id]
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._tracked.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
+        self._scopes.pop(request.request_id, None)
         if not self.settings.save:
             return False, None
         # The save ran synchronously in the step that finished the prompt, so the
         # blocks may be freed now.
-        return False, {PARAM_SERVER: self.settings.server,
-                       PARAM_TOKENS: len(request.prompt_token_ids or [])}
+        return False, {PARAM_SERVER: self.settings.server}
 
     def _source(self, request: Request) -> str:
+        """Where to load from: the request's kv_transfer_params may name a server,
+        but they come from an HTTP request, so only an address the operator
+        configured is used (StoreClients.source)."""
         params = getattr(request, "kv_transfer_params", None) or {}
-        server = params.get(PARAM_SERVER)
-        return server if isinstance(server, str) and server.startswith(SERVER_SCHEMES) \
-            else self.settings.server
+        return self.stores.source(params.get(PARAM_SERVER) if isinstance(params, dict)
+                                  else None)
 
     # =============================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Fatal (``ConfigError``, at start-up) if the caches are not the per-layer
-        ``[blocks, kv_heads, block_size, K+V]`` views the layout was derived for."""
+        views the layout was derived for, or the backend keeps its blocks in a way
+        the connector cannot place (v1_backend)."""
         missing = [n for n in self.layer_names if n not in kv_caches]
         if missing:
             raise ConfigError(f"kv caches lack attention layers {missing[:3]}")
         lay = self.layout
-        want = (lay.kv_heads, lay.block_tokens, 2 * lay.head_dim)
+        attn = (lay.kv_heads, lay.block_tokens, 2 * lay.head_dim)
+        mla = (lay.block_tokens, 2 * lay.head_dim)
         for name in self.layer_names:
             cache = kv_caches[name]
-            if cache.dim() != 4 or tuple(cache.shape[1:]) != want or \
-                    cache.dtype != lay.torch_dtype:
+            shape = tuple(cache.shape[1:])
+            if shape not in (attn, mla) or cache.dtype != lay.torch_dtype or \
+                    (shape == mla and lay.kv_heads != 1):
                 raise ConfigError(
                     f"layer {name}: KV cache view {tuple(cache.shape)} {cache.dtype}, expected "
-                    f"[blocks, {want[0]}, {want[1]}, {want[2]}] {lay.dtype}; if the kernel "
-                    f"block size differs from --block-size, set --block-size to it")
+                    f"[blocks, {attn[0]}, {attn[1]}, {attn[2]}] {lay.dtype} (MLA: [blocks, "
+                    f"{mla[0]}, {mla[1]}]); if the kernel block size differs from "
+                    f"--block-size, set --block-size to it")
+        self._format = block_format_of(self._vllm_config, self.layer_names, kv_caches)
         self._caches = [kv_caches[n] for n in self.layer_names]
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
         for order in meta.loads:
-            self._load_errors.update(self.stores.load(order, self._caches))
+            self._load_errors.update(self.stores.load(order, self._format, self._caches))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete inside start_load_kv
@@ -224,7 +281,7 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
         for order in meta.saves:
-            self.stores.save(order, self._caches)
+            self.stores.save(order, self._format, self._caches)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -240,6 +297,15 @@ def _model_name(vllm_config: VllmConfig) -> str:
     if isinstance(name, (list, tuple)):
         name = name[0] if name else None
     return str(name or "default")
+
+
+def _pp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        return get_pp_group().rank_in_group
+    except (AssertionError, ImportError, AttributeError):  # no PP group: one stage
+        return 0
 
 
 def _tp_rank() -> int:

@@ -1,11 +1,14 @@
-"""KVStoreConnectorV1 driven through vLLM's own API against real kvstore-servers.
+"""KVStoreConnectorV1's scheduler/worker protocol, driven through vLLM's own API.
 
 vLLM's connector factory builds the connector from a KVTransferConfig inside a CPU
 VllmConfig; its scheduler-side methods get real ``vllm.v1.request.Request``,
-``KVCacheBlocks`` and ``SchedulerOutput`` objects, its worker side real CPU paged
-caches in vLLM 0.33's per-layer ``[blocks, kv_heads, block_size, 2 * head_size]``
-view. The model forward itself is not run (vLLM has no CPU kernels in this wheel):
-the producer's caches are filled with random KV as a forward would leave them.
+``KVCacheBlocks`` and ``SchedulerOutput`` objects, against real kvstore-servers.
+These tests cover orders, failures and prefix bookkeeping, not KV placement: no
+model runs, so there is no attention backend to probe, and the worker is given the
+placement of a backend whose cache view is the truth (flash-attention's, a GPU
+backend that cannot run here). Placement inside real engines is judged by
+tests/engine (real vLLM engines, token-identical decode) and
+tests/unit/test_block_format.py (vLLM's own CPU cache-write kernel).
 """
 
 from __future__ import annotations
@@ -30,10 +33,19 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import Request
 
 from kvstore.client import KVStoreClient
+from kvstore.connector import vllm_v1
+from kvstore.connector.block_format import truthful
 from kvstore.connector.vllm_v1 import PARAM_SERVER, KVStoreConnectorV1
 from tests.integration.conftest import free_port
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def view_truthful_backend(monkeypatch):
+    """No engine runs here: give the worker a truthful-view backend's placement."""
+    monkeypatch.setattr(vllm_v1, "block_format_of",
+                        lambda _cfg, names, caches: truthful(caches[names[0]], "test-view"))
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
 HEADS, HEAD, BS, NUM_BLOCKS = 2, 8, 4, 16  # block size = the test servers' block_tokens
@@ -130,9 +142,10 @@ def test_producer_saves_consumer_loads_exact_bytes_into_other_blocks(clean_serve
     assert entries(clean_server) == 3
 
     # The consumer's own server is somewhere else (here: nowhere): the request's
-    # kv_transfer_params name the producer's server.
+    # kv_transfer_params name the producer's server, which the operator allowed.
     sched, worker, caches = make_connectors("kv_consumer",
-                                            server=f"tcp://127.0.0.1:{free_port()}")
+                                            server=f"tcp://127.0.0.1:{free_port()}",
+                                            allowed_servers=[clean_server.address])
     req = request("d1", prompt, params)
     matched, is_async = sched.get_num_new_matched_tokens(req, 0)
     assert (matched, is_async) == (len(prompt) - 1, False)  # vLLM computes the last one
@@ -309,8 +322,9 @@ def test_one_step_with_a_loading_and_a_saving_request(clean_server):
     for name in LAYERS:
         assert torch.equal(caches[name][3], before[name][0])
         assert torch.equal(caches[name][4], before[name][1])
-    # s0's 3 entries (s1's are the same keys) + s2's full block and partial block.
-    assert entries(clean_server) == 5
+    # s0's 2 entries (its 8 stored tokens; s1's are the same keys) + s2's full block
+    # and its 1-token partial block (6 tokens, the last never stored).
+    assert entries(clean_server) == 4
     worker.shutdown(), sched.shutdown()
 
 
@@ -361,6 +375,7 @@ def test_consumer_loading_from_two_servers_runs_one_te_engine(server_factory, tr
                for i, (srv, p) in enumerate(zip(servers, prompts))]
     made.clear()
     sched, worker, caches = make_connectors("kv_consumer", server=servers[0].address,
+                                            allowed_servers=[servers[1].address],
                                             same_node="false")  # TE, not the shared arena
     for i, (prompt, (p_caches, params)) in enumerate(zip(prompts, sources)):
         req = request(f"d{i}", prompt, params)
@@ -370,4 +385,82 @@ def test_consumer_loading_from_two_servers_runs_one_te_engine(server_factory, tr
         assert all(torch.equal(caches[n][blocks[0]], p_caches[n][1]) for n in LAYERS)
     assert [entries(srv) for srv in servers] == [0, 0]  # both loaded (drop) over TE
     assert len(made) == 1
+    worker.shutdown(), sched.shutdown()
+
+
+def test_request_named_server_nobody_configured_is_never_contacted(clean_server):
+    """kv_transfer_params come from an HTTP request: an address that is not the
+    connector's server, in allowed_servers or in its cluster is ignored (counted,
+    warned) and the connector's own server is asked instead. A real listening
+    socket at the named address proves no connection was ever attempted."""
+    import socket
+
+    prompt = list(range(800, 811))
+    _, params = prefill(clean_server, prompt, [3, 7, 1])
+    trap = socket.create_server(("127.0.0.1", 0))
+    trap.settimeout(0.5)
+    evil = {PARAM_SERVER: f"tcp://127.0.0.1:{trap.getsockname()[1]}"}
+    sched, worker, caches = make_connectors("kv_consumer", server=clean_server.address)
+    try:
+        req = request("x1", prompt, evil)
+        matched, _ = sched.get_num_new_matched_tokens(req, 0)
+        assert matched == len(prompt) - 1  # from its own server, which has the prompt
+        assert sched.stores.rejected_sources == 1
+        assert schedule(sched, worker, req, [5, 9, 2], matched) == set()
+        with pytest.raises(socket.timeout):
+            trap.accept()
+        assert entries(clean_server) == 0
+        for bad in ("http://169.254.169.254/", 12345, ["tcp://a:1"]):
+            sched.get_num_new_matched_tokens(request(f"x-{bad}", prompt, {PARAM_SERVER: bad}), 0)
+        assert sched.stores.rejected_sources == 4
+    finally:
+        trap.close()
+        worker.shutdown(), sched.shutdown()
+
+
+def test_client_cache_is_bounded(server_factory, monkeypatch):
+    """However many allowed servers requests name, at most _CLIENTS_KEPT clients live;
+    the least recently used is closed."""
+    from kvstore.connector import v1_stores
+
+    monkeypatch.setattr(v1_stores, "_CLIENTS_KEPT", 2)
+    servers = [server_factory() for _ in range(3)]
+    sched, worker, _ = make_connectors("kv_consumer", server=servers[0].address,
+                                       allowed_servers=[s.address for s in servers[1:]])
+    for i, srv in enumerate(servers):
+        req = request(f"b{i}", list(range(10)), {PARAM_SERVER: srv.address})
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert list(sched.stores._clients) == [servers[1].address, servers[2].address]
+    worker.shutdown(), sched.shutdown()
+
+
+def test_one_token_prompt_stores_nothing(clean_server):
+    """A consumer can load at most prompt - 1 tokens: a 1-token prompt's producer
+    must not leave entries no consumer can ever take."""
+    sched, worker, caches = make_connectors("kv_producer", server=clean_server.address)
+    fill_random(caches, seed=1)
+    req = request("one", [42])
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert schedule(sched, worker, req, [3], 0) == set()
+    sched.request_finished(req, [3])
+    assert entries(clean_server) == 0
+    worker.shutdown(), sched.shutdown()
+
+
+def test_cache_salt_scopes_the_keys(clean_server):
+    """Same tokens, different cache_salt: a miss; the same salt: a hit (vLLM's prefix
+    cache draws the same line)."""
+    prompt = list(range(900, 911))
+    sched, worker, caches = make_connectors("kv_producer", server=clean_server.address)
+    fill_random(caches, seed=3)
+    req = Request("salted", prompt, SamplingParams(max_tokens=1), None, cache_salt="alice")
+    sched.get_num_new_matched_tokens(req, 0)
+    assert schedule(sched, worker, req, [3, 7, 1], 0) == set()
+    sched.request_finished(req, [3, 7, 1])
+    worker.shutdown(), sched.shutdown()
+
+    sched, worker, _ = make_connectors("kv_consumer", server=clean_server.address)
+    for salt, want in ((None, 0), ("bob", 0), ("alice", len(prompt) - 1)):
+        other = Request(f"r-{salt}", prompt, SamplingParams(max_tokens=1), None, cache_salt=salt)
+        assert sched.get_num_new_matched_tokens(other, 0) == (want, False)
     worker.shutdown(), sched.shutdown()
