@@ -1,0 +1,138 @@
+"""The client side of a disaggregated deployment, run inside one emulated node.
+
+A process in a network namespace cannot be reached from the root namespace (and the
+other way round), so tests and ``tools.demo`` send their HTTP requests and store
+queries through this module, started on a node (``tools.netns``):
+
+    python -m tools.pd_client wait --timeout 240 http://10.213.0.1:20000 ...
+        exits 0 once every server answers GET /health with 200, else 1
+    python -m tools.pd_client run < plan.jsonl > results.jsonl
+
+A plan is JSON lines, run in order; each line is one step:
+
+    {"id": "ref-7", "post": "http://host:port/v1/completions", "body": {...}}
+    {"id": "stats", "stats": ["tcp://10.213.0.1:20001", ...]}
+    {"id": "proxy", "get": "http://host:port/proxy/stats"}
+    {"parallel": [step, step, ...]}   # all at once, one thread each
+
+Each step prints one result line: ``{"id", "status", "json", "t0", "t1"}`` for HTTP
+(``t0``/``t1``: monotonic send and answer times, so callers can see which requests
+were in flight together; a streamed body also gets ``"stream_tokens"`` (token ids of
+every chunk), ``"stream_usage"`` (the last usage a chunk carried) and
+``"first_chunk_s"``), ``{"id", "stats": {address: stats}}`` for stores,
+``{"id", "error"}`` when it failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+
+REQUEST_TIMEOUT_S = 300.0
+
+
+def _http(step: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": step.get("id")}
+    t0 = time.monotonic()
+    try:
+        if "get" in step:
+            r = httpx.get(step["get"], timeout=REQUEST_TIMEOUT_S)
+        elif step["body"].get("stream"):
+            return _stream(step, out, t0)
+        else:
+            r = httpx.post(step["post"], json=step["body"], timeout=REQUEST_TIMEOUT_S)
+        out.update(status=r.status_code, json=_json(r))
+    except httpx.HTTPError as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out.update(t0=t0, t1=time.monotonic())
+    return out
+
+
+def _stream(step: dict[str, Any], out: dict[str, Any], t0: float) -> dict[str, Any]:
+    tokens: list[int] = []
+    first, usage = None, None
+    with httpx.stream("POST", step["post"], json=step["body"], timeout=REQUEST_TIMEOUT_S) as r:
+        out["status"] = r.status_code
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            first = first if first is not None else time.monotonic() - t0
+            chunk = json.loads(line[len("data: "):])
+            for choice in chunk.get("choices") or []:
+                tokens.extend(choice.get("token_ids") or [])
+            usage = chunk.get("usage") or usage
+    out.update(stream_tokens=tokens, stream_usage=usage, first_chunk_s=first, t0=t0,
+               t1=time.monotonic())
+    return out
+
+
+def _json(r: httpx.Response) -> Any:
+    try:
+        return r.json()
+    except ValueError:
+        return r.text[:2000]
+
+
+def _stats(step: dict[str, Any]) -> dict[str, Any]:
+    from kvstore.client import KVStoreClient
+
+    out: dict[str, Any] = {"id": step.get("id"), "stats": {}}
+    for address in step["stats"]:
+        try:
+            with KVStoreClient(address, timeout_s=10.0) as client:
+                out["stats"][address] = client.stats()
+        except Exception as exc:  # noqa: BLE001 - reported to the caller, which decides
+            out["error"] = f"{address}: {type(exc).__name__}: {exc}"
+    return out
+
+
+def run_step(step: dict[str, Any]) -> list[dict[str, Any]]:
+    if "parallel" in step:
+        subs = step["parallel"]
+        with ThreadPoolExecutor(max(1, len(subs))) as pool:
+            return [r for rs in pool.map(run_step, subs) for r in rs]
+    return [_stats(step) if "stats" in step else _http(step)]
+
+
+def wait_healthy(urls: Sequence[str], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    pending = list(urls)
+    while pending and time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{pending[0].rstrip('/')}/health", timeout=2.0).status_code == 200:
+                pending.pop(0)
+                continue
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    return not pending
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.pd_client",
+                                 description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    wait = sub.add_parser("wait", help="wait until every URL's /health answers 200")
+    wait.add_argument("urls", nargs="+")
+    wait.add_argument("--timeout", type=float, default=240.0)
+    sub.add_parser("run", help="run the plan on stdin, print one result line per step")
+    args = ap.parse_args(argv)
+    if args.cmd == "wait":
+        return 0 if wait_healthy(args.urls, args.timeout) else 1
+    for line in sys.stdin:
+        if line.strip():
+            for result in run_step(json.loads(line)):
+                sys.stdout.write(json.dumps(result) + "\n")
+                sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
