@@ -48,6 +48,9 @@ class SelectResult(NamedTuple):
     matched_tokens: int  # 0: a miss
     kv: torch.Tensor | None  # flat uint8 entry bytes of the matched tokens
     hidden: torch.Tensor | None
+    # Why fewer blocks came than are stored: "" (none), or "no_room_to_stage" (the
+    # server's memory tiers are full of pinned/leased entries: the rest is on NVMe).
+    short: str = ""
 
 
 class LookupResult(NamedTuple):
@@ -255,18 +258,65 @@ class KVStoreClient:
         self._segment()
         keys = [*prompt.keys, hidden_key(prompt.keys[-1])]
         toks = [*prompt.tokens, prompt.tokens[-1]]
-        # The hidden key is optional: a prompt stored without one is no miss.
-        acq = self._call(p.Acquire(keys=tuple(keys), tokens=tuple(toks), claim=drop,
-                                   optional_tail=True), _left(deadline))
-        entries = acq["entries"]
+        # Rounds: a server without the memory to stage all of a prompt's NVMe
+        # entries serves a part and says so ("short"); the next round acquires the
+        # rest (chained keys need no earlier block) once this one's are released.
+        entries: list[list] = []
+        parts: list[np.ndarray] = []
+        short = ""
+        flat_into = _rest_of(into, 0)  # checked before anything is acquired
+        while len(entries) < len(keys):
+            done = len(entries)
+            # The hidden key is optional: a prompt stored without one is no miss.
+            acq = self._call(p.Acquire(keys=tuple(keys[done:]), tokens=tuple(toks[done:]),
+                                       claim=drop, optional_tail=True), _left(deadline))
+            short = acq.get("short", "")
+            if not acq["entries"]:
+                break
+            landed = sum(x.size for x in parts)
+            out, released = self._read_round(
+                acq, drop, deadline, None if flat_into is None else flat_into[landed:])
+            entries += acq["entries"]
+            parts.append(out)
+            if not short or not released:
+                break
         if not entries:
-            return SelectResult(0, None, None)
-        aid = acq["aid"]
+            return SelectResult(0, None, None, short)
+        if flat_into is not None:  # the rounds landed back to back in it
+            out = flat_into[:sum(x.size for x in parts)]
+        else:
+            out = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        nblocks = min(len(entries), len(prompt.keys))
+        matched = sum(e[5] for e in entries[:nblocks])
+        kv_bytes = sum(e[2] for e in entries[:nblocks])
+        if short and nblocks < len(prompt.keys):
+            log.warning("served %d of the stored blocks of a prompt: the server has no "
+                        "memory room to stage the rest (%s)", nblocks, short)
+        hidden = None
+        if len(entries) > nblocks:  # the hidden-state entry came along: a full match
+            hidden = _hidden_tensor(out[kv_bytes:], entries[nblocks][6])
+        return SelectResult(matched, torch.from_numpy(out[:kv_bytes]), hidden,
+                            short if nblocks < len(prompt.keys) else "")
+
+    def _read_round(self, acq: dict, drop: bool, deadline: float,
+                    into: Any) -> tuple[np.ndarray, bool]:
+        """Read one acquisition's entries (verified) and release it; the bytes, and
+        whether the release was acknowledged. Once the bytes are verified they are
+        the caller's: a release that fails (server stopped, timed out) loses
+        nothing, since the server keeps the entries until it applies a drop, or,
+        never hearing it, the lease expires and they stay for the next consumer."""
+        aid, entries = acq["aid"], acq["entries"]
         try:
             start = time.perf_counter()
             # Verified against the stored checksums as it lands (same node: while copying).
             out = self._data.read(self._segment(acq["segment"]), entries, into, verify=True)
             moved = time.perf_counter() - start
+        except ChecksumError as exc:
+            # The server re-checks the lease's entries and drops the ones bad at rest.
+            where = getattr(exc, "position", None)
+            self._release(aid, drop=False, timeout=_left(deadline),
+                          corrupt=(where,) if where is not None else (0,))
+            raise
         except PeerUnavailableError:
             self._hello = None
             self._release(aid, drop=False, timeout=_left(deadline))
@@ -274,19 +324,20 @@ class KVStoreClient:
         except BaseException:
             self._release(aid, drop=False, timeout=_left(deadline))
             raise
-        self._call(p.Release(aid=aid, drop=drop, xfer_s=moved,
-                             xfer_bytes=sum(e[2] for e in entries)), _left(deadline))
-        nblocks = min(len(entries), len(prompt.keys))
-        matched = sum(e[5] for e in entries[:nblocks])
-        kv_bytes = sum(e[2] for e in entries[:nblocks])
-        hidden = None
-        if len(entries) > nblocks:  # the hidden-state entry came along: a full match
-            hidden = _hidden_tensor(out[kv_bytes:], entries[nblocks][6])
-        return SelectResult(matched, torch.from_numpy(out[:kv_bytes]), hidden)
-
-    def _release(self, aid: int, drop: bool, timeout: float) -> None:
         try:
-            self._rpc.call(p.Release(aid=aid, drop=drop),
+            self._call(p.Release(aid=aid, drop=drop, xfer_s=moved,
+                                 xfer_bytes=sum(e[2] for e in entries)), _left(deadline))
+        except (KVTimeoutError, PeerUnavailableError) as exc:
+            log.warning("release of %d verified entries not acknowledged (%s): returning "
+                        "them; the server keeps them if it never applies the release",
+                        len(entries), exc)
+            return out, False
+        return out, True
+
+    def _release(self, aid: int, drop: bool, timeout: float,
+                 corrupt: tuple[int, ...] | None = None) -> None:
+        try:
+            self._rpc.call(p.Release(aid=aid, drop=drop, corrupt=corrupt),
                            timeout_s=min(max(timeout, 0.5), _CLEANUP_TIMEOUT_S))
         except KVStoreError as exc:  # the read lease reclaims it anyway
             log.debug("release of %s failed: %s", aid, exc)
@@ -346,6 +397,21 @@ class KVStoreClient:
 # ------------------------------------------------------------------ helpers
 def _left(deadline: float) -> float:
     return max(0.001, deadline - time.monotonic())
+
+
+def _rest_of(into: Any, offset: int) -> np.ndarray | None:
+    """The caller's ``into`` buffer from byte ``offset`` on, as flat uint8 (a round
+    of a select lands after the rounds before it)."""
+    if into is None:
+        return None
+    if not isinstance(into, np.ndarray) and hasattr(into, "numpy"):  # a CPU tensor
+        if into.device.type != "cpu" or not into.is_contiguous():
+            raise InvalidRequestError("into: a tensor must be contiguous and on the CPU")
+        into = into.reshape(-1).view(torch.uint8).numpy()
+    if not isinstance(into, np.ndarray) or not into.flags.c_contiguous \
+            or not into.flags.writeable:
+        raise InvalidRequestError("into: need a writable, contiguous numpy array or tensor")
+    return into.reshape(-1).view(np.uint8)[offset:]
 
 
 def _split(data: np.ndarray, sizes: list[int]) -> list[np.ndarray]:

@@ -225,7 +225,7 @@ class DataPath:
         if local:
             bad = copy_out(seg.shm, out, local, verify)
             if bad is not None:
-                raise _corrupt(local[bad][1])
+                raise _corrupt(local[bad][1], entries)
         if remote:
             with self._lock, self._timed("te_read"):
                 if into is None or not self._te_read_direct(seg.name, out, remote):
@@ -234,7 +234,7 @@ class DataPath:
             if verify:
                 for start, e in remote:
                     if xxhash.xxh3_64_intdigest(out[start:start + e[_NBYTES]]) != e[_CHECKSUM]:
-                        raise _corrupt(e)
+                        raise _corrupt(e, entries)
         return out
 
     @contextlib.contextmanager
@@ -382,9 +382,13 @@ def _mirror(items: list[list], writing: bool) -> tuple[list[int], list[int], lis
     return offsets, local, remote, lengths
 
 
-def _corrupt(entry: list) -> ChecksumError:
-    return ChecksumError(f"entry at {entry[_TIER]}:{entry[_OFFSET]} arrived corrupt "
-                         f"({entry[_NBYTES]} bytes)")
+def _corrupt(entry: list, entries: list | None = None) -> ChecksumError:
+    """The error for ``entry``; ``.position`` is its index in ``entries`` (what the
+    reader reports back with its release so the server can check and drop it)."""
+    err = ChecksumError(f"entry at {entry[_TIER]}:{entry[_OFFSET]} arrived corrupt "
+                        f"({entry[_NBYTES]} bytes)")
+    err.position = next((i for i, e in enumerate(entries or ()) if e is entry), None)
+    return err
 
 
 def _runs(dst: list[int], src: list[int], sizes: list[int]) -> list[tuple[int, int, int]]:

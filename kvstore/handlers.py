@@ -66,11 +66,11 @@ def acquire(store: Any, req: p.Acquire) -> dict:
     acq = store.acquire(list(req.keys), list(req.tokens), lease_s=req.lease_s, claim=req.claim,
                         optional_tail=req.optional_tail)
     return {"aid": acq.id, "matched_tokens": acq.matched_tokens, "expires_at": acq.expires_at,
-            "entries": [_entry(e) for e in acq.entries]}
+            "entries": [_entry(e) for e in acq.entries], "short": acq.short}
 
 
 def release(store: Any, req: p.Release) -> dict:
-    return {"released": store.release(req.aid, drop=req.drop)}
+    return {"released": store.release(req.aid, drop=req.drop, corrupt=req.corrupt or ())}
 
 
 def pin(store: Any, req: p.Pin) -> dict:

@@ -86,6 +86,10 @@ def _tokens(name: str, v: Any) -> tuple[bytes, ...]:
     return tuple(out)
 
 
+def _positions(name: str, v: Any) -> tuple[int, ...]:
+    return tuple(_int(name, i, 0, MAX_KEYS - 1) for i in _list(name, v))
+
+
 def _checksums(name: str, v: Any) -> tuple[int, ...]:
     return tuple(_int(name, c, 0, (1 << 64) - 1) for c in _list(name, v))
 
@@ -230,9 +234,12 @@ class Release(Request):
     drop: bool
     xfer_s: float | None = None
     xfer_bytes: int | None = None
+    # Positions (in the acquisition's entries) whose bytes failed the reader's
+    # checksum: the server re-checks them, counts and drops the ones bad at rest.
+    corrupt: tuple[int, ...] | None = None
     OP = "release"
-    CHECKS = {"aid": _rid, "drop": _bool, **_XFER}
-    OPTIONAL = frozenset(_XFER)
+    CHECKS = {"aid": _rid, "drop": _bool, **_XFER, "corrupt": _opt(_positions)}
+    OPTIONAL = frozenset({*_XFER, "corrupt"})
 
 
 @dataclass(frozen=True)

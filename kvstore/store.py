@@ -220,7 +220,8 @@ class Store(WritesMixin, ReadsMixin, AdminMixin, MovesMixin, AuditMixin):
             for name in ("misses", "bytes_in", "bytes_out", "evictions", "demotions",
                          "stagings", "checksum_failures", "commit_checksum_failures",
                          "collisions", "commits", "aborts", "dropped",
-                         "reservations_expired", "leases_expired", "storage_errors"):
+                         "reservations_expired", "leases_expired", "storage_errors",
+                         "staging_shortfalls", "transfer_checksum_failures"):
                 out[name] = self._stats[name]
             return out
 

@@ -23,7 +23,7 @@ from kvstore.index import Record
 from kvstore.policy import Candidate, Selection, bytes_to_free, over_watermark
 from kvstore.store_order import GroupOrder
 from kvstore.store_records import Lease, Open, RecordsMixin, durable
-from kvstore.store_types import MEMORY_TIERS, TIER_ORDER
+from kvstore.store_types import MEMORY_TIERS, NO_ROOM_TO_STAGE, TIER_ORDER
 from tiers.base import Extent
 
 __all__ = ["Lease", "MovesMixin", "Open", "durable"]  # the books' names, re-exported
@@ -162,13 +162,14 @@ class MovesMixin(RecordsMixin):
                 self._shed(name, bytes_to_free(tier.used, 0, tier.capacity, pol.low_watermark))
 
     # ------------------------------------------------------------ staging
-    def _stage_prefix(self, recs: list[Record]) -> list[Record]:
+    def _stage_prefix(self, recs: list[Record]) -> tuple[list[Record], str]:
         """Stage the NVMe entries of a leased prefix into a memory tier, verifying
-        each checksum. Returns the prefix that can be served; leases on the cut
-        tail are returned, corrupt entries dropped."""
+        each checksum. Returns the prefix that can be served, and why it is shorter
+        than ``recs`` when the reason is room (``NO_ROOM_TO_STAGE``; "" otherwise);
+        leases on the cut tail are returned, corrupt entries dropped."""
         nv = [i for i, r in enumerate(recs) if r.tier == "nvme"]
         if not nv:
-            return recs
+            return recs, ""
         stage = self.config.policy.stage_nvme_hits
         target = "dram" if "dram" in self._tiers else "gpu"
         exts = self._allocate_each(target, [recs[i] for i in nv]) if stage else [None] * len(nv)
@@ -189,7 +190,8 @@ class MovesMixin(RecordsMixin):
         self._stats["stagings"] += len(moved)
         self._stats["checksum_failures"] += len(bad)
         staged = {r.key: r for r in moved}
-        return [staged.get(r.key, r) for r in recs[:cut]]
+        short = NO_ROOM_TO_STAGE if upto < len(recs) and cut == upto else ""
+        return [staged.get(r.key, r) for r in recs[:cut]], short
 
     def _settle_staged(self, recs: list[Record], staging: list[tuple[int, Extent | None]],
                        bufs: dict[int, memoryview], upto: int,

@@ -14,9 +14,9 @@ Invariants kept here:
 
 from __future__ import annotations
 
-from collections import Counter
-
+import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 
 from kvstore.errors import ChecksumError, InvalidRequestError
@@ -24,6 +24,7 @@ from kvstore.hashing import checksum
 from kvstore.index import Record
 from kvstore.store_records import Lease, uncount
 from kvstore.store_types import (
+    NO_ROOM_TO_STAGE,
     Acquisition,
     EntryInfo,
     LookupResult,
@@ -33,6 +34,8 @@ from kvstore.store_types import (
     new_id,
 )
 from tiers.base import Extent
+
+log = logging.getLogger(__name__)
 
 
 class ReadsMixin:
@@ -73,14 +76,29 @@ class ReadsMixin:
             held = [r.key for r in recs]
             self._hold(held)
             try:
-                recs = self._stage_prefix(recs)
+                recs, short = self._stage_prefix(recs)
             except BaseException:  # NVMe I/O error: nothing served, no hold stays
                 self._drop_now(self._unhold(held))
                 raise
-            self._count_hits(found_in, len(recs), len(keys) - bool(optional_tail))
+            # Entries cut for want of staging room are found, not missed: the
+            # caller may take them in another round.
+            self._count_hits(found_in, len(found_in) if short else len(recs),
+                             len(keys) - bool(optional_tail))
+            if short:
+                self._staging_short(len(found_in) - len(recs), len(found_in))
             if not recs:
-                return Acquisition(0, [], 0, time.time())
-            return self._lease_prefix(recs, found_in, lease_s, claim)
+                return Acquisition(0, [], 0, time.time(), short)
+            return self._lease_prefix(recs, found_in, lease_s, claim)._replace(short=short)
+
+    def _staging_short(self, cut: int, found: int) -> None:
+        self._stats["staging_shortfalls"] += 1
+        now = time.monotonic()
+        if now - getattr(self, "_short_logged_at", -10.0) >= 10.0:  # once per 10 s
+            self._short_logged_at = now
+            log.warning("no memory room to stage %d of %d NVMe-backed entries of a read "
+                        "(pinned/leased entries fill it, or the prompt is bigger than it): "
+                        "served the first %d (%d shortfalls so far)", cut, found,
+                        found - cut, self._stats["staging_shortfalls"])
 
     def _count_hits(self, found_in: list[str], served: int, blocks: int) -> None:
         served = min(served, blocks)
@@ -122,17 +140,49 @@ class ReadsMixin:
                 raise ChecksumError(f"entry {rec.key.hex()} failed its checksum on read")
             return data
 
-    def release(self, acquisition_id: int, drop: bool = False) -> int:
+    def release(self, acquisition_id: int, drop: bool = False,
+                corrupt: Sequence[int] = ()) -> int:
         """End a lease. ``drop`` (drop_select) decrements each entry's pending count;
         entries at zero are freed once nothing else holds them. Returns how many
-        entries were freed now."""
+        entries were freed now.
+
+        ``corrupt``: positions of the lease's entries whose bytes failed the
+        reader's checksum. Then every entry of the lease is re-checked here: one
+        whose stored bytes are bad is counted in ``checksum_failures`` and dropped
+        (it could never be served again); a reported one that is fine at rest was
+        damaged in transit (``transfer_checksum_failures``) and stays. The reader's
+        word alone drops nothing."""
         with self._lock:
             if acquisition_id == 0:
                 return 0  # the empty acquisition of a full miss
             lease = self._open_lease(acquisition_id)
+            bad = self._bad_at_rest(lease, corrupt)
             freed = self._end_lease(lease, drop)  # raises with nothing changed
             del self._acqs[acquisition_id]
-            return freed
+            bad = [k for k in bad if k in self._records and not self._leased.get(k)]
+            self._apply(drop=bad)
+            return freed + len(bad)
+
+    def _bad_at_rest(self, lease: Lease, corrupt: Sequence[int]) -> list[bytes]:
+        positions = sorted(set(corrupt))
+        if any(not 0 <= i < len(lease.keys) for i in positions):
+            raise InvalidRequestError(f"corrupt: positions must be below {len(lease.keys)}")
+        if not positions:
+            return []
+        # A reader stops at its first bad entry; a stray writer rarely hits just
+        # one. So every entry of the lease is checked (memory speed), not only those.
+        bad = []
+        for key in dict.fromkeys(lease.keys):
+            rec = self._records.get(key)
+            if rec is not None and checksum(self._read_bytes(rec)) != rec.checksum:
+                bad.append(rec.key)
+        self._stats["checksum_failures"] += len(bad)
+        reported = {lease.keys[i] for i in positions}
+        self._stats["transfer_checksum_failures"] += len(reported - set(bad))
+        if bad:
+            log.error("%d entries reported corrupt by a reader are bad at rest: dropped "
+                      "(first %s)", len(bad), bad[0].hex())
+        return bad
 
     def _claimable_prefix(self, recs: list[Record]) -> list[Record]:
         for i, rec in enumerate(recs):

@@ -57,11 +57,19 @@ class EntryInfo(NamedTuple):
     meta: bytes
 
 
+NO_ROOM_TO_STAGE = "no_room_to_stage"
+
+
 class Acquisition(NamedTuple):
     id: int  # 0 when nothing matched (nothing to release)
     entries: list[EntryInfo]
     matched_tokens: int
     expires_at: float
+    # Why the prefix ends before the stored one does: "" (it does not), or
+    # NO_ROOM_TO_STAGE (the next entry is on NVMe and no memory tier had room to
+    # stage it: pinned or leased entries fill it, or the prompt is bigger than it).
+    # The entries from there on are still stored: acquire them in another round.
+    short: str = ""
 
 
 class EvictResult(NamedTuple):

@@ -89,7 +89,7 @@ def test_miss_returns_zero_quickly(clean_server, client_factory):
     client = client_factory(clean_server)
     start = time.monotonic()
     got = client.drop_select(prompt(40, 9), timeout=2.0)
-    assert got == (0, None, None) and time.monotonic() - start < 2.0
+    assert got == (0, None, None, "") and time.monotonic() - start < 2.0
 
 
 def test_prompt_larger_than_staging_buffer(clean_server, client_factory):
@@ -101,20 +101,27 @@ def test_prompt_larger_than_staging_buffer(clean_server, client_factory):
 
 
 @pytest.mark.parametrize("same_node", ["auto", False], ids=["shm", "te"])
-def test_corrupt_bytes_are_a_checksum_miss_and_nothing_is_dropped(clean_server, client_factory,
-                                                                   same_node):
+def test_corrupt_bytes_are_a_checksum_miss_reported_and_dropped(clean_server, client_factory,
+                                                                 same_node):
     from tiers.dram import map_shared
 
     client = client_factory(clean_server, same_node=same_node)
-    client.insert(prompt(8, 5), make_kv(8, 5))
+    client.insert(prompt(12, 5), make_kv(12, 5))
+    keys = client.keys_for(prompt(12, 5))
     dram = client.hello()["dram"]
     arena = map_shared(dram["path"], dram["nbytes"])
-    entry = client.ls()[0]
-    arena[entry["offset"]] ^= 0xFF  # flip bits behind the store's back
+    where = {e["key"]: e["offset"] for e in client.ls()}
+    for key in keys[1:]:  # a stray writer hit blocks 1 and 2 behind the store's back
+        arena[where[key]] ^= 0xFF
+    before = client.stats()["checksum_failures"]
     with pytest.raises(ChecksumError):
-        client.drop_select(prompt(8, 5))
-    assert client.lookup(prompt(8, 5)).matched_tokens == 8  # released without drop
-    assert client.stats()["leases"] == 0
+        client.drop_select(prompt(12, 5))
+    # The reader reported it; the server re-checked the lease, counted both bad
+    # entries and dropped them (the alert fires); the good block 0 stays, undropped.
+    stats = client.stats()
+    assert stats["checksum_failures"] - before == 2 and stats["leases"] == 0
+    assert {e["key"] for e in client.ls()} == {keys[0]}
+    assert client.lookup(prompt(12, 5)).matched_tokens == 4
 
 
 def test_bad_input_is_refused_and_reserves_nothing(clean_server, client_factory):

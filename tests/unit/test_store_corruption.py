@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from kvstore.errors import ChecksumError
+from kvstore.errors import ChecksumError, InvalidRequestError
 from tests.unit.conftest import key, put, toks, where
 
 
@@ -98,3 +98,28 @@ def test_a_writer_deduping_onto_a_colliding_key_stores_nothing(make_store):
     assert res.placements == [None]
     assert store.commit(res.id, [0]) == (0, 0, 1)
     assert [r.pending for r in store.entries()] == [1]
+
+
+def test_a_reader_report_is_rechecked_fine_bytes_stay(make_store):
+    # Bytes damaged on the way (fine at rest): counted as a transfer failure, kept.
+    store = make_store(dram=4)
+    put(store, [1, 2])
+    acq = store.acquire([key(1), key(2)], [toks(1), toks(2)], claim=True)
+    store.release(acq.id, drop=False, corrupt=[1])
+    stats = store.stats()
+    assert stats["transfer_checksum_failures"] == 1 and stats["checksum_failures"] == 0
+    assert sorted(where(store)) == [1, 2]
+
+
+def test_a_reader_report_drops_every_entry_bad_at_rest(make_store):
+    store = make_store(dram=4)
+    put(store, [1, 2, 3])
+    for i in (2, 3):  # a stray writer overwrote two entries in the arena
+        rec = next(r for r in store.entries() if r.key == key(i))
+        store._tiers["dram"].view(store._extent(rec))[0] ^= 0xFF
+    acq = store.acquire([key(1), key(2), key(3)], [toks(1), toks(2), toks(3)], claim=True)
+    with pytest.raises(InvalidRequestError):
+        store.release(acq.id, drop=False, corrupt=[7])  # not a position of the lease
+    store.release(acq.id, drop=False, corrupt=[1])  # the reader stopped at the first
+    assert store.stats()["checksum_failures"] == 2
+    assert sorted(where(store)) == [1]
