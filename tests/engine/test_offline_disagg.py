@@ -1,0 +1,147 @@
+"""Prefill engine -> kvstore-server -> decode engine, both real vLLM (offline ``LLM``).
+
+The plain engine (no connector) is the judge: a decode engine that loaded a prompt's
+KV from the store must generate exactly its tokens, greedy. The store's stats and the
+decode engine's ``num_cached_tokens`` prove the KV came from the store: vLLM computes
+only the last prompt token itself, so a full load is prompt_len - 1 cached tokens, and
+the decode took (drop) every entry the prefill left.
+
+Prompt lengths cover the block edges (block size 32): 1 (nothing loadable), 31, 32
+(one partial block loaded), 33 (one full block), 37, 300, 2050; all in one batch, so
+several requests are in flight in each engine, and all engines are alive at once.
+Runs per engine config (Llama and Qwen2, fp32 and bf16: conftest ``ENGINE_CONFIGS``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine.conftest import (
+    DECODE_TOKENS,
+    Listener,
+    prompt_report,
+    prompts,
+    stored_blocks,
+)
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def expected_cached(prompt: list[int]) -> int:
+    return len(prompt) - 1  # 0 for the 1-token prompt
+
+
+def _delta(after: dict, before: dict, key: str) -> int:
+    return after[key] - before[key]
+
+
+def prefill_then_decode(producer, consumer, stats, phase: str, reference):
+    """Prefill the phase's prompts, then decode them with the prefill's params; checks
+    tokens, cached-token counts and the source server's stats (``stats()``), and
+    reports every finding at once (which prompts, which tokens, what the store saw)."""
+    ps = prompts(phase)
+    before = stats()
+    prefill = producer.generate(ps, max_tokens=1)
+    saved = stats()
+    decode = consumer.generate(ps, DECODE_TOKENS, [o.kv_transfer_params for o in prefill])
+    after = stats()
+
+    problems = prompt_report(ps, decode, reference)
+    cached = {len(p): o.num_cached_tokens for p, o in zip(ps, decode)}
+    if cached != {len(p): expected_cached(p) for p in ps}:
+        problems.append(f"num_cached_tokens by prompt length {cached}: not all KV came from "
+                        f"the store (want prompt_len - 1)")
+    if [o.token_ids[0] for o in prefill] != [reference[tuple(p)][0] for p in ps]:
+        problems.append("the prefill engine's first token differs from the plain engine's")
+    blocks = stored_blocks(map(len, ps))
+    if _delta(saved, before, "entries") != blocks:
+        problems.append(f"the prefill left {_delta(saved, before, 'entries')} entries, "
+                        f"want {blocks} (prompt_len - 1 tokens each)")
+    # The decode took every entry (drop), each one found, none missed.
+    if after["entries"] != before["entries"]:
+        problems.append(f"{after['entries'] - before['entries']} entries left after decode")
+    if (_delta(after, saved, "hits"), _delta(after, saved, "misses")) != (blocks, 0):
+        problems.append(f"decode: {_delta(after, saved, 'hits')} hits, "
+                        f"{_delta(after, saved, 'misses')} misses; want {blocks} hits, 0 misses")
+    assert not problems, "\n".join(problems) + _stats_lines(before, saved, after)
+    return prefill, decode
+
+
+def _stats_lines(before: dict, saved: dict, after: dict) -> str:
+    keys = ("entries", "hits", "misses", "commits", "dropped", "bytes_in", "bytes_out")
+    return "".join(f"\nserver stats {name}: " + str({k: st.get(k) for k in keys})
+                   for name, st in (("before", before), ("after prefill", saved),
+                                    ("after decode", after)))
+
+
+def test_same_node_decode_matches_plain_engine(disagg, node_emulation):
+    """(a) One server; prefill and decode engine on its node: the shared-memory path."""
+    prefill, _ = prefill_then_decode(disagg.producer, disagg.consumer_a, disagg.stats_a,
+                                     "same_node", disagg.reference)
+    assert all(o.kv_transfer_params["kvstore_server"] == disagg.server_a.address
+               for o in prefill)
+
+
+def test_cross_node_te_decode_matches_plain_engine(disagg, node_emulation):
+    """(b) Prefill engine + server A on node 0, decode engine + server B on node 1: the
+    decode loads from A (named in kv_transfer_params, listed in its allowed_servers)
+    over TE; nothing lands on or is read from B."""
+    before_b = disagg.stats_b()
+    prefill_then_decode(disagg.producer, disagg.consumer_b, disagg.stats_a, "te",
+                        disagg.reference)
+    after_b = disagg.stats_b()
+    assert after_b["entries"] == 0 and after_b["commits"] == before_b["commits"]
+    assert after_b["hits"] == before_b["hits"] and after_b["misses"] == before_b["misses"]
+
+
+def test_one_token_prompt_leaves_no_entries(disagg, node_emulation):
+    """Issue 10 item 5: nothing of a 1-token prompt is loadable, so nothing is saved."""
+    before = disagg.stats_a()
+    prefill = disagg.producer.generate(prompts("one_token"), max_tokens=1)
+    after = disagg.stats_a()
+    assert prefill[0].token_ids[0] == disagg.reference[tuple(prompts("one_token")[0])][0]
+    assert after["entries"] == before["entries"], (before, after)
+    assert after["commits"] == before["commits"], (before, after)
+
+
+def test_cache_salt_separates_and_matches(disagg, node_emulation):
+    """Issue 10 item 3: vLLM's cache_salt is part of the key: the same tokens under
+    another salt miss (the decode recomputes, still right), under the same salt hit."""
+    ps, ref = prompts("salt"), disagg.reference
+    before = disagg.stats_a()
+    prefill = disagg.producer.generate(ps, max_tokens=1, cache_salts=["tenant-a"] * len(ps))
+    params = [o.kv_transfer_params for o in prefill]
+    saved = disagg.stats_a()
+    assert _delta(saved, before, "entries") == stored_blocks(map(len, ps))
+
+    other = disagg.consumer_a.generate(ps, DECODE_TOKENS, params, ["tenant-b"] * len(ps))
+    missed = disagg.stats_a()
+    assert not prompt_report(ps, other, ref), prompt_report(ps, other, ref)
+    assert [o.num_cached_tokens for o in other] == [0] * len(ps), "another salt hit the store"
+    assert missed["entries"] == saved["entries"] and missed["hits"] == saved["hits"]
+
+    same = disagg.consumer_a.generate(ps, DECODE_TOKENS, params, ["tenant-a"] * len(ps))
+    after = disagg.stats_a()
+    assert not prompt_report(ps, same, ref), prompt_report(ps, same, ref)
+    assert [o.num_cached_tokens for o in same] == [len(p) - 1 for p in ps], "same salt missed"
+    assert after["entries"] == before["entries"]
+    assert _delta(after, missed, "hits") == stored_blocks(map(len, ps))
+
+
+def test_unconfigured_server_in_params_is_never_contacted(disagg, cluster, node_emulation):
+    """Issue 10 item 4: kv_transfer_params come from the request; an address the
+    operator did not configure is ignored (no connection at all) and the decode
+    recomputes, with the plain engine's tokens."""
+    ps, ref = prompts("rogue"), disagg.reference
+    rogue = Listener(cluster, cluster.nodes[0])  # reachable from decode-a's node
+    before = disagg.stats_a()
+    try:
+        params = [{"kvstore_server": rogue.address, "kvstore_tokens": len(p)} for p in ps]
+        out = disagg.consumer_a.generate(ps, DECODE_TOKENS, params)
+    finally:
+        accepted = rogue.stop()
+    after = disagg.stats_a()
+    assert accepted == [], f"the decode engine connected to {rogue.address}: {accepted}"
+    assert not prompt_report(ps, out, ref), prompt_report(ps, out, ref)
+    assert [o.num_cached_tokens for o in out] == [0] * len(ps)
+    assert after["entries"] == before["entries"] and after["hits"] == before["hits"]

@@ -1,0 +1,384 @@
+"""One real vLLM offline engine (``vllm.LLM``) in its own process, driven by JSON lines.
+
+Tests and tools that need several engines alive at once (a prefill and a decode
+engine, a plain one as the reference) run each in a driver process of its own,
+optionally inside a network namespace (``prefix=("ip", "netns", "exec", NS)``)::
+
+    eng = EngineProc(model_dir, dtype="float32", role="kv_producer",
+                     connector={"server": "tcp://127.0.0.1:7700", "model_id": "m"},
+                     log_path=tmp / "prefill.log").start()   # returns at once
+    eng.wait_ready()                                        # ~20 s on 2 CPU cores
+    outs = eng.generate([[1, 2, 3]], max_tokens=1)          # list[Completion]
+    outs[0].token_ids, outs[0].num_cached_tokens, outs[0].kv_transfer_params
+    eng.stats("tcp://127.0.0.1:7700")   # a kvstore-server's stats, from the engine's node
+    eng.shutdown()                      # graceful, then TERM/KILL of its process group
+    assert not eng.leftover_pids()
+
+``start_all(engines)`` starts several and waits for all (their starts overlap);
+``stop_all(engines)`` shuts several down at once.
+
+API (kept stable; other tests reuse it):
+
+* ``EngineProc(model, dtype, role=None, connector=None, host_ip="127.0.0.1", prefix=(),
+  log_path=None, env=None, max_model_len=4096, block_size=32, in_process=False,
+  name="engine")`` — ``role`` None is a plain engine (no KV connector); else vLLM's
+  ``kv_role`` for ``KVStoreConnectorV1`` with ``connector`` as its
+  ``kv_connector_extra_config``. ``in_process=False`` is vLLM's own process layout
+  (engine core and, on CPU, the worker in processes of their own, so the connector's
+  metadata crosses a process boundary as deployed); True runs them inside the driver
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one process, starts ~3x faster).
+* ``generate(prompts, max_tokens, kv_transfer_params=None, cache_salts=None,
+  timeout=...)`` — prompts are token-id lists, all sent as one batch (vLLM runs them
+  concurrently); greedy (``temperature=0``, ``ignore_eos=True``). Per prompt, optional
+  ``kv_transfer_params`` (forwarded as ``SamplingParams.extra_args``) and vLLM's own
+  ``cache_salt``. Returns one ``Completion`` per prompt, in order.
+* ``stats(server)`` — ``KVStoreClient(server).stats()`` run in the driver, so it works
+  from inside the engine's namespace.
+* ``shutdown(timeout)`` / ``kill()`` / ``leftover_pids()`` / ``log()``.
+
+Wire protocol (driver ``python -m tools.engine_proc CONFIG_JSON``): the driver prints
+``{"event": "ready"}`` (or ``{"event": "error", "error": ...}``) once the engine is up,
+then answers each stdin line ``{"cmd": "generate" | "stats" | "shutdown", ...}`` with one
+line ``{"ok": true, ...}`` or ``{"ok": false, "error": traceback}``. The protocol has
+stdout to itself: the driver moves everything else that would print there (vLLM's logs)
+to stderr, which goes to ``log_path``.
+
+The driver leads its own process group (vLLM's engine-core process is in it too), so
+stopping it stops everything it started; it also gets SIGTERM if its parent dies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+REPO = Path(__file__).resolve().parents[1]
+START_TIMEOUT_S = 240.0  # several engines starting at once on 2 cores
+GENERATE_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 30.0
+CONNECTOR = "KVStoreConnectorV1"
+CONNECTOR_MODULE = "kvstore.connector.vllm_v1"
+
+
+class EngineError(RuntimeError):
+    """The engine process failed, answered with an error, or did not answer in time."""
+
+
+class Completion(NamedTuple):
+    token_ids: list[int]  # the generated tokens
+    num_cached_tokens: int  # prompt tokens vLLM did not compute (local prefix cache + connector)
+    kv_transfer_params: dict[str, Any] | None  # what the connector returned for the request
+
+
+def engine_env(host_ip: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment an engine process runs with (harmless where CUDA exists)."""
+    env = dict(os.environ)
+    env.update({
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; CPU build only
+        "VLLM_HOST_IP": host_ip,  # keeps vLLM's own sockets on the node's address
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_CONFIGURE_LOGGING": "1",
+        "MC_LOG_LEVEL": "ERROR",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+        "TOKENIZERS_PARALLELISM": "false",
+    })
+    env.update(extra or {})
+    return env
+
+
+def _term_with_parent() -> None:
+    from tools.netns import _term_with_parent as pdeathsig
+
+    pdeathsig()
+
+
+class EngineProc:
+    """Parent side: starts the driver, sends commands, reads answers (every wait bounded)."""
+
+    def __init__(self, model: str | Path, dtype: str, role: str | None = None,
+                 connector: dict[str, Any] | None = None, host_ip: str = "127.0.0.1",
+                 prefix: Sequence[str] = (), log_path: str | Path | None = None,
+                 env: dict[str, str] | None = None, max_model_len: int = 4096,
+                 block_size: int = 32, in_process: bool = False,
+                 name: str = "engine") -> None:
+        self.name = name
+        self.config = {"model": str(model), "dtype": dtype, "role": role,
+                       "connector": dict(connector or {}), "max_model_len": max_model_len,
+                       "block_size": block_size}
+        self.host_ip = host_ip
+        self.prefix = list(prefix)
+        self.log_path = Path(log_path) if log_path else None
+        # vLLM's engine core (scheduler and worker, with their connectors) runs in the
+        # driver itself: one process, one import of vLLM, ~7 s to start instead of ~25.
+        layout = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process else {}
+        self.in_process = in_process
+        self.env = engine_env(host_ip, {**layout, **(env or {})})
+        self.proc: subprocess.Popen | None = None
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._ready = False
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> EngineProc:
+        """Spawn the driver; returns at once (``wait_ready`` waits for the engine)."""
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen(
+                [*self.prefix, sys.executable, "-m", "tools.engine_proc",
+                 json.dumps(self.config)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                env=self.env, cwd=REPO, start_new_session=True, preexec_fn=_term_with_parent)
+        finally:
+            if log is not subprocess.DEVNULL:
+                log.close()
+        threading.Thread(target=self._pump, daemon=True, name=f"{self.name}-out").start()
+        return self
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)  # EOF: the driver exited
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> EngineProc:
+        if not self._ready:
+            msg = self._read(timeout, "start")
+            if msg.get("event") != "ready":
+                raise EngineError(f"{self.name} failed to start: {msg.get('error')}\n"
+                                  f"{self.log_tail()}")
+            self._ready = True
+        return self
+
+    def shutdown(self, timeout: float = STOP_TIMEOUT_S) -> int | None:
+        """Ask the driver to stop its engine, then stop what is left of its process group."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None and self._ready:
+            try:
+                self._send({"cmd": "shutdown"})
+                self.proc.wait(timeout)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        return self.kill()
+
+    def kill(self, timeout: float = 10.0) -> int | None:
+        """TERM, then KILL, the driver's process group (only what this engine started)."""
+        if self.proc is None:
+            return None
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if not self.leftover_pids() and self.proc.poll() is not None:
+                break
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and (self.leftover_pids()
+                                                   or self.proc.poll() is None):
+                time.sleep(0.1)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        return self.proc.returncode
+
+    def leftover_pids(self) -> list[int]:
+        """Live (non-zombie) processes still in this engine's process group."""
+        if self.proc is None:
+            return []
+        return _group_members(self.proc.pid)
+
+    # ------------------------------------------------------------- commands
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int,
+                 kv_transfer_params: Sequence[dict | None] | None = None,
+                 cache_salts: Sequence[str | None] | None = None,
+                 timeout: float = GENERATE_TIMEOUT_S) -> list[Completion]:
+        n = len(prompts)
+        params = list(kv_transfer_params) if kv_transfer_params is not None else [None] * n
+        salts = list(cache_salts) if cache_salts is not None else [None] * n
+        if len(params) != n or len(salts) != n:
+            raise ValueError("kv_transfer_params and cache_salts need one entry per prompt")
+        res = self._call({"cmd": "generate", "prompts": [list(map(int, p)) for p in prompts],
+                          "max_tokens": max_tokens, "kv_transfer_params": params,
+                          "cache_salts": salts}, timeout)
+        return [Completion(o["token_ids"], o["num_cached_tokens"], o["kv_transfer_params"])
+                for o in res["outputs"]]
+
+    def stats(self, server: str, timeout: float = 30.0) -> dict[str, Any]:
+        return self._call({"cmd": "stats", "server": server}, timeout)["stats"]
+
+    # ------------------------------------------------------------- plumbing
+    def _call(self, msg: dict, timeout: float) -> dict:
+        self.wait_ready()
+        self._send(msg)
+        res = self._read(timeout, msg["cmd"])
+        if not res.get("ok"):
+            raise EngineError(f"{self.name} {msg['cmd']} failed: {res.get('error')}")
+        return res
+
+    def _send(self, msg: dict) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            raise EngineError(f"{self.name} is not running\n{self.log_tail()}")
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+
+    def _read(self, timeout: float, what: str) -> dict:
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise EngineError(f"{self.name}: no answer to {what} after {timeout:.0f}s\n"
+                              f"{self.log_tail()}") from None
+        if line is None:
+            raise EngineError(f"{self.name} exited ({self.proc.poll()}) during {what}\n"
+                              f"{self.log_tail()}")
+        return json.loads(line)
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace") if self.log_path else ""
+        except OSError:
+            return ""
+
+    def log_tail(self, nchars: int = 6000) -> str:
+        return self.log()[-nchars:]
+
+    def __repr__(self) -> str:
+        pid = self.proc.pid if self.proc else None
+        return f"EngineProc({self.name}, role={self.config['role']}, pid={pid})"
+
+
+def start_all(engines: Sequence[EngineProc], timeout: float = START_TIMEOUT_S) -> None:
+    """Start every engine, then wait for each (their start-ups overlap); on a failure
+    the ones already started are stopped before the error propagates."""
+    try:
+        for eng in engines:
+            eng.start()
+        for eng in engines:
+            eng.wait_ready(timeout)
+    except BaseException:
+        for eng in engines:
+            eng.kill()
+        raise
+
+
+def stop_all(engines: Sequence[EngineProc], timeout: float = STOP_TIMEOUT_S) -> None:
+    """Shut several engines down at once (each ``shutdown`` takes seconds)."""
+    threads = [threading.Thread(target=eng.shutdown, args=(timeout,), name=f"stop-{eng.name}")
+               for eng in engines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _group_members(pgid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # "pid (comm) state ppid pgrp ...": comm may contain spaces, so split after ")".
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+# ================================================================== driver side
+def _make_llm(cfg: dict):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kwargs: dict[str, Any] = {}
+    if cfg["role"]:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE,
+            kv_role=cfg["role"], kv_load_failure_policy="recompute",
+            kv_connector_extra_config=cfg["connector"])
+    return LLM(model=cfg["model"], dtype=cfg["dtype"], block_size=cfg["block_size"],
+               max_model_len=cfg["max_model_len"], enforce_eager=True,
+               skip_tokenizer_init=True, seed=0, **kwargs)
+
+
+def _generate(llm, msg: dict) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts, sampling = [], []
+    for tokens, params, salt in zip(msg["prompts"], msg["kv_transfer_params"],
+                                    msg["cache_salts"]):
+        prompt = TokensPrompt(prompt_token_ids=tokens)
+        if salt is not None:
+            prompt["cache_salt"] = salt
+        prompts.append(prompt)
+        sampling.append(SamplingParams(
+            temperature=0.0, max_tokens=msg["max_tokens"], ignore_eos=True, detokenize=False,
+            extra_args={"kv_transfer_params": params} if params is not None else None))
+    outs = llm.generate(prompts, sampling, use_tqdm=False)
+    return {"outputs": [{"token_ids": list(o.outputs[0].token_ids),
+                         "num_cached_tokens": int(o.num_cached_tokens or 0),
+                         "kv_transfer_params": o.kv_transfer_params} for o in outs]}
+
+
+def _stats(msg: dict) -> dict:
+    from kvstore.client import KVStoreClient
+
+    with KVStoreClient(msg["server"], timeout_s=10.0) as client:
+        return {"stats": client.stats()}
+
+
+def _serve(cfg: dict, proto) -> None:
+    def answer(obj: dict) -> None:
+        proto.write(json.dumps(obj) + "\n")
+        proto.flush()
+
+    try:
+        llm = _make_llm(cfg)
+    except BaseException:  # noqa: BLE001 - reported to the parent, then exit
+        answer({"event": "error", "error": traceback.format_exc()})
+        raise
+    answer({"event": "ready"})
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if msg["cmd"] == "shutdown":
+            break
+        try:
+            if msg["cmd"] == "generate":
+                answer({"ok": True, **_generate(llm, msg)})
+            elif msg["cmd"] == "stats":
+                answer({"ok": True, **_stats(msg)})
+            else:
+                answer({"ok": False, "error": f"unknown command {msg['cmd']!r}"})
+        except Exception:  # noqa: BLE001 - the parent decides what a failure means
+            answer({"ok": False, "error": traceback.format_exc()})
+    engine = getattr(llm, "llm_engine", None)
+    shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    # The protocol keeps the real stdout; anything else printing there goes to stderr.
+    proto = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    _serve(cfg, proto)
+    proto.close()
+
+
+if __name__ == "__main__":
+    main()
