@@ -342,10 +342,13 @@ class KVStoreClient:
         except KVStoreError as exc:  # the read lease reclaims it anyway
             log.debug("release of %s failed: %s", aid, exc)
 
-    def lookup(self, tokens: Sequence[int] | np.ndarray,
-               scope: bytes | str = b"") -> LookupResult:
+    def lookup(self, tokens: Sequence[int] | np.ndarray, scope: bytes | str = b"",
+               timeout_s: float | None = None) -> LookupResult:
+        """How much of ``tokens`` is stored (non-binding). ``timeout_s`` bounds this
+        call (default: the client's)."""
         prompt = self._prompt(tokens, scope)
-        res = self._call(p.Lookup(keys=tuple(prompt.keys), tokens=tuple(prompt.tokens)))
+        res = self._call(p.Lookup(keys=tuple(prompt.keys), tokens=tuple(prompt.tokens)),
+                         timeout_s)
         return LookupResult(res["matched_tokens"], res["matched_blocks"], list(res["tiers"]))
 
     # ----------------------------------------------------------------- admin

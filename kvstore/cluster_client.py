@@ -156,9 +156,10 @@ class ClusterClient:
                           lambda c, t: c.get(tokens, timeout=t, into=into, scope=scope),
                           SelectResult(0, None, None), scope)
 
-    def lookup(self, tokens: Sequence[int] | np.ndarray,
-               scope: bytes | str = b"") -> LookupResult:
-        return self._read(tokens, None, lambda c, t: c.lookup(tokens, scope=scope),
+    def lookup(self, tokens: Sequence[int] | np.ndarray, scope: bytes | str = b"",
+               timeout_s: float | None = None) -> LookupResult:
+        return self._read(tokens, timeout_s,
+                          lambda c, t: c.lookup(tokens, scope=scope, timeout_s=t),
                           LookupResult(0, 0, []), scope)
 
     def pin(self, keys: Sequence[bytes]) -> Any:

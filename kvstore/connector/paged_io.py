@@ -6,11 +6,13 @@ block is the backend's business, found by ``block_format.probe``. An entry is
 ``[layers, 2, tokens, kv_heads, D]`` (kvstore.layout), a prompt's entries back to
 back: full blocks first, then the partial rest.
 
-Both directions batch per layer, never per block: one gather (``index_select`` plus
-one indexed read in logical order) or one scatter (one indexed write) of all the
-request's full blocks per layer, plus one indexed access for a partial last block.
-Elements move as same-width integers, so every dtype (float8 included) is copied
-bit for bit. Bytes cross to/from the host once.
+The unit of work is one layer (``gather_layer`` / ``scatter_layer``), so a save can
+copy layer i off the device as soon as layer i is computed and a load can hand layer i
+to the forward before layer i+1 has landed. Within a layer, blocks move in chunks of
+``CHUNK_BLOCKS``: device memory beyond the caches stays bounded by one chunk, however
+long the prompt. Elements move as same-width integers, so every dtype (float8
+included) is copied bit for bit. The host side is one flat uint8 buffer of the
+prompt's entries, which the caller owns and reuses.
 """
 
 from __future__ import annotations
@@ -23,14 +25,15 @@ from kvstore.connector.block_format import BlockFormat, bits
 from kvstore.errors import InvalidRequestError
 from kvstore.layout import KVLayout
 
+CHUNK_BLOCKS = 128  # blocks per device-side gather/scatter
 
-def _check(layout: KVLayout, fmt: BlockFormat, caches: Sequence[torch.Tensor],
-           block_ids: Sequence[int], first_block: int, ntokens: int) -> tuple[int, int]:
-    if len(caches) != layout.num_layers:
-        raise InvalidRequestError(f"{len(caches)} layer caches, layout has {layout.num_layers}")
-    c0 = caches[0]
-    if tuple(c0.shape[1:]) != fmt.view_shape or c0.dtype != layout.torch_dtype:
-        raise InvalidRequestError(f"cache view {tuple(c0.shape)} {c0.dtype} does not match "
+
+def check(layout: KVLayout, fmt: BlockFormat, cache: torch.Tensor, block_ids: Sequence[int],
+          first_block: int, ntokens: int) -> tuple[int, int]:
+    """(full blocks, tokens of the partial rest) of ``ntokens``; InvalidRequestError
+    when the cache, ids or range do not fit (nothing is touched then)."""
+    if tuple(cache.shape[1:]) != fmt.view_shape or cache.dtype != layout.torch_dtype:
+        raise InvalidRequestError(f"cache view {tuple(cache.shape)} {cache.dtype} does not match "
                                   f"[B, {fmt.view_shape}] {layout.dtype}")
     full, rest = divmod(ntokens, layout.block_tokens)
     if len(block_ids) < full + bool(rest):
@@ -41,76 +44,116 @@ def _check(layout: KVLayout, fmt: BlockFormat, caches: Sequence[torch.Tensor],
     return full, rest
 
 
-def _logical_shape(layout: KVLayout) -> tuple[int, int, int, int]:
-    return (2, layout.block_tokens, layout.kv_heads, layout.head_dim)
+def _per_layer_block(layout: KVLayout) -> int:
+    """Elements of one layer in one full block: ``2 * N * H * D``."""
+    return 2 * layout.block_tokens * layout.kv_heads * layout.head_dim
 
 
 def _rest_coords(fmt: BlockFormat, layout: KVLayout, rest: int) -> tuple[torch.Tensor, ...]:
     """View coordinates of the logical elements of a block's first ``rest`` tokens,
     in logical order ``[2, rest, H, D]``."""
-    return tuple(c.view(_logical_shape(layout))[:, :rest].reshape(-1) for c in fmt.coords)
+    shape = (2, layout.block_tokens, layout.kv_heads, layout.head_dim)
+    return tuple(c.view(shape)[:, :rest].reshape(-1) for c in fmt.coords)
+
+
+def _host_views(layout: KVLayout, host: torch.Tensor, ntokens: int, held: int
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Typed views of a host buffer holding the entries of ``held >= ntokens`` tokens:
+    full blocks ``[n, L, per_block]`` and the partial entry ``[L, 2, held_rest, H, D]``."""
+    flat = host.reshape(-1).view(torch.uint8)
+    if held < ntokens or flat.numel() < layout.nbytes(held):
+        raise InvalidRequestError(f"buffer of {flat.numel()} bytes does not hold the entries "
+                                  f"of {held} >= {ntokens} tokens")
+    vals = bits(flat[: layout.nbytes(held)].view(layout.torch_dtype))
+    full = ntokens // layout.block_tokens
+    split = full * layout.num_layers * _per_layer_block(layout)
+    blocks = vals[:split].view(full, layout.num_layers, _per_layer_block(layout))
+    held_rest = min(layout.block_tokens, held - full * layout.block_tokens)
+    if ntokens % layout.block_tokens == 0 or held_rest <= 0:
+        return blocks, None
+    tail = vals[split: split + layout.num_layers * 2 * held_rest * layout.kv_heads
+                * layout.head_dim]
+    return blocks, tail.view(layout.num_layers, 2, held_rest, layout.kv_heads, layout.head_dim)
+
+
+def gather_layer(layout: KVLayout, fmt: BlockFormat, cache: torch.Tensor, layer: int,
+                 block_ids: Sequence[int], ntokens: int, host: torch.Tensor) -> None:
+    """Copy layer ``layer`` of a request's first ``ntokens`` tokens into ``host`` (the
+    prompt's entry bytes, ``layout.nbytes(ntokens)``), in entry order."""
+    full, rest = check(layout, fmt, cache, block_ids, 0, ntokens)
+    blocks, tail = _host_views(layout, host, ntokens, ntokens)
+    dev = cache.device
+    for start in range(0, full, CHUNK_BLOCKS):
+        stop = min(full, start + CHUNK_BLOCKS)
+        ids = torch.as_tensor(list(block_ids[start:stop]), dtype=torch.long, device=dev)
+        picked = bits(cache.index_select(0, ids))[(slice(None), *fmt.coords)]
+        blocks[start:stop, layer].copy_(picked, non_blocking=True)
+    if rest:
+        assert tail is not None
+        coords = _rest_coords(fmt, layout, rest)
+        tail[layer].reshape(-1).copy_(bits(cache[int(block_ids[full])])[coords],
+                                      non_blocking=True)
+
+
+def scatter_layer(layout: KVLayout, fmt: BlockFormat, host: torch.Tensor, cache: torch.Tensor,
+                  layer: int, block_ids: Sequence[int], ntokens: int, first_block: int = 0,
+                  data_tokens: int | None = None) -> None:
+    """Write layer ``layer`` of the first ``ntokens`` tokens held in ``host`` (entries of
+    ``data_tokens >= ntokens`` tokens; its last entry may be partial) into
+    ``block_ids``, skipping the request's first ``first_block`` blocks (vLLM's own
+    prefix-cache hits). Of a partial last block only the ``ntokens`` tokens' elements
+    are written: vLLM writes the tokens it computes there itself."""
+    full, rest = check(layout, fmt, cache, block_ids, first_block, ntokens)
+    data_tokens = ntokens if data_tokens is None else data_tokens
+    blocks, tail = _host_views(layout, host, ntokens, data_tokens)
+    dev = cache.device
+    target = bits(cache)
+    for start in range(first_block, full, CHUNK_BLOCKS):
+        stop = min(full, start + CHUNK_BLOCKS)
+        ids = torch.as_tensor(list(block_ids[start:stop]), dtype=torch.long,
+                              device=dev).view(-1, 1)
+        src = blocks[start:stop, layer].to(dev, non_blocking=True)
+        target[(ids, *(c.view(1, -1) for c in fmt.coords))] = src
+    if rest and first_block <= full:
+        assert tail is not None
+        coords = _rest_coords(fmt, layout, rest)
+        src = tail[layer, :, :rest].reshape(-1).to(dev, non_blocking=True)
+        bits(cache[int(block_ids[full])])[coords] = src
 
 
 def gather_blocks(layout: KVLayout, fmt: BlockFormat, caches: Sequence[torch.Tensor],
                   block_ids: Sequence[int], ntokens: int) -> torch.Tensor:
     """The entry bytes of a request's first ``ntokens`` tokens, as a flat uint8 CPU tensor."""
-    full, rest = _check(layout, fmt, caches, block_ids, 0, ntokens)
-    dev = caches[0].device
-    shape = _logical_shape(layout)
-    parts = []
-    if full:
-        ids = torch.as_tensor(list(block_ids[:full]), dtype=torch.long, device=dev)
-        per_layer = []
-        for cache in caches:
-            blocks = bits(cache.index_select(0, ids))  # [n, *view]
-            per_layer.append(blocks[(slice(None), *fmt.coords)].view(full, *shape))
-        # [n, L, 2, N, H, D]: entry order.
-        parts.append(torch.stack(per_layer, dim=1).view(torch.uint8).reshape(-1))
-    if rest:
-        last = int(block_ids[full])
-        coords = _rest_coords(fmt, layout, rest)
-        g = torch.stack([bits(c[last])[coords].view(2, rest, *shape[2:]) for c in caches])
-        parts.append(g.view(torch.uint8).reshape(-1))  # [L, 2, rest, H, D]
-    out = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return out.cpu()
+    _check_layers(layout, caches)
+    host = torch.empty(layout.nbytes(ntokens), dtype=torch.uint8)
+    for layer, cache in enumerate(caches):
+        gather_layer(layout, fmt, cache, layer, block_ids, ntokens, host)
+    _sync(caches[0])
+    return host
 
 
 def scatter_blocks(layout: KVLayout, fmt: BlockFormat, data: torch.Tensor,
                    caches: Sequence[torch.Tensor], block_ids: Sequence[int], ntokens: int,
                    first_block: int = 0, data_tokens: int | None = None) -> None:
-    """Write the first ``ntokens`` tokens of ``data`` into ``block_ids``, skipping the
-    request's first ``first_block`` blocks (already present locally, e.g. vLLM
-    prefix-cache hits shared with other requests). ``data`` holds the entries of
-    ``data_tokens >= ntokens`` tokens (its last entry may be partial). Only the
-    elements of the ``ntokens`` tokens are written: the rest of a partial last block
-    is left as it is (vLLM writes the tokens it computes there itself)."""
-    full, rest = _check(layout, fmt, caches, block_ids, first_block, ntokens)
+    """``scatter_layer`` for every layer (see there)."""
+    _check_layers(layout, caches)
     data_tokens = ntokens if data_tokens is None else data_tokens
     flat = data.reshape(-1).view(torch.uint8)
     if data_tokens < ntokens or flat.numel() != layout.nbytes(data_tokens):
         raise InvalidRequestError(f"data of {flat.numel()} bytes does not hold the entries of "
                                   f"{data_tokens} >= {ntokens} tokens")
-    dev = caches[0].device
-    L = layout.num_layers
-    shape = _logical_shape(layout)
-    per_block = 2 * layout.block_tokens * layout.kv_heads * layout.head_dim
-    block_bytes = layout.block_nbytes
-    if full > first_block:
-        n = full - first_block
-        src = bits(flat[first_block * block_bytes: full * block_bytes].to(dev)
-                   .view(layout.torch_dtype)).view(n, L, per_block)
-        ids = torch.as_tensor(list(block_ids[first_block:full]), dtype=torch.long,
-                              device=dev).view(-1, 1)
-        index = (ids, *(c.view(1, -1) for c in fmt.coords))
-        for layer, cache in enumerate(caches):
-            bits(cache)[index] = src[:, layer]
-    if rest and first_block <= full:
-        # The entry holding these tokens may hold more of them (up to a block).
-        held = min(layout.block_tokens, data_tokens - full * layout.block_tokens)
-        tail = flat[full * block_bytes: full * block_bytes + layout.nbytes(held)]
-        tail = bits(tail.to(dev).view(layout.torch_dtype)).view(L, 2, held, *shape[2:])
-        tail = tail[:, :, :rest].reshape(L, -1)
-        last = int(block_ids[full])
-        coords = _rest_coords(fmt, layout, rest)
-        for layer, cache in enumerate(caches):
-            bits(cache[last])[coords] = tail[layer]
+    for layer, cache in enumerate(caches):
+        scatter_layer(layout, fmt, flat, cache, layer, block_ids, ntokens, first_block,
+                      data_tokens)
+    _sync(caches[0])
+
+
+def _check_layers(layout: KVLayout, caches: Sequence[torch.Tensor]) -> None:
+    if len(caches) != layout.num_layers:
+        raise InvalidRequestError(f"{len(caches)} layer caches, layout has {layout.num_layers}")
+
+
+def _sync(cache: torch.Tensor) -> None:
+    """Wait for non-blocking copies on the cache's device (none on CPU)."""
+    if cache.device.type == "cuda":
+        torch.cuda.current_stream(cache.device).synchronize()

@@ -18,6 +18,12 @@ Every key (docs/vllm.md lists them with examples):
   [the served model's name]
 * ``salt`` — optional tenant salt, also in the namespace. [""]
 * ``timeout_s`` — bound of every store call; a late answer is a miss. [5.0]
+* ``lookup_timeout_s`` — bound of the scheduler's lookup (prefix-cache mode only: a
+  disaggregated decode needs none); the scheduler must never wait on the network
+  long. [0.25]
+* ``load_wait_s`` — how long a decode's load waits for the producer's entries to
+  appear (its save may still be on its way when the proxy forwards the request).
+  [the ``timeout_s``]
 * ``te_host`` — the address this worker's Transfer Engine binds and advertises
   (the node's RDMA/TCP interface on real clusters). [127.0.0.1]
 * ``staging_bytes`` — the worker's registered TE staging buffer. [256MiB]
@@ -40,7 +46,8 @@ from kvstore.errors import ConfigError
 from kvstore.layout import KVLayout, dtype_name
 
 SERVER_SCHEMES = ("tcp://", "etcd://")  # one server / a cluster's registry
-_KEYS = {"server", "allowed_servers", "cluster_prefix", "model_id", "salt", "timeout_s", "te_host",
+_KEYS = {"server", "allowed_servers", "cluster_prefix", "model_id", "salt", "timeout_s",
+         "lookup_timeout_s", "load_wait_s", "te_host",
          "staging_bytes", "same_node", "load_mode", "save", "load"}
 
 
@@ -52,6 +59,8 @@ class ConnectorSettings:
     model_id: str
     salt: str
     timeout_s: float
+    lookup_timeout_s: float
+    load_wait_s: float
     te_host: str
     staging_bytes: int
     same_node: bool | str
@@ -80,6 +89,8 @@ class ConnectorSettings:
             model_id=str(extra.get("model_id", default_model_id)),
             salt=str(extra.get("salt", "")),
             timeout_s=float(extra.get("timeout_s", 5.0)),
+            lookup_timeout_s=float(extra.get("lookup_timeout_s", 0.25)),
+            load_wait_s=float(extra.get("load_wait_s", extra.get("timeout_s", 5.0))),
             te_host=str(extra.get("te_host", "127.0.0.1")),
             staging_bytes=parse_size(extra.get("staging_bytes", "256MiB")),
             same_node=same_node,
@@ -100,8 +111,11 @@ class ConnectorSettings:
                                   f"got {address!r}")
         if not self.cluster_prefix:
             raise ConfigError("cluster_prefix must not be empty")
-        if self.timeout_s <= 0:
-            raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
+        for name in ("timeout_s", "lookup_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.load_wait_s < 0:
+            raise ConfigError(f"load_wait_s must be >= 0, got {self.load_wait_s}")
         if self.load_mode not in ("drop", "keep"):
             raise ConfigError(f"load_mode must be 'drop' or 'keep', got {self.load_mode!r}")
         if self.same_node not in (True, False, "auto"):

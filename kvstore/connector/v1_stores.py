@@ -28,8 +28,6 @@ import torch
 from kvstore.client import KVStoreClient
 from kvstore.cluster_client import ClusterClient, connect
 from kvstore.datapath import TeEngine
-from kvstore.connector.block_format import BlockFormat
-from kvstore.connector.paged_io import gather_blocks, scatter_blocks
 from kvstore.connector.v1_config import ConnectorSettings
 from kvstore.errors import KVTimeoutError, MissError, PeerUnavailableError
 from kvstore.layout import KVLayout
@@ -110,55 +108,50 @@ class StoreClients:
             self._down_until[server] = time.monotonic() + _DOWN_S
 
     # ------------------------------------------------------------------ calls
-    def lookup(self, server: str, tokens: Sequence[int], scope: str = "") -> int:
+    def lookup(self, server: str, tokens: Sequence[int], scope: str = "",
+               timeout_s: float | None = None) -> int:
         """Prompt tokens the store holds (a non-binding answer); 0 on any failure."""
         if not tokens or not self._usable(server):
             return 0
         try:
-            return self.client(server).lookup(tokens, scope=scope).matched_tokens
+            return self.client(server).lookup(tokens, scope=scope,
+                                              timeout_s=timeout_s).matched_tokens
         except Exception as exc:  # noqa: BLE001 - never into the scheduler
             self._failed(server, "lookup", exc)
             return 0
 
-    def load(self, order: Any, fmt: BlockFormat, caches: Sequence[torch.Tensor]) -> set[int]:
-        """Load ``order.ntokens`` prompt tokens into ``order.block_ids``; returns the
-        block ids that did not get their KV (vLLM recomputes from the first one)."""
-        bt = self.layout.block_tokens
-        nblocks = -(-order.ntokens // bt)
-        wanted = order.block_ids[order.first_block:nblocks]
-        got = 0
+    def wait_for(self, server: str, tokens: Sequence[int], scope: str, want: int,
+                 deadline: float) -> int:
+        """Poll until the store holds ``want`` tokens of ``tokens`` (a producer's save
+        may still be on its way) or ``deadline`` passes; the tokens it holds then."""
+        pause, held = 0.002, 0
+        while True:
+            left = deadline - time.monotonic()
+            held = self.lookup(server, tokens, scope, timeout_s=max(0.05, min(left, 1.0)))
+            if held >= want or left <= 0 or not self._usable(server):
+                return held
+            time.sleep(min(pause, max(0.0, left)))
+            pause = min(pause * 2, 0.05)
+
+    def fetch(self, order: Any, into: torch.Tensor) -> int:
+        """Take (drop mode) or read (keep mode) ``order``'s stored tokens into ``into``;
+        the tokens whose entries arrived (0 on any failure: logged, never raised)."""
         try:
-            client = self.client(order.server)
             if not self._usable(order.server):
                 raise MissError(f"{order.server} failed recently")
+            client = self.client(order.server)
             fetch = client.drop_select if self.settings.load_mode == "drop" else client.get
-            res = fetch(order.token_ids, scope=order.scope)
-            held = res.matched_tokens
-            got = min(held, order.ntokens)
-            # A partially received block is recomputed whole: keep only full ones.
-            good = got if got == order.ntokens else got - got % bt
-            if good > order.first_block * bt:
-                scatter_blocks(self.layout, fmt, res.kv, caches, order.block_ids, good,
-                               order.first_block, data_tokens=held)
-            got = good
+            return fetch(order.token_ids, scope=order.scope, into=into).matched_tokens
         except Exception as exc:  # noqa: BLE001 - reported as load errors, never raised
             self._failed(order.server, f"load of {order.req_id}", exc)
-            got = 0
-        if got >= order.ntokens:
-            return set()
-        first_bad = max(order.first_block, got // bt)
-        log.info("request %s: %d of %d tokens loaded; %d blocks to recompute", order.req_id,
-                 got, order.ntokens, nblocks - first_bad)
-        return set(order.block_ids[first_bad:nblocks]) & set(wanted)
+            return 0
 
-    def save(self, order: Any, fmt: BlockFormat, caches: Sequence[torch.Tensor]) -> bool:
-        """Insert a finished prompt's KV into this node's server; False if skipped."""
+    def insert(self, order: Any, data: torch.Tensor) -> bool:
+        """Insert a prompt's entry bytes into this node's server; False if skipped."""
         server = self.settings.server
         if not self._usable(server):
             return False
         try:
-            data = gather_blocks(self.layout, fmt, caches, order.block_ids,
-                                 len(order.token_ids))
             self.client(server).insert(order.token_ids, data, scope=order.scope)
             return True
         except Exception as exc:  # noqa: BLE001 - a failed save only costs a later miss

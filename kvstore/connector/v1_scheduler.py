@@ -1,0 +1,162 @@
+"""The connector's scheduler side: which tokens a request gets from the store, and the
+load and save orders of each step.
+
+The scheduler never waits on the network for a disaggregated decode: a request whose
+``kv_transfer_params`` come from a producer (``kvstore_server`` + ``kvstore_tokens``)
+is told "that many tokens, loading asynchronously" at once, and the worker finds the
+entries (waiting for the producer's save if it is still on its way). Without such
+params (a prefix cache, ``kv_both``) the scheduler asks the store with
+``lookup_timeout_s``; a server that fails is skipped for a while (StoreClients), so a
+dead server costs one short timeout, not one per request. Such a hit loads in the
+step that computes the rest of the prompt, layer by layer.
+
+State, all keyed by request id and dropped at ``request_finished``:
+``_scopes`` (request_scope, from the first sight of the request), ``_matched``
+(what get_num_new_matched_tokens answered, until update_state_after_alloc),
+``_loads`` (orders for the next metadata), ``_tracked`` (prompts still to save).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from kvstore.connector.v1_config import ConnectorSettings
+from kvstore.connector.v1_orders import (
+    PARAM_SERVER,
+    PARAM_TOKENS,
+    KVStoreConnectorMetadata,
+    LoadOrder,
+    SaveOrder,
+    claimed_tokens,
+    request_scope,
+    stored_part,
+)
+from kvstore.connector.v1_stores import StoreClients
+from kvstore.layout import KVLayout
+
+
+class _Match(NamedTuple):
+    local: int  # vLLM's own (block-aligned) prefix-cache hit
+    server: str
+    stored: int  # tokens the store has (or the producer claims) for this prompt
+    claimed: bool  # from the producer's kv_transfer_params, not a lookup
+
+
+@dataclass
+class _Tracked:
+    """A running request whose prompt may need saving."""
+
+    token_ids: list[int]  # what will be saved: the prompt but its last token
+    block_ids: list[int]
+    scope: str
+
+
+class SchedulerSide:
+    def __init__(self, settings: ConnectorSettings, layout: KVLayout,
+                 stores: StoreClients) -> None:
+        self.settings, self.layout, self.stores = settings, layout, stores
+        self._scopes: dict[str, str] = {}
+        self._matched: dict[str, _Match] = {}
+        self._loads: dict[str, LoadOrder] = {}
+        self._tracked: dict[str, _Tracked] = {}
+        self._saved: set[str] = set()  # requests whose save was ordered
+
+    # ------------------------------------------------------------ loading
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        scope = self._scopes.setdefault(request.request_id, request_scope(request))
+        if not self.settings.load:
+            return 0, False
+        stored_tokens = stored_part(list(request.prompt_token_ids or []))
+        if not stored_tokens:
+            return 0, False
+        params = getattr(request, "kv_transfer_params", None)
+        named = params.get(PARAM_SERVER) if isinstance(params, dict) else None
+        server = self.stores.source(named)
+        claimed = claimed_tokens(params, len(stored_tokens)) if server == named else None
+        if claimed is not None:
+            stored = claimed
+        else:
+            stored = self.stores.lookup(server, stored_tokens, scope,
+                                        timeout_s=self.settings.lookup_timeout_s)
+        new = max(0, stored - num_computed_tokens)
+        self._matched[request.request_id] = _Match(num_computed_tokens, server, stored,
+                                                   claimed is not None)
+        return new, bool(new) and claimed is not None
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        match = self._matched.pop(request.request_id, None)
+        if match is None:
+            return
+        drop = self.settings.load_mode == "drop"
+        if num_external_tokens <= 0 and not (match.stored and drop):
+            return
+        # With nothing new to load, a drop still takes the entries (an order that
+        # writes no block): left behind, they would wait for a consumer forever.
+        background = num_external_tokens > 0 and match.claimed
+        self._loads[request.request_id] = LoadOrder(
+            req_id=request.request_id,
+            token_ids=stored_part(list(request.prompt_token_ids or [])),
+            block_ids=list(blocks.get_block_ids()[0]) if num_external_tokens > 0 else [],
+            ntokens=match.local + max(0, num_external_tokens),
+            first_block=match.local // self.layout.block_tokens,
+            server=match.server, scope=self._scopes.get(request.request_id, ""),
+            wait=match.claimed, background=background)
+
+    # ------------------------------------------------------------ each step
+    def build_connector_meta(self, scheduler_output: Any) -> KVStoreConnectorMetadata:
+        meta = KVStoreConnectorMetadata(loads=list(self._loads.values()),
+                                        preempted=set(getattr(scheduler_output,
+                                                              "preempted_req_ids", None)
+                                                      or ()))
+        self._loads.clear()
+        for new in scheduler_output.scheduled_new_reqs:
+            tokens = stored_part(list(new.prompt_token_ids or []))
+            if self.settings.save and tokens:
+                self._tracked[new.req_id] = _Tracked(tokens, list(new.block_ids[0]),
+                                                     self._scopes.get(new.req_id, ""))
+                self._maybe_save(meta, new.req_id, new.num_computed_tokens,
+                                 scheduler_output.num_scheduled_tokens.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids and new_blocks is not None:
+                tracked.block_ids = list(new_blocks[0])  # a resumed request's whole list
+            elif new_blocks is not None:
+                tracked.block_ids.extend(new_blocks[0])
+            self._maybe_save(meta, req_id, cached.num_computed_tokens[i],
+                             scheduler_output.num_scheduled_tokens.get(req_id, 0))
+        return meta
+
+    def _maybe_save(self, meta: KVStoreConnectorMetadata, req_id: str, computed: int,
+                    scheduled: int) -> None:
+        """Order the save in the step that computes the last stored token."""
+        tracked = self._tracked[req_id]
+        if computed + scheduled >= len(tracked.token_ids):
+            meta.saves.append(SaveOrder(req_id, tracked.token_ids, list(tracked.block_ids),
+                                        tracked.scope))
+            self._saved.add(req_id)
+            del self._tracked[req_id]
+
+    # ------------------------------------------------------------ finishing
+    def request_finished(self, request: Any,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """The blocks may always be freed at once: a save copies them to the host in
+        the step that orders it (worker side), and a load in flight holds them
+        through vLLM's WAITING_FOR_REMOTE_KVS. The params name this node's server and
+        how many tokens it stores, so the decode side needs no lookup."""
+        rid = request.request_id
+        # Not _loads: an order vLLM is waiting on (WAITING_FOR_REMOTE_KVS) must reach
+        # the worker, whose report is what lets vLLM free the request's blocks.
+        for state in (self._tracked, self._matched, self._scopes):
+            state.pop(rid, None)
+        if rid not in self._saved:
+            return False, None
+        self._saved.discard(rid)
+        stored = len(stored_part(list(request.prompt_token_ids or [])))
+        return False, {PARAM_SERVER: self.settings.server, PARAM_TOKENS: stored}

@@ -1,0 +1,296 @@
+"""The connector's worker side: moving KV between vLLM's paged caches and the store
+without stopping the engine for the network.
+
+One transfer thread per worker does every store call (TE runs fastest with one
+transfer thread per process, and the shared staging buffer serialises them anyway),
+taking jobs in priority order: loads this step's forward waits for, then everything
+else in arrival order.
+
+* Background loads (a disaggregated decode: the request waits in vLLM's
+  WAITING_FOR_REMOTE_KVS): wait for the producer's entries if they are not there
+  yet, take them, scatter them into the request's blocks, and report the request
+  through ``get_finished`` — its failed blocks through
+  ``get_block_ids_with_load_errors`` in the same pass, so vLLM recomputes them.
+* Same-step loads (a prefix-cache hit): the forward waits in
+  ``wait_for_layer_load`` for just its layer; the thread scatters layer by layer.
+* Saves: ``save_kv_layer`` copies layer i of every prompt saved this step into host
+  memory as soon as layer i is computed; ``wait_for_save`` copies what no layer
+  hook covered and hands the bytes to the thread. From then on the blocks are not
+  needed: vLLM may free or reuse them at once.
+
+Invariants: nothing writes into a block after the step in which it stops being the
+request's (same-step loads finish inside their step; background loads write only
+into blocks vLLM holds for the waiting request until ``get_finished`` reports it);
+every background load is reported exactly once; no kvstore error reaches vLLM.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstore.connector.block_format import BlockFormat
+from kvstore.connector.paged_io import gather_layer, scatter_layer
+from kvstore.connector.v1_orders import KVStoreConnectorMetadata, LoadOrder, SaveOrder
+from kvstore.connector.v1_stores import StoreClients
+from kvstore.layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+_SYNC, _OTHER = 0, 1  # job priorities
+_KEEP_BUFFERS = 4  # host buffers kept for reuse
+
+
+class HostBuffers:
+    """Reused host buffers for entry bytes (pinned when the caches are on a GPU, so
+    device copies can overlap compute). At most ``_KEEP_BUFFERS`` are kept free."""
+
+    def __init__(self, pinned: bool) -> None:
+        self.pinned = pinned
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            fits = [b for b in self._free if b.numel() >= nbytes]
+            if fits:
+                best = min(fits, key=lambda b: b.numel())
+                self._free.remove(best)
+                return best[:nbytes]
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=self.pinned)[:nbytes]
+
+    def give(self, buf: torch.Tensor) -> None:
+        base = buf if buf._base is None else buf._base
+        with self._lock:
+            self._free.append(base)
+            if len(self._free) > _KEEP_BUFFERS:
+                self._free.remove(min(self._free, key=lambda b: b.numel()))
+
+
+@dataclass
+class _LoadJob:
+    order: LoadOrder
+    layers: list[threading.Event]  # set as each layer is in the cache (same-step loads)
+    done: threading.Event = field(default_factory=threading.Event)
+    failed_blocks: set[int] = field(default_factory=set)
+
+    @property
+    def reported(self) -> bool:
+        """vLLM waits for this load through get_finished."""
+        return self.order.background and bool(self.order.block_ids)
+
+
+@dataclass
+class _SaveJob:
+    order: SaveOrder
+    host: torch.Tensor
+    gathered: set[int] = field(default_factory=set)  # layers already copied
+
+
+class WorkerSide:
+    def __init__(self, settings, layout: KVLayout, stores: StoreClients,
+                 layer_names: Sequence[str]) -> None:
+        self.settings, self.layout, self.stores = settings, layout, stores
+        self.layer_index = {name: i for i, name in enumerate(layer_names)}
+        self.caches: list[torch.Tensor] = []
+        self.fmt: BlockFormat | None = None
+        self.buffers = HostBuffers(pinned=False)
+        self._jobs: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._lock = threading.Lock()
+        self._loaded: set[str] = set()  # background loads done, not yet reported
+        self._load_errors: dict[str, set[int]] = {}  # their failed blocks
+        self._ready_errors: set[int] = set()  # for get_block_ids_with_load_errors
+        self._step_loads: list[_LoadJob] = []  # same-step loads of the bound step
+        self._step_saves: list[_SaveJob] = []
+        self._busy = 0  # jobs queued or running (for drain)
+        self._idle = threading.Condition(self._lock)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvstore-connector",
+                                        daemon=True)
+        self._thread.start()
+
+    def register(self, caches: list[torch.Tensor], fmt: BlockFormat) -> None:
+        self.caches, self.fmt = caches, fmt
+        self.buffers = HostBuffers(pinned=caches[0].device.type == "cuda")
+
+    # ------------------------------------------------------------ per step
+    def bind(self, meta: KVStoreConnectorMetadata) -> None:
+        """A step begins (before its forward): its saves get their host buffers."""
+        self._step_saves = [_SaveJob(o, self.buffers.take(self.layout.nbytes(len(o.token_ids))))
+                            for o in meta.saves]
+
+    def start(self, meta: KVStoreConnectorMetadata) -> None:
+        """Queue the step's loads (vLLM calls this before the forward when it has
+        same-step loads, else after it)."""
+        for order in meta.loads:
+            job = _LoadJob(order, [threading.Event() for _ in self.caches])
+            same_step = not order.background and bool(order.block_ids)
+            if same_step:
+                self._step_loads.append(job)
+            self._submit(_SYNC if same_step else _OTHER, lambda j=job: self._load(j))
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        i = self.layer_index.get(layer_name)
+        if i is None:
+            return
+        for job in self._step_loads:
+            job.layers[i].wait()  # every store call inside is bounded
+
+    def save_layer(self, layer_name: str) -> None:
+        i = self.layer_index.get(layer_name)
+        if i is None:
+            return
+        for job in self._step_saves:
+            self._gather(job, i)
+
+    def finish_step(self) -> None:
+        """End of the step's forward: same-step loads are complete (their errors are
+        this pass's), saves' bytes are on the host and go to the thread."""
+        for job in self._step_loads:
+            job.done.wait()
+            with self._lock:
+                self._ready_errors |= job.failed_blocks
+        self._step_loads = []
+        for job in self._step_saves:
+            for i in range(len(self.caches)):
+                self._gather(job, i)
+        if self._step_saves and self.caches and self.caches[0].device.type == "cuda":
+            torch.cuda.current_stream(self.caches[0].device).synchronize()
+        for job in self._step_saves:
+            self._submit(_OTHER, lambda j=job: self._save(j))
+        self._step_saves = []
+
+    def _gather(self, job: _SaveJob, layer: int) -> None:
+        if layer in job.gathered:
+            return
+        job.gathered.add(layer)
+        order = job.order
+        try:
+            gather_layer(self.layout, self.fmt, self.caches[layer], layer, order.block_ids,
+                         len(order.token_ids), job.host)
+        except Exception:  # noqa: BLE001 - a save that cannot be made is skipped
+            log.exception("save of %s: copying layer %d failed; not saved", order.req_id, layer)
+            job.gathered.add(-1)
+
+    # ------------------------------------------------------------ reports
+    def finished_loads(self) -> set[str]:
+        """Background loads done since the last call; their failed blocks become this
+        pass's load errors."""
+        with self._lock:
+            done, self._loaded = self._loaded, set()
+            for rid in done:
+                self._ready_errors |= self._load_errors.pop(rid, set())
+            return done
+
+    def load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._ready_errors = self._ready_errors, set()
+            return errors
+
+    # ------------------------------------------------------------ the thread
+    def _submit(self, priority: int, work: Callable[[], None]) -> None:
+        with self._lock:
+            self._busy += 1
+        self._jobs.put((priority, next(self._seq), work))
+
+    def _run(self) -> None:
+        while True:
+            _, _, work = self._jobs.get()
+            if work is None:
+                return
+            try:
+                work()
+            except Exception:  # noqa: BLE001 - the thread must outlive any job
+                log.exception("kvstore connector job failed")
+            finally:
+                with self._lock:
+                    self._busy -= 1
+                    self._idle.notify_all()
+
+    def _load(self, job: _LoadJob) -> None:
+        order, lay = job.order, self.layout
+        host = None
+        got = 0
+        try:
+            want = min(order.ntokens, len(order.token_ids))
+            if order.wait:
+                self.stores.wait_for(order.server, order.token_ids, order.scope, want,
+                                     time.monotonic() + self.settings.load_wait_s)
+            host = self.buffers.take(lay.nbytes(len(order.token_ids)))
+            held = self.stores.fetch(order, host)
+            got = self._scatter(job, host, held) if order.block_ids else held
+        except Exception:  # noqa: BLE001 - reported as load errors, never raised
+            log.exception("load of %s failed", order.req_id)
+        finally:
+            for event in job.layers:
+                event.set()
+            if host is not None:
+                self.buffers.give(host)
+        self._finish_load(job, got)
+
+    def _scatter(self, job: _LoadJob, host: torch.Tensor, held: int) -> int:
+        """Scatter layer by layer what arrived; the tokens now in the cache."""
+        order, lay = job.order, self.layout
+        got = min(held, order.ntokens)
+        # A partially received block is recomputed whole: keep only full ones.
+        good = got if got == order.ntokens else got - got % lay.block_tokens
+        if good <= order.first_block * lay.block_tokens:
+            return good
+        for i, cache in enumerate(self.caches):
+            scatter_layer(lay, self.fmt, host, cache, i, order.block_ids, good,
+                          order.first_block, data_tokens=held)
+            if cache.device.type == "cuda":
+                torch.cuda.current_stream(cache.device).synchronize()
+            job.layers[i].set()
+        return good
+
+    def _finish_load(self, job: _LoadJob, got: int) -> None:
+        order, bt = job.order, self.layout.block_tokens
+        if order.block_ids and got < order.ntokens:
+            nblocks = -(-order.ntokens // bt)
+            first_bad = max(order.first_block, got // bt)
+            job.failed_blocks = set(order.block_ids[first_bad:nblocks])
+            log.info("request %s: %d of %d tokens loaded; %d blocks to recompute",
+                     order.req_id, got, order.ntokens, nblocks - first_bad)
+        with self._lock:
+            if job.reported:
+                self._loaded.add(order.req_id)
+                if job.failed_blocks:
+                    self._load_errors[order.req_id] = job.failed_blocks
+        job.done.set()
+
+    def _save(self, job: _SaveJob) -> None:
+        try:
+            if -1 not in job.gathered:
+                self.stores.insert(job.order, job.host)
+        finally:
+            self.buffers.give(job.host)
+
+    # ------------------------------------------------------------ lifecycle
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every queued job has run; False if ``timeout_s`` passed first."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def close(self, timeout_s: float) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not self.drain(timeout_s):
+            log.warning("kvstore connector: transfers still running at shutdown")
+        self._jobs.put((_OTHER + 1, next(self._seq), None))
+        self._thread.join(timeout=1.0)
