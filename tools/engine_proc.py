@@ -52,6 +52,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,6 +79,20 @@ class Completion(NamedTuple):
     token_ids: list[int]  # the generated tokens
     num_cached_tokens: int  # prompt tokens vLLM did not compute (local prefix cache + connector)
     kv_transfer_params: dict[str, Any] | None  # what the connector returned for the request
+
+
+# vLLM applies this logging config in each of its processes (VLLM_LOGGING_CONFIG_PATH):
+# its own loggers as usual, plus kvstore's, so the connector's INFO lines (loads,
+# the same-node fast path) are in the engine's log too.
+LOGGING = {
+    "version": 1, "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(levelname)s %(asctime)s %(name)s: %(message)s",
+                             "datefmt": "%m-%d %H:%M:%S"}},
+    "handlers": {"log": {"class": "logging.StreamHandler", "formatter": "plain",
+                         "stream": "ext://sys.stdout"}},
+    "loggers": {name: {"handlers": ["log"], "level": "INFO", "propagate": False}
+                for name in ("vllm", "kvstore")},
+}
 
 
 def engine_env(host_ip: str, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -131,6 +146,10 @@ class EngineProc:
     # ------------------------------------------------------------ lifecycle
     def start(self) -> EngineProc:
         """Spawn the driver; returns at once (``wait_ready`` waits for the engine)."""
+        if self.log_path and "VLLM_LOGGING_CONFIG_PATH" not in self.env:
+            config = self.log_path.with_suffix(".logging.json")
+            config.write_text(json.dumps(LOGGING))
+            self.env["VLLM_LOGGING_CONFIG_PATH"] = str(config)
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(
@@ -221,8 +240,9 @@ class EngineProc:
         self.wait_ready()
         self._send(msg)
         res = self._read(timeout, msg["cmd"])
-        if not res.get("ok"):
-            raise EngineError(f"{self.name} {msg['cmd']} failed: {res.get('error')}")
+        if not res.get("ok"):  # vLLM's root cause is in the engine's log, not the reply
+            raise EngineError(f"{self.name} {msg['cmd']} failed: {res.get('error')}\n"
+                              f"--- engine log tail ---\n{self.log_tail()}")
         return res
 
     def _send(self, msg: dict) -> None:
@@ -308,9 +328,11 @@ def _make_llm(cfg: dict):
             kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE,
             kv_role=cfg["role"], kv_load_failure_policy="recompute",
             kv_connector_extra_config=cfg["connector"])
+    # gpu_memory_utilization: several engines share one GPU where there is one (the
+    # CPU build sizes its cache by VLLM_CPU_KVCACHE_SPACE instead).
     return LLM(model=cfg["model"], dtype=cfg["dtype"], block_size=cfg["block_size"],
                max_model_len=cfg["max_model_len"], enforce_eager=True,
-               skip_tokenizer_init=True, seed=0, **kwargs)
+               skip_tokenizer_init=True, seed=0, gpu_memory_utilization=0.15, **kwargs)
 
 
 def _generate(llm, msg: dict) -> dict:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -284,6 +285,13 @@ class Listener:
         self.proc.terminate()
         out, _ = self.proc.communicate(timeout=10)
         return [line for line in out.splitlines() if line.startswith("accepted")]
+
+
+def maps_arena_of(engine: EngineProc, server: ServerProc) -> bool:
+    """Whether the engine's connector took the same-node path to ``server``: mapped its
+    shared DRAM arena (``/dev/shm/kvstore-<dir hash>-<server pid>``), as its log says."""
+    arenas = re.findall(r"same-node fast path: mapped (\S+)", engine.log())
+    return any(path.endswith(f"-{server.pid}") for path in arenas)
 
 
 def prompt_report(prompts_: list[list[int]], got: list[Completion],

@@ -19,6 +19,7 @@ import pytest
 from tests.engine.conftest import (
     DECODE_TOKENS,
     Listener,
+    maps_arena_of,
     prompt_report,
     prompts,
     stored_blocks,
@@ -80,6 +81,8 @@ def test_same_node_decode_matches_plain_engine(disagg, node_emulation):
                                      "same_node", disagg.reference)
     assert all(o.kv_transfer_params["kvstore_server"] == disagg.server_a.address
                for o in prefill)
+    for eng in (disagg.producer, disagg.consumer_a):
+        assert maps_arena_of(eng, disagg.server_a), f"{eng} did not take the same-node path"
 
 
 def test_cross_node_te_decode_matches_plain_engine(disagg, node_emulation):
@@ -90,6 +93,7 @@ def test_cross_node_te_decode_matches_plain_engine(disagg, node_emulation):
     prefill_then_decode(disagg.producer, disagg.consumer_b, disagg.stats_a, "te",
                         disagg.reference)
     after_b = disagg.stats_b()
+    assert not maps_arena_of(disagg.consumer_b, disagg.server_a), "B mapped A's arena: not TE"
     assert after_b["entries"] == 0 and after_b["commits"] == before_b["commits"]
     assert after_b["hits"] == before_b["hits"] and after_b["misses"] == before_b["misses"]
 
