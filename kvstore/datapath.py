@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
 import secrets
 import threading
@@ -160,6 +161,28 @@ class DataPath:
         if transport is not None:
             # The control plane just saw this peer: let TE try it again.
             transport.mark_alive(hello["segment"])
+        if shm is None and hello.get("te_probe") and self.same_node is not True:
+            self._handshake(hello["segment"], hello["te_probe"])
+
+    def _handshake(self, segment: str, probe: list[int]) -> None:
+        """TE's first contact with a server, made now, right after its hello answered:
+        TE's handshake with a peer that then stalls (SIGSTOP, a hung host) blocks
+        ~62 s with no setting to shorten it; every transfer after it is bounded by
+        ``MC_TRANSFER_TIMEOUT``. One page of the server's arena is read."""
+        address, nbytes = int(probe[0]), min(int(probe[1]), _PAGE)
+        page = mmap.mmap(-1, _PAGE)  # page-aligned; registered for this read only
+        local = np.frombuffer(page, dtype=np.uint8)
+        try:
+            with self._lock:
+                te = self._te()
+                te.register(local.ctypes.data, _PAGE)
+                try:
+                    te.read(segment, [local.ctypes.data], [address], [nbytes])
+                finally:
+                    te.unregister(local.ctypes.data)
+        finally:
+            del local
+            page.close()
 
     @property
     def uses_shared_memory(self) -> bool:

@@ -208,7 +208,15 @@ class Server:
                 "dram": None if path is None else {"path": path,
                                                    "nbytes": self.capacities()["dram"]},
                 "block_tokens": self.config.store.block_tokens,
-                "max_message_bytes": self.max_bytes}
+                "max_message_bytes": self.max_bytes, "te_probe": self._te_probe()}
+
+    def _te_probe(self) -> list[int] | None:
+        """[address, nbytes] of one page a TE peer may read: a client's first TE
+        contact (the handshake, which has no timeout of its own) happens at hello."""
+        for regions in self.store.regions().values():
+            for region in regions:
+                return [region.address, min(4096, region.nbytes)]
+        return None
 
     def capacities(self) -> dict[str, int]:
         return {name: t["capacity"] for name, t in self.store.stats()["tiers"].items()}

@@ -1,0 +1,145 @@
+"""The server SIGKILLed or SIGSTOPped at each step of an insert and of a drop_select.
+
+Steps: after ``reserve`` (before the bytes move), after the bytes moved (before
+``commit``); after ``acquire`` (before the read), after the read (before
+``release``). The fault is a real signal to the real server process, sent from the
+client process at that step (its data move is wrapped to know when the step is
+reached). Each case must end within bounded time in a result or a miss
+(``MissError``), and afterwards (SIGKILL: restarted on the same data dir; SIGSTOP:
+continued) nothing committed may be lost: every committed NVMe entry is served
+exact, and a drop_select's bytes are in the caller's hands or still on the server.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from kvstore.errors import MissError
+from tests.integration.client_worker import prompt_kv, prompt_tokens
+
+pytestmark = pytest.mark.timeout(120)
+
+N = 64  # tokens: 16 blocks of 512 B
+PROMPTS = range(10)  # 160 DRAM pages, past the high watermark: most demote to NVMe
+BOUND_S = 2.0 + 5.0 + 3.0  # client timeout, TE's minimum transfer timeout, slack
+
+
+def _server(server_factory):
+    return server_factory(dram="1MiB", nvme="8MiB",
+                          extra=("--high-watermark", "0.5", "--low-watermark", "0.05"))
+
+
+def _settled_on_nvme(client) -> list[int]:
+    """Wait for the reaper's demotion, then the prompts wholly on NVMe (what a
+    SIGKILL must not lose: DRAM is volatile by design)."""
+    deadline = time.monotonic() + 20
+    while client.stats()["tiers"]["dram"]["used"] > 0.5 * (1 << 20):
+        assert time.monotonic() < deadline, client.stats()
+        time.sleep(0.1)
+    nvme = {e["key"] for e in client.ls(tier="nvme")}
+    return [pid for pid in PROMPTS
+            if all(k in nvme for k in client.keys_for(prompt_tokens(pid, N)))]
+
+
+def _exact(client, pid: int) -> bool:
+    got = client.get(prompt_tokens(pid, N), timeout=5.0)
+    return got.matched_tokens == N and np.array_equal(got.kv.numpy(), prompt_kv(pid, N))
+
+
+class Fault:
+    """Sends ``sig`` to the server once, when the wrapped data move reaches ``when``."""
+
+    def __init__(self, srv, sig: int) -> None:
+        self.srv, self.sig, self.sent = srv, sig, False
+
+    def __call__(self) -> None:
+        if not self.sent:
+            self.sent = True
+            os.kill(self.srv.pid, self.sig)
+
+    def wrap(self, client, method: str, when: str) -> None:
+        real = getattr(client._data, method)
+
+        def move(*args, **kwargs):
+            if when == "before":
+                self()
+            out = real(*args, **kwargs)
+            if when == "after":
+                self()
+            return out
+
+        setattr(client._data, method, move)
+
+    def undo(self) -> None:
+        """SIGKILL: restart on the same data dir; SIGSTOP: continue."""
+        if self.sig == signal.SIGKILL:
+            self.srv.proc.wait(10)
+            self.srv.start()
+        else:
+            os.kill(self.srv.pid, signal.SIGCONT)
+
+
+CASES = [("insert", "write", "before", "after reserve"),
+         ("insert", "write", "after", "after the write, before commit"),
+         ("drop_select", "read", "before", "after acquire"),
+         ("drop_select", "read", "after", "after the read, before release")]
+
+
+@pytest.mark.parametrize("path", ["shm", "te"])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
+@pytest.mark.parametrize("op,method,when,step", CASES, ids=[c[3] for c in CASES])
+def test_server_signalled_at_each_step(server_factory, client_factory, fault_log,
+                                       op, method, when, step, sig, path):
+    srv = _server(server_factory)
+    setup = client_factory(srv, timeout_s=5.0)
+    for pid in PROMPTS:
+        setup.insert(prompt_tokens(pid, N), prompt_kv(pid, N))
+    durable = _settled_on_nvme(setup)
+    assert len(durable) >= 3, durable
+    target, keep = durable[0], durable[1:] if sig == signal.SIGKILL else [
+        pid for pid in PROMPTS if pid != durable[0]]
+    client = client_factory(srv, timeout_s=2.0, same_node=(path == "shm"))
+    fault = Fault(srv, sig)
+    fault.wrap(client, method, when)
+
+    start, got, failed = time.monotonic(), None, None
+    try:
+        if op == "insert":
+            got = client.insert(prompt_tokens(99, N), prompt_kv(99, N))
+        else:
+            got = client.drop_select(prompt_tokens(target, N))
+    except MissError as exc:
+        failed = exc
+    finally:
+        elapsed = time.monotonic() - start
+        assert fault.sent, "the step was never reached"
+        fault.undo()
+    assert elapsed < BOUND_S, f"{op} took {elapsed:.1f}s under {signal.Signals(sig).name}"
+    assert srv.proc.poll() is None, srv.log()
+
+    admin = client_factory(srv, timeout_s=5.0)
+    lost = sum(not _exact(admin, pid) for pid in keep) * prompt_kv(0, N).nbytes
+    if op == "drop_select":
+        in_hand = (failed is None and got.matched_tokens == N
+                   and np.array_equal(got.kv.numpy(), prompt_kv(target, N)))
+        if failed is None and got.matched_tokens:  # whatever came back is exact
+            assert np.array_equal(got.kv.numpy(), prompt_kv(target, N)[:got.kv.numel()])
+        still_there = admin.lookup(prompt_tokens(target, N)).matched_tokens == N
+        if not (in_hand or still_there):
+            lost += prompt_kv(target, N).nbytes
+    elif failed is None and sig == signal.SIGSTOP:  # acknowledged and never killed
+        if not _exact(admin, 99):
+            lost += prompt_kv(99, N).nbytes
+    fault_log(f"server {signal.Signals(sig).name} during {op}, {step}", 1,
+              int(srv.proc.poll() is None), lost)
+    assert lost == 0
+    # Nothing of the interrupted call stays open past its lease.
+    deadline = time.monotonic() + 10
+    while (s := admin.stats())["reservations"] or s["leases"]:
+        assert time.monotonic() < deadline, s
+        time.sleep(0.2)
