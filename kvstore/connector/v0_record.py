@@ -3,6 +3,11 @@
 ``[u32 header length][msgpack header][tensor bytes back to back]``; the header lists
 each tensor's dtype and shape (``None`` for an absent tensor). No pickle: a record
 read from a server is data, never code.
+
+A record too large for one staged transfer travels as parts (``split_record``), each
+stored on its own; a *manifest* (a record whose header lists the parts' sizes instead
+of tensors) takes its place in the prompt's entry. ``manifest_parts`` tells the two
+apart, ``decode_record`` reads the whole record once the parts are joined.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Sequence
+from typing import Any
 
 import msgpack
 import torch
@@ -27,6 +33,28 @@ def _dtype_of(name: str) -> torch.dtype:
     return dtype
 
 
+def _with_header(header: dict[str, Any], parts: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+    packed = msgpack.packb({"v": _VERSION, **header})
+    head = torch.frombuffer(bytearray(_LEN.pack(len(packed)) + packed), dtype=torch.uint8)
+    return torch.cat([head, *parts])
+
+
+def _read_header(raw: torch.Tensor) -> tuple[dict[str, Any], int]:
+    """The header and where the bytes after it start; unreadable: ``ChecksumError``."""
+    try:
+        (hlen,) = _LEN.unpack(raw[:_LEN.size].numpy().tobytes())
+        header = msgpack.unpackb(raw[_LEN.size:_LEN.size + hlen].numpy().tobytes(), raw=False)
+        if not isinstance(header, dict) or header.get("v") != _VERSION:
+            raise ValueError(f"not a version {_VERSION} header")
+    except Exception as exc:  # noqa: BLE001 - any decoding problem: unusable record
+        raise ChecksumError(f"unreadable v0 record: {exc}") from None
+    return header, _LEN.size + hlen
+
+
+def _flat(record: torch.Tensor) -> torch.Tensor:
+    return record.detach().cpu().reshape(-1).view(torch.uint8)
+
+
 def encode_record(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
     """Tensors (or None) -> one flat uint8 CPU tensor."""
     specs, parts = [], []
@@ -39,21 +67,17 @@ def encode_record(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
         t = t.detach().cpu().contiguous()
         specs.append([str(t.dtype).removeprefix("torch."), list(t.shape)])
         parts.append(t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8))
-    header = msgpack.packb({"v": _VERSION, "tensors": specs})
-    head = torch.frombuffer(bytearray(_LEN.pack(len(header)) + header), dtype=torch.uint8)
-    return torch.cat([head, *parts])
+    return _with_header({"tensors": specs}, parts)
 
 
 def decode_record(record: torch.Tensor) -> list[torch.Tensor | None]:
     """Inverse of ``encode_record``; a malformed record is a ``ChecksumError`` (a miss)."""
-    raw = record.detach().cpu().reshape(-1).view(torch.uint8)
-    try:
-        (hlen,) = _LEN.unpack(raw[:_LEN.size].numpy().tobytes())
-        header = msgpack.unpackb(raw[_LEN.size:_LEN.size + hlen].numpy().tobytes(), raw=False)
-        specs = header["tensors"]
-    except Exception as exc:  # noqa: BLE001 - any decoding problem: unusable record
-        raise ChecksumError(f"unreadable v0 record: {exc}") from None
-    pos, out = _LEN.size + hlen, []
+    raw = _flat(record)
+    header, pos = _read_header(raw)
+    specs = header.get("tensors")
+    if not isinstance(specs, list):
+        raise ChecksumError("v0 record has no tensor list")
+    out = []
     for spec in specs:
         if spec is None:
             out.append(None)
@@ -67,3 +91,28 @@ def decode_record(record: torch.Tensor) -> list[torch.Tensor | None]:
     if pos != raw.numel():
         raise ChecksumError("v0 record is longer than its header says")
     return out
+
+
+# ------------------------------------------------------------------- parts
+def split_record(record: torch.Tensor, part_bytes: int) -> list[torch.Tensor]:
+    """``record`` as consecutive views of at most ``part_bytes`` each."""
+    if part_bytes <= 0:
+        raise InvalidRequestError(f"part_bytes must be > 0, got {part_bytes}")
+    return list(_flat(record).split(part_bytes))
+
+
+def encode_manifest(part_sizes: Sequence[int]) -> torch.Tensor:
+    """The small record that stands for a record stored as parts of these sizes."""
+    return _with_header({"parts": [int(n) for n in part_sizes]})
+
+
+def manifest_parts(record: torch.Tensor) -> list[int] | None:
+    """The part sizes if ``record`` is a manifest; None if it is a whole record."""
+    header, pos = _read_header(_flat(record))
+    sizes = header.get("parts")
+    if sizes is None:
+        return None
+    if (not isinstance(sizes, list) or not sizes or pos != _flat(record).numel()
+            or not all(isinstance(n, int) and n > 0 for n in sizes)):
+        raise ChecksumError("v0 record manifest is malformed")
+    return sizes

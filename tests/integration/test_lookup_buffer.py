@@ -196,3 +196,121 @@ def test_etcd_address_round_trip_through_a_registered_server(server_factory):
             assert torch.equal(tok, tokens) and torch.equal(key, torch.full((2, 3), 4.0))
             assert hidden is None
             assert _entries(node) == 0  # consumed: unpinned and dropped on the node
+            # A record of several staging buffers: its parts are placed like prompts.
+            big = torch.rand(3 << 18)  # 3 MiB
+            provider.insert(tokens, roi, big, None, None)
+            assert torch.equal(consumer.drop_select(tokens, roi)[2], big)
+            assert _entries(node) == 0
+
+
+def _stats(server) -> dict:
+    with KVStoreClient(server.address, timeout_s=10.0) as admin:
+        return admin.stats()
+
+
+def test_select_any_is_an_immediate_miss_with_one_warning(clean_server, caplog):
+    """vLLM's base class lets drop_select(None, None) pop any entry; an exact-key
+    store has none to offer: a miss at once (not after select_timeout_s), a warning
+    once, and the stored entry left for the consumer that names its tokens."""
+    server = clean_server
+    provider, consumer = _buffer(server), _buffer(server, select_timeout_s=5.0)
+    tokens = torch.arange(60, 70)
+    provider.insert(tokens, None, torch.ones(4), torch.zeros(4), None)
+    stored = _entries(server)
+    start = time.monotonic()
+    with caplog.at_level("WARNING", logger="kvstore.connector.lookup_buffer"):
+        assert consumer.drop_select(None, None) == [None] * 5
+        assert consumer.drop_select(None, torch.ones(10, dtype=torch.bool)) == [None] * 5
+    assert time.monotonic() - start < 1.0
+    assert consumer.select_any_calls == 2
+    assert sum("select any" in r.getMessage() for r in caplog.records) == 1
+    assert _entries(server) == stored  # nothing was taken
+    assert torch.equal(consumer.drop_select(tokens, None)[2], torch.ones(4))
+    assert _entries(server) == 0
+    provider.close(), consumer.close()
+
+
+@pytest.mark.parametrize("record_mib", [3, 10], ids=["3MiB", "10MiB"])
+def test_record_larger_than_the_staging_buffer_crosses_nodes(server_factory, record_mib):
+    """Over TE every entry is staged through the client's registered buffer (1 MiB
+    here, as 256 MiB is for a ~2k-token prompt of an 8B model). A record of several
+    buffers (it used to be an InvalidRequestError) travels as parts: the consumer
+    gets it whole, and nothing stays behind."""
+    server = server_factory(dram="64MiB", nvme="0")
+    provider = _buffer(server, same_node=False)
+    consumer = _buffer(server, same_node=False, select_timeout_s=2.0)
+    g = torch.Generator().manual_seed(3)
+    n = (record_mib << 20) // 8  # two fp32 tensors of record_mib / 2 each
+    tokens, roi = torch.arange(500, 537), torch.ones(37, dtype=torch.bool)
+    key, value = torch.rand(n, generator=g), torch.rand(n, generator=g)
+    hidden = torch.rand(37, 8, generator=g)
+    provider.insert(tokens, roi, key, value, hidden)
+    assert provider.insert_misses == 0
+    assert _entries(server) > 2 * record_mib  # the prompt's entries and 512 KiB parts
+
+    got = consumer.drop_select(tokens, roi)
+    for want, have in zip((tokens, roi, key, value, hidden), got):
+        assert torch.equal(want, have)
+    stats = _stats(server)
+    assert stats["entries"] == 0 and stats["pinned_entries"] == 0
+    provider.close(), consumer.close()
+
+
+def test_consumer_too_small_for_the_producers_parts_misses_and_leaves_no_pin(
+        server_factory, caplog):
+    """Parts are half the producer's staging buffer; a consumer with a smaller one
+    cannot read them over TE: a miss with a warning, and the parts unpinned."""
+    server = server_factory(dram="64MiB", nvme="0")
+    provider = _buffer(server, staging_bytes=4 << 20, same_node=False)
+    consumer = _buffer(server, staging_bytes=1 << 20, same_node=False, select_timeout_s=2.0)
+    tokens = torch.arange(10, 30)
+    provider.insert(tokens, None, torch.ones(3 << 18), torch.zeros(3 << 18), None)  # 6 MiB
+    assert _stats(server)["pinned_entries"] > 0
+    with caplog.at_level("WARNING", logger="kvstore.connector.lookup_buffer"):
+        assert consumer.drop_select(tokens, None) == [None] * 5
+    assert any("same staging_bytes" in r.getMessage() for r in caplog.records)
+    assert _stats(server)["pinned_entries"] == 0
+    provider.close(), consumer.close()
+
+
+@pytest.mark.parametrize("record_kib, occupant_kib, next_kib", [(400, 700, 200), (1536, 300, 600)],
+                         ids=["one-record", "in-parts"])
+def test_insert_into_a_server_that_stays_full_is_skipped(server_factory, record_kib,
+                                                         occupant_kib, next_kib):
+    """vLLM's v0 insert cannot fail: a server still full (of an unconsumed entry)
+    after insert_timeout_s skips the insert (counted; its consumer misses and
+    recomputes). Parts already stored for it are unpinned: the next insert, which
+    fits only without them, goes in."""
+    server = server_factory(dram="1MiB", nvme="0")
+    provider = _buffer(server, insert_timeout_s=0.3)
+    consumer = _buffer(server, select_timeout_s=0.2)
+    occupant = torch.arange(1, 9)
+    provider.insert(occupant, None, torch.zeros(occupant_kib << 10, dtype=torch.uint8), None, None)
+    pinned = _stats(server)["pinned_entries"]
+    tokens = torch.arange(100, 120)
+    start = time.monotonic()
+    provider.insert(tokens, None, torch.ones(record_kib << 10, dtype=torch.uint8), None, None)
+    assert 0.3 <= time.monotonic() - start < 5.0  # waited for room, then gave up
+    assert provider.insert_misses == 1 and provider.full_waits > 0
+    assert _stats(server)["pinned_entries"] == pinned  # no part of it stays pinned
+    assert consumer.drop_select(tokens, None) == [None] * 5
+    following = torch.arange(200, 210)
+    provider.insert(following, None, torch.ones(next_kib << 10, dtype=torch.uint8), None, None)
+    assert provider.insert_misses == 1
+    assert consumer.drop_select(following, None)[0] is not None
+    assert consumer.drop_select(occupant, None)[0] is not None
+    assert _stats(server)["pinned_entries"] == 0
+    provider.close(), consumer.close()
+
+
+def test_insert_to_an_unreachable_server_is_skipped(server_factory):
+    """A provider whose server is gone: insert returns (a miss for the writer)."""
+    server = server_factory()
+    provider = _buffer(server, timeout_s=1.0)
+    provider.insert(torch.arange(5), None, torch.ones(2), None, None)
+    server.stop()
+    start = time.monotonic()
+    provider.insert(torch.arange(5, 10), None, torch.ones(2), None, None)
+    assert time.monotonic() - start < 10.0
+    assert provider.insert_misses == 1
+    provider.close()
