@@ -423,15 +423,20 @@ def _split(data: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
 
 
 def _hidden_bytes(hidden: torch.Tensor) -> tuple[np.ndarray, bytes]:
+    """The hidden tensor's bytes and the meta that rebuilds it: any shape, a KV dtype
+    or int64/int32/int16/bool/float64 (e.g. the first token, ``torch.tensor([tok])``)."""
+    if not isinstance(hidden, torch.Tensor):
+        raise InvalidRequestError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
     t = hidden.detach().cpu().contiguous()
-    meta = msgpack.packb({"hidden": 1, "dtype": dtype_name(t.dtype), "shape": list(t.shape)})
+    name = dtype_name(t.dtype, hidden=True)
+    meta = msgpack.packb({"hidden": 1, "dtype": name, "shape": list(t.shape)})
     return t.reshape(-1).view(torch.uint8).numpy(), meta
 
 
 def _hidden_tensor(raw: np.ndarray, meta: bytes) -> torch.Tensor | None:
     try:
         info = msgpack.unpackb(meta, raw=False)
-        dtype = KVLayout(1, 1, 1, info["dtype"]).torch_dtype
+        dtype = getattr(torch, dtype_name(info["dtype"], hidden=True))
         return torch.from_numpy(raw.copy()).view(dtype).reshape(info["shape"])
     except Exception as exc:  # noqa: BLE001 - bad meta means the entry is unusable
         raise ChecksumError(f"hidden entry has unusable meta: {exc}") from None

@@ -28,11 +28,23 @@ _DTYPES = {
 }
 
 
-def dtype_name(dtype: torch.dtype | str) -> str:
+# A hidden-state tensor travels as its bytes beside the KV: the KV dtypes, and what a
+# caller naturally hands over with them (the first token as torch.tensor([tok]): int64).
+_HIDDEN_DTYPES = frozenset(_DTYPES) | {"float64", "int16", "int32", "int64", "bool"}
+
+
+def dtype_name(dtype: torch.dtype | str, hidden: bool = False) -> str:
+    """The name of a KV dtype (a ``ConfigError`` if unsupported: layouts are config);
+    ``hidden``: of a hidden-state tensor's dtype (an ``InvalidRequestError``: input)."""
     if isinstance(dtype, str):
         name = dtype.removeprefix("torch.")
     else:
         name = str(dtype).removeprefix("torch.")
+    if hidden:
+        if name not in _HIDDEN_DTYPES:
+            raise InvalidRequestError(f"unsupported dtype {dtype!r} of the hidden tensor; "
+                                      f"one of {sorted(_HIDDEN_DTYPES)}")
+        return name
     if name not in _DTYPES:
         raise ConfigError(f"unsupported KV dtype {dtype!r}; one of {sorted(_DTYPES)}")
     return name
