@@ -46,7 +46,9 @@ HELP = {
     "policy.stage_nvme_hits": "Copy an NVMe hit into DRAM before serving it (TE reads memory).",
     "store.data_dir": "Directory of the LMDB index and the default NVMe slab; one server "
                       "per directory (a second one refuses to start).",
-    "store.block_tokens": "Tokens per entry (the vLLM block size); part of every key.",
+    "store.block_tokens": "Only reported in `hello`; not part of any key: each client's "
+                          "layout (`KVLayout.block_tokens`, the engine's block size) "
+                          "decides how a prompt is cut into entries and keyed.",
     "store.reservation_lease_s": "An insert not committed within this many seconds is "
                                  "reclaimed (its writer is presumed dead).",
     "store.read_lease_s": "A drop_select/get not released within this many seconds loses "
