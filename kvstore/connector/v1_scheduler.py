@@ -13,7 +13,9 @@ step that computes the rest of the prompt, layer by layer.
 State, all keyed by request id and dropped at ``request_finished``:
 ``_scopes`` (request_scope, from the first sight of the request), ``_matched``
 (what get_num_new_matched_tokens answered, until update_state_after_alloc),
-``_loads`` (orders for the next metadata), ``_tracked`` (prompts still to save).
+``_loads`` (orders for the next metadata), ``_tracked`` (prompts still to save),
+``_requests`` (vLLM's Request: its block hashes, for the KV events of its saves and
+drops, which ``events`` keeps until the workers have reported them).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from kvstore.connector.v1_orders import (
     request_scope,
     stored_part,
 )
+from kvstore.connector.v1_stats import KVStoreConnectorStats, StoreEvents, TransferReports
 from kvstore.connector.v1_stores import StoreClients
 from kvstore.layout import KVLayout
 
@@ -54,8 +57,12 @@ class _Tracked:
 
 class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, layout: KVLayout,
-                 stores: StoreClients) -> None:
+                 stores: StoreClients, events: StoreEvents | None = None) -> None:
         self.settings, self.layout, self.stores = settings, layout, stores
+        self.events = events or StoreEvents(False, 1, layout.block_tokens, None)
+        self._stats = KVStoreConnectorStats()
+        self._rejected_seen = 0  # stores.rejected_sources already counted
+        self._requests: dict[str, Any] = {}
         self._scopes: dict[str, str] = {}
         self._matched: dict[str, _Match] = {}
         self._loads: dict[str, LoadOrder] = {}
@@ -65,7 +72,9 @@ class SchedulerSide:
     # ------------------------------------------------------------ loading
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int, bool]:
+        first_sight = request.request_id not in self._scopes
         scope = self._scopes.setdefault(request.request_id, request_scope(request))
+        self._requests.setdefault(request.request_id, request)
         if not self.settings.load:
             return 0, False
         stored_tokens = stored_part(list(request.prompt_token_ids or []))
@@ -80,6 +89,8 @@ class SchedulerSide:
         else:
             stored = self.stores.lookup(server, stored_tokens, scope,
                                         timeout_s=self.settings.lookup_timeout_s)
+        if first_sight:  # vLLM asks again each step a request waits for room
+            self._stats.record_lookup(stored)
         new = max(0, stored - num_computed_tokens)
         self._matched[request.request_id] = _Match(num_computed_tokens, server, stored,
                                                    claimed is not None)
@@ -87,6 +98,7 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
+        self._requests.setdefault(request.request_id, request)
         match = self._matched.pop(request.request_id, None)
         if match is None:
             return
@@ -104,6 +116,8 @@ class SchedulerSide:
             first_block=match.local // self.layout.block_tokens,
             server=match.server, scope=self._scopes.get(request.request_id, ""),
             wait=match.claimed, background=background)
+        if drop:
+            self.events.expect_drop(request)
 
     # ------------------------------------------------------------ each step
     def build_connector_meta(self, scheduler_output: Any) -> KVStoreConnectorMetadata:
@@ -140,6 +154,8 @@ class SchedulerSide:
         if computed + scheduled >= len(tracked.token_ids):
             meta.saves.append(SaveOrder(req_id, tracked.token_ids, list(tracked.block_ids),
                                         tracked.scope))
+            if (request := self._requests.get(req_id)) is not None:
+                self.events.expect_save(request)
             self._saved.add(req_id)
             del self._tracked[req_id]
 
@@ -153,10 +169,23 @@ class SchedulerSide:
         rid = request.request_id
         # Not _loads: an order vLLM is waiting on (WAITING_FOR_REMOTE_KVS) must reach
         # the worker, whose report is what lets vLLM free the request's blocks.
-        for state in (self._tracked, self._matched, self._scopes):
+        for state in (self._tracked, self._matched, self._scopes, self._requests):
             state.pop(rid, None)
         if rid not in self._saved:
             return False, None
         self._saved.discard(rid)
         stored = len(stored_part(list(request.prompt_token_ids or [])))
         return False, {PARAM_SERVER: self.settings.server, PARAM_TOKENS: stored}
+
+    # ------------------------------------------------------------ observability
+    def take_stats(self) -> KVStoreConnectorStats | None:
+        """Lookups and refused servers since the last call (None if none)."""
+        rejected = self.stores.rejected_sources
+        self._stats.record_rejected(rejected - self._rejected_seen)
+        self._rejected_seen = rejected
+        return self._stats.take()
+
+    def observe_reports(self, reports: Any) -> None:
+        """The workers' reports of this step (vLLM's aggregated worker metadata)."""
+        if isinstance(reports, TransferReports):
+            self.events.observe(reports)

@@ -39,6 +39,7 @@ import torch
 from kvstore.connector.block_format import BlockFormat
 from kvstore.connector.paged_io import gather_layer, scatter_layer
 from kvstore.connector.v1_orders import KVStoreConnectorMetadata, LoadOrder, SaveOrder
+from kvstore.connector.v1_stats import KVStoreConnectorStats, TransferReports
 from kvstore.connector.v1_stores import StoreClients
 from kvstore.layout import KVLayout
 
@@ -111,6 +112,10 @@ class WorkerSide:
         self._step_loads: list[_LoadJob] = []  # same-step loads of the bound step
         self._step_saves: list[_SaveJob] = []
         self._busy = 0  # jobs queued or running (for drain)
+        # Taken each step by vLLM (get_kv_connector_stats, build_connector_worker_meta).
+        self._stats = KVStoreConnectorStats()
+        self._reports = TransferReports()
+        self._first_rank = stores.tp_rank == 0 and stores.pp_rank == 0
         self._idle = threading.Condition(self._lock)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvstore-connector",
@@ -195,6 +200,18 @@ class WorkerSide:
             errors, self._ready_errors = self._ready_errors, set()
             return errors
 
+    def take_stats(self) -> KVStoreConnectorStats | None:
+        """The transfers finished since the last call (None if none)."""
+        with self._lock:
+            return self._stats.take()
+
+    def take_reports(self) -> TransferReports | None:
+        """What finished saves committed and drop-mode loads took, per request,
+        since the last call (the scheduler side makes the KV events of them)."""
+        with self._lock:
+            reports, self._reports = self._reports, TransferReports()
+        return reports if reports else None
+
     # ------------------------------------------------------------ the thread
     def _submit(self, priority: int, work: Callable[[], None]) -> None:
         with self._lock:
@@ -218,12 +235,14 @@ class WorkerSide:
     def _load(self, job: _LoadJob) -> None:
         order, lay = job.order, self.layout
         host = None
-        got = 0
+        got = held = 0
+        start = time.perf_counter()
         try:
             want = min(order.ntokens, len(order.token_ids))
             if order.wait:
                 self.stores.wait_for(order.server, order.token_ids, order.scope, want,
                                      time.monotonic() + self.settings.load_wait_s)
+            start = time.perf_counter()  # the load's time is the transfer's, not the wait
             host = self.buffers.take(lay.nbytes(len(order.token_ids)))
             held = self.stores.fetch(order, host)
             got = self._scatter(job, host, held) if order.block_ids else held
@@ -235,6 +254,17 @@ class WorkerSide:
             if host is not None:
                 self.buffers.give(host)
         self._finish_load(job, got)
+        self._record_load(order, held, got, time.perf_counter() - start)
+
+    def _record_load(self, order: LoadOrder, held: int, got: int, seconds: float) -> None:
+        into_cache = max(0, got - order.first_block * self.layout.block_tokens) \
+            if order.block_ids else 0
+        with self._lock:
+            self._stats.record_load(into_cache, self.layout.nbytes(held), seconds,
+                                    failed=bool(order.block_ids) and got < order.ntokens,
+                                    count_request=self._first_rank)
+            if self.settings.load_mode == "drop":
+                self._reports.dropped.setdefault(order.req_id, []).append(held)
 
     def _scatter(self, job: _LoadJob, host: torch.Tensor, held: int) -> int:
         """Scatter layer by layer what arrived; the tokens now in the cache."""
@@ -268,11 +298,19 @@ class WorkerSide:
         job.done.set()
 
     def _save(self, job: _SaveJob) -> None:
+        ok, start = False, time.perf_counter()
         try:
             if -1 not in job.gathered:
-                self.stores.insert(job.order, job.host)
+                ok = self.stores.insert(job.order, job.host)
         finally:
             self.buffers.give(job.host)
+            ntokens = len(job.order.token_ids)
+            with self._lock:
+                self._stats.record_save(ntokens, self.layout.nbytes(ntokens),
+                                        time.perf_counter() - start, ok,
+                                        count_request=self._first_rank)
+                self._reports.saved.setdefault(job.order.req_id, []).append(
+                    ntokens if ok else 0)
 
     # ------------------------------------------------------------ lifecycle
     def drain(self, timeout_s: float) -> bool:

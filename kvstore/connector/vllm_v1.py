@@ -20,6 +20,13 @@ backend it cannot place is a ConfigError at start). Invariant: no kvstore error 
 reaches vLLM — a miss, timeout or dead server turns into "0 tokens matched" (scheduler)
 or into the block ids returned by ``get_block_ids_with_load_errors`` (worker), which
 vLLM recomputes when ``kv_load_failure_policy`` is "recompute".
+
+Observability (v1_stats): each side's stats go to vLLM through
+``get_kv_connector_stats`` (its "KV Transfer metrics" log line and ``vllm:kvstore_*``
+in ``/metrics``); the workers report what their saves committed and their drops took
+(``build_connector_worker_meta``), and the scheduler, which has vLLM's block hashes,
+turns that into KV cache events (``take_events``: ``BlockStored`` / ``BlockRemoved``,
+medium "kvstore"), stepping vLLM on while reports are due (``has_pending_push_work``).
 """
 
 from __future__ import annotations
@@ -46,17 +53,30 @@ from kvstore.connector.v1_orders import (  # noqa: F401 - re-exported for users 
     stored_part,
 )
 from kvstore.connector.v1_scheduler import SchedulerSide
+from kvstore.connector.v1_stats import (
+    KVStoreConnectorStats,
+    KVStorePromMetrics,
+    StoreEvents,
+    TransferReports,
+)
 from kvstore.connector.v1_stores import StoreClients
 from kvstore.connector.v1_worker import WorkerSide
 from kvstore.errors import ConfigError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -76,8 +96,11 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
         self.stores = StoreClients(self.settings, self.layout, tp_rank,
                                    parallel.tensor_parallel_size, worker=worker,
                                    pp_rank=pp_rank, pp_size=parallel.pipeline_parallel_size)
-        self.scheduler = None if worker else SchedulerSide(self.settings, self.layout,
-                                                           self.stores)
+        self.scheduler = None if worker else SchedulerSide(
+            self.settings, self.layout, self.stores,
+            StoreEvents(_kv_events_enabled(vllm_config), parallel.world_size,
+                        self.layout.block_tokens,
+                        getattr(kv_cache_config, "hash_block_size", None)))
         self.worker = WorkerSide(self.settings, self.layout, self.stores,
                                  self.layer_names) if worker else None
 
@@ -96,6 +119,36 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler.observe_reports(connector_output.kv_connector_worker_meta)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.scheduler.events.take()
+
+    def has_pending_push_work(self) -> bool:
+        """Saves or drops whose workers have not reported yet: vLLM keeps stepping
+        (empty steps) so their stats and events arrive without a next request."""
+        return self.scheduler.events.pending()
+
+    # ================================================================ both sides
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        side = self.worker if self.worker is not None else self.scheduler
+        return side.take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return KVStoreConnectorStats(data=data) if data is not None else KVStoreConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig,
+                           metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVStorePromMetrics:
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames,
+                                  per_engine_labelvalues)
 
     # =============================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -150,6 +203,9 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_errors()
 
+    def build_connector_worker_meta(self) -> TransferReports | None:
+        return self.worker.take_reports()
+
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.close(timeout_s=2 * self.settings.timeout_s)
@@ -162,6 +218,11 @@ def _model_name(vllm_config: VllmConfig) -> str:
     if isinstance(name, (list, tuple)):
         name = name[0] if name else None
     return str(name or "default")
+
+
+def _kv_events_enabled(vllm_config: VllmConfig) -> bool:
+    events = getattr(vllm_config, "kv_events_config", None)
+    return bool(events is not None and events.enable_kv_cache_events)
 
 
 def _pp_rank() -> int:
