@@ -128,3 +128,54 @@ def test_stats_of_an_older_or_newer_peer_rebuild():
     assert s.data["loads"] == 3 and s.data["saved_bytes"] == 0 and s.data["future_thing"] == 1
     assert s.reduce()["Loads"] == 3
     assert KVStoreConnectorV1.build_kv_connector_stats().is_empty()
+
+
+def hashed_request(req_id: str, prompt: list[int]):
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    return Request(req_id, prompt, SamplingParams(max_tokens=1), None,
+                   block_hasher=get_request_block_hasher(4, sha256))
+
+
+def test_tp_events_wait_for_every_worker_stored_is_the_least_removed_the_most():
+    """Two TP workers: a block is in the store once both ranks' entries are, and gone
+    once either rank's were taken."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from kvstore.connector.v1_stats import StoreEvents
+
+    def published(hashes):  # as vLLM publishes them (64-bit ints by default)
+        return [maybe_convert_block_hash(h) for h in hashes]
+
+    events = StoreEvents(enabled=True, workers=2, block_size=4, hash_block_size=4)
+    req = hashed_request("r", list(range(13)))  # 3 full blocks
+    events.expect_save(req)
+    events.observe(TransferReports(saved={"r": [12]}))
+    assert events.take() == [] and events.pending()  # rank 1 not in yet
+    events.observe(TransferReports(saved={"r": [8]}))  # committed only 2 blocks' worth
+    (stored,) = events.take()
+    assert stored.block_hashes == published(req.block_hashes[:2]) and not events.pending()
+
+    events.expect_drop(req)
+    events.observe(TransferReports(dropped={"r": [0, 12]}))
+    (removed,) = events.take()
+    assert removed.block_hashes == published(req.block_hashes[:3])
+    events.observe(TransferReports(saved={"unknown": [12]}))  # not expected: ignored
+    assert events.take() == []
+
+
+def test_reports_that_never_come_stop_keeping_vllm_stepping(monkeypatch, caplog):
+    from kvstore.connector import v1_stats
+
+    events = v1_stats.StoreEvents(enabled=True, workers=2, block_size=4, hash_block_size=4)
+    events.expect_save(hashed_request("lost", list(range(9))))
+    events.observe(TransferReports(saved={"lost": [8]}))
+    assert events.pending()
+    monkeypatch.setattr(v1_stats, "_REPORT_WAIT_S", 0.0)
+    with caplog.at_level(logging.WARNING):
+        assert not events.pending()
+    assert "never came" in caplog.text and events.take() == []
