@@ -65,6 +65,10 @@ class Record(NamedTuple):
     # NAMESPACE_TAG_BYTES of ``hashing.namespace_of``, b"" if the writer sent none.
     # Last and defaulted: records written before it existed decode unchanged.
     namespace: bytes = b""
+    # Inserts whose prompt ends at this block (its last block) and whose consumer
+    # has not taken it yet: what makes a drop_select that ends here its prompt's own
+    # (docs/architecture.md, "Who a drop_select takes from"). Defaulted, as above.
+    ends: int = 0
 
 
 def encode(rec: Record, packer: msgpack.Packer | None = None) -> bytes:

@@ -131,6 +131,7 @@ class Store(WritesMixin, ReadsMixin, AdminMixin, MovesMixin, AuditMixin):
         self._copies: dict[bytes, None] = {}  # keys served from memory with an NVMe copy
         self._leased: dict[bytes, int] = {}  # key -> number of holders (acquisitions, dedup)
         self._claims: dict[bytes, int] = {}  # key -> pending consumers claimed by open leases
+        self._end_claims: dict[bytes, int] = {}  # key -> its ``ends`` claimed by open leases
         self._acqs: dict[int, Lease] = {}
         self._res: dict[int, Open] = {}
         self._inflight: dict[bytes, int] = {}  # key being written -> reservation id

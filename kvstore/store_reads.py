@@ -70,8 +70,10 @@ class ReadsMixin:
         with self._lock:
             self._maybe_reap()
             recs = self._walk(keys, tokens)
+            take, end = True, None
             if claim:
-                recs = self._claimable_prefix(recs)
+                recs, take, end = self._takeable(recs, len(keys) - bool(optional_tail))
+                claim = take
             found_in = [r.tier for r in recs]
             held = [r.key for r in recs]
             self._hold(held)
@@ -88,7 +90,29 @@ class ReadsMixin:
                 self._staging_short(len(found_in) - len(recs), len(found_in))
             if not recs:
                 return Acquisition(0, [], 0, time.time(), short)
-            return self._lease_prefix(recs, found_in, lease_s, claim)._replace(short=short)
+            return self._lease_prefix(recs, found_in, lease_s, claim, take,
+                                      end)._replace(short=short)
+
+    def _takeable(self, recs: list[Record],
+                  nblocks: int) -> tuple[list[Record], bool, bytes | None]:
+        """What a drop_select (claiming acquire) of the walked prefix ``recs`` gets,
+        and whether it takes it. It takes only an insert's own blocks: the longest
+        prefix whose entries all have an unclaimed pending consumer and whose last
+        block is where some insert's prompt ended (an unclaimed ``ends``). A prefix
+        no insert ended in (a prompt sharing only the first blocks of stored ones)
+        is read, not taken; one whose ends are all claimed by concurrent
+        drop_selects is a miss (each insert is handed out once). Returns (the
+        prefix, whether it is taken, the prompt end it takes)."""
+        claimable = self._claimable_prefix(recs)
+        blocks = claimable[:nblocks]
+        for i in range(len(blocks) - 1, -1, -1):
+            if blocks[i].ends - self._end_claims.get(blocks[i].key, 0) > 0:
+                # the hidden entry (after the last block) comes along only then
+                upto = i + 1 + (i + 1 == nblocks and len(claimable) > nblocks)
+                return claimable[:upto], True, blocks[i].key
+        if any(r.ends for r in recs[:nblocks]):
+            return [], True, None  # an insert ends here, its consumer is reading it
+        return recs, False, None
 
     def _staging_short(self, cut: int, found: int) -> None:
         self._stats["staging_shortfalls"] += 1
@@ -107,7 +131,8 @@ class ReadsMixin:
         self._stats["misses"] += blocks - served
 
     def _lease_prefix(self, recs: list[Record], found_in: list[str], lease_s: float,
-                      claim: bool) -> Acquisition:
+                      claim: bool, take: bool = True,
+                      end: bytes | None = None) -> Acquisition:
         """Open the lease on ``recs`` (already held) and touch their access times."""
         now = time.time()
         # Re-read: room-making while staging may have dropped NVMe copies of
@@ -116,7 +141,11 @@ class ReadsMixin:
         for rec in recs:  # victim orders catch up lazily (store_order.py)
             self._records[rec.key] = rec
         aid = new_id()
-        self._acqs[aid] = Lease([r.key for r in recs], now + lease_s, claim)
+        if end is not None and any(r.key == end for r in recs):
+            self._end_claims[end] = self._end_claims.get(end, 0) + 1
+        else:
+            end = None  # staging cut the lease before the prompt's end: a later round
+        self._acqs[aid] = Lease([r.key for r in recs], now + lease_s, claim, take, end)
         if claim:
             for rec in recs:
                 self._claims[rec.key] = self._claims.get(rec.key, 0) + 1
@@ -196,14 +225,20 @@ class ReadsMixin:
         its holds, claims and records are exactly as they were."""
         times = Counter(lease.keys)
         recs = {k: self._records[k] for k in times if k in self._records}
+        drop = drop and lease.take
         if drop:
             recs = {k: r._replace(pending=max(0, r.pending - times[k])) for k, r in recs.items()}
+            if lease.end in recs:
+                end = recs[lease.end]
+                recs[lease.end] = end._replace(ends=max(0, end.ends - 1))
         gone = [k for k, r in recs.items() if r.pending == 0 and r.pins == 0
                 and self._leased.get(k, 0) <= times[k]]
         self._apply(put=[r for k, r in recs.items() if drop and k not in gone], drop=gone)
         uncount(self._leased, lease.keys)
         if lease.claim:
             uncount(self._claims, lease.keys)
+        if lease.end is not None:
+            uncount(self._end_claims, [lease.end])
         self._stats["dropped"] += len(gone)
         return len(gone)
 

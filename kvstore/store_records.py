@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvstore.errors import StorageError
-from kvstore.hashing import checksum
+from kvstore.hashing import checksum, hidden_key
 from kvstore.index import Record
 from tiers.base import Extent
 
@@ -45,12 +45,17 @@ class Open:
     namespace: bytes = b""  # the writer's namespace tag, kept in each new record
     # pins that pinning commits deduped onto our in-flight keys; applied at our commit
     extra_pins: dict[bytes, int] = field(default_factory=dict)
+    # prompt ends that deduping reservations put on our in-flight keys
+    extra_ends: dict[bytes, int] = field(default_factory=dict)
 
 
 class Lease(NamedTuple):
     keys: list[bytes]
     expires_at: float
     claim: bool = False  # holds one pending consumer of each key (drop_select)
+    take: bool = True  # release(drop=True) may take: False for a drop_select that
+    # matched only a prefix other prompts share (it reads, it takes nothing)
+    end: bytes | None = None  # the prompt end this lease claimed (one ``ends``)
 
 
 class RecordsMixin:
@@ -235,6 +240,14 @@ def uncount(counts: dict[bytes, int], keys: Sequence[bytes]) -> None:
             counts[key] = left
         else:
             del counts[key]
+
+
+def prompt_end(keys: Sequence[bytes]) -> bytes:
+    """The key of a reservation's last block: its last key, or the one before when
+    the last is that block's hidden-state entry (``hashing.hidden_key``)."""
+    if len(keys) >= 2 and keys[-1] == hidden_key(keys[-2]):
+        return keys[-2]
+    return keys[-1]
 
 
 def durable(rec: Record) -> bool:

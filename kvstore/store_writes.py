@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from kvstore.errors import ChecksumError, InvalidRequestError
 from kvstore.index import Record
-from kvstore.store_records import Open
+from kvstore.store_records import Open, prompt_end
 from kvstore.store_types import (
     CommitResult,
     Placement,
@@ -134,15 +134,19 @@ class WritesMixin:
         on the in-flight reservation that writes it); returns (deduped, lost)."""
         deduped = lost = 0
         pinned: set[bytes] = set()
+        end = prompt_end(op.keys)
         for i in (i for i, e in enumerate(op.extents) if e is None):
             key = op.keys[i]
             rec = put.get(key) or self._records.get(key)
             if rec is not None and rec.tokens == op.tokens[i]:
-                put[key] = rec._replace(pending=rec.pending + 1)
+                put[key] = rec._replace(pending=rec.pending + 1,
+                                        ends=rec.ends + (key == end))
                 deduped += 1
             elif rec is None and key in self._inflight and self._inflight[key] != op.id:
                 other = self._res[self._inflight[key]]
                 other.extra[key] = other.extra.get(key, 0) + 1
+                if key == end:
+                    other.extra_ends[key] = other.extra_ends.get(key, 0) + 1
                 if pin and key not in pinned:  # one pin per key, as for committed keys
                     pinned.add(key)
                     other.extra_pins[key] = other.extra_pins.get(key, 0) + 1
@@ -176,12 +180,14 @@ def _new_records(op: Open, new: list[int], sums: list[int], now: float) -> dict[
     """The records of ``op``'s written entries; each starts with one pending consumer
     plus those that deduped onto it while it was in flight."""
     put: dict[bytes, Record] = {}
+    end = prompt_end(op.keys)
     for i, s in zip(new, sums):
         key, ext = op.keys[i], op.extents[i]
         put[key] = Record(key, ext.tier, ext.offset, ext.nbytes, len(op.tokens[i]) // 4,
                           op.tokens[i], s, now, now, op.extra_pins.get(key, 0),
                           1 + op.extra.get(key, 0),
-                          op.meta[i], namespace=op.namespace)
+                          op.meta[i], namespace=op.namespace,
+                          ends=(key == end) + op.extra_ends.get(key, 0))
     return put
 
 
