@@ -26,6 +26,7 @@ from kvstore.cli_entries import (
     LS_PAGE,
     VERIFY_BATCH,
     clear,
+    demote,
     evict,
     ls,
     pin,
@@ -38,7 +39,7 @@ from kvstore.cliformat import format_count
 
 # Re-exported: these lived here before cli_group.py / cli_entries.py.
 __all__ = ["CONTEXT", "LS_PAGE", "VERIFY_BATCH", "AdminGroup", "OneLineUsageError", "bench",
-           "clear", "cli", "demo", "emit", "evict", "health", "keys", "ls", "main", "one_line",
+           "clear", "cli", "demo", "demote", "emit", "evict", "health", "keys", "ls", "main", "one_line",
            "pin", "stats", "unpin", "verify"]
 
 log = logging.getLogger(__name__)
@@ -152,6 +153,7 @@ def demo(args: tuple[str, ...]) -> None:
 
 cli.add_command(ls)  # the entry commands: kvstore/cli_entries.py
 cli.add_command(evict)
+cli.add_command(demote)
 cli.add_command(clear)
 cli.add_command(pin)
 cli.add_command(unpin)

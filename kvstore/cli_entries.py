@@ -146,6 +146,19 @@ def evict(admin: Admin, tier: str | None, nbytes: int | None, fraction: float | 
     Select exactly one way: --bytes, --fraction, --key, a prompt (--prefix/--tokens
     or --prompt-file, with the model options), or --all.
     """
+    selected = _selected(keys, prefix, nbytes, fraction, everything, prompt)
+    results = admin.call_each(lambda: p.Evict(
+        tier=tier, nbytes=nbytes, fraction=fraction, keys=tuple(selected) or None,
+        everything=everything, dry_run=dry_run))
+    verb = "would evict" if dry_run else "evicted"
+    emit(admin, [(s, {**r, "dry_run": dry_run, "keys": [k.hex() for k in r["keys"]]})
+                 for s, r in results],
+         lambda s, r: _removed_text(s, verb, r, dry_run))
+
+
+def _selected(keys: tuple[bytes, ...], prefix: list[int] | None, nbytes: int | None,
+              fraction: float | None, everything: bool, prompt: dict) -> list[bytes]:
+    """The keys named by --key and a prompt; exactly one way of choosing, or exit 2."""
     if prefix is not None:
         if prompt.get("tokens") is not None:
             fail("--prefix and --tokens are the same option; give one")
@@ -156,13 +169,50 @@ def evict(admin: Admin, tier: str | None, nbytes: int | None, fraction: float | 
     chosen = [nbytes is not None, fraction is not None, bool(selected), everything]
     if sum(chosen) != 1:
         fail("give exactly one of --bytes, --fraction, --key/--prefix, --all")
-    results = admin.call_each(lambda: p.Evict(
+    return selected
+
+
+@click.command(context_settings=CONTEXT)
+@server_options
+@click.option("--tier", type=click.Choice(["gpu", "dram"]), help="Only from this tier.")
+@click.option("--bytes", "nbytes", type=SizeType(), help="Move this much down, LRU first (1GiB).")
+@click.option("--fraction", type=click.FloatRange(0, 1, min_open=True),
+              help="Move this fraction of the (tier's) entries' bytes down, LRU first.")
+@click.option("--key", "keys", type=KeyType(), multiple=True, help="This entry (hex); repeatable.")
+@click.option("--prefix", "prefix", type=TokensType(), metavar="TOKENS",
+              help="The entries of this prompt (token ids; same as --tokens).")
+@click.option("--all", "everything", is_flag=True, help="Every entry (of --tier).")
+@prompt_options
+@click.option("--dry-run", is_flag=True, help="Only show what would move.")
+def demote(admin: Admin, tier: str | None, nbytes: int | None, fraction: float | None,
+           keys: tuple[bytes, ...], prefix: list[int] | None, everything: bool, dry_run: bool,
+           **prompt: Any) -> None:
+    """Move entries one tier down (gpu -> dram -> nvme), least recently used first,
+    instead of removing them (evict does that); pinned and leased stay.
+
+    Select exactly one way, as for evict. An entry no lower tier has room for is
+    evicted, as under memory pressure (the output counts them). Entries on the
+    last tier have nothing below and are never chosen.
+    """
+    selected = _selected(keys, prefix, nbytes, fraction, everything, prompt)
+    results = admin.call_each(lambda: p.Demote(
         tier=tier, nbytes=nbytes, fraction=fraction, keys=tuple(selected) or None,
         everything=everything, dry_run=dry_run))
-    verb = "would evict" if dry_run else "evicted"
     emit(admin, [(s, {**r, "dry_run": dry_run, "keys": [k.hex() for k in r["keys"]]})
                  for s, r in results],
-         lambda s, r: _removed_text(s, verb, r, dry_run))
+         lambda s, r: _demoted_text(s, r, dry_run))
+
+
+def _demoted_text(server: str, reply: dict, dry_run: bool) -> str:
+    if dry_run:
+        return _removed_text(server, "would demote", reply, True)
+    text = (f"{server}: demoted {format_count(reply['demoted'])} entries, "
+            f"{format_bytes(reply['nbytes'])}")
+    if reply.get("evicted"):
+        text += f"; {format_count(reply['evicted'])} evicted (no room below)"
+    if reply.get("skipped"):
+        text += f" ({format_count(reply['skipped'])} pinned or being read, kept)"
+    return text
 
 
 def _removed_text(server: str, verb: str, reply: dict, show_keys: bool) -> str:

@@ -90,6 +90,15 @@ def evict(store: Any, req: p.Evict) -> dict:
             "skipped": len(res.skipped)}
 
 
+def demote(store: Any, req: p.Demote) -> dict:
+    res = store.demote_entries(tier=req.tier, nbytes=req.nbytes, fraction=req.fraction,
+                               keys=None if req.keys is None else list(req.keys),
+                               everything=req.everything, dry_run=req.dry_run)
+    keys = list(res.keys)
+    return {"count": len(keys), "nbytes": res.nbytes, "keys": keys[:MAX_EVICT_KEYS_REPLY],
+            "skipped": len(res.skipped), "demoted": res.demoted, "evicted": res.evicted}
+
+
 def clear(store: Any, req: p.Clear) -> dict:
     res = store.clear()
     return {"count": len(res.keys), "nbytes": res.nbytes, "skipped": len(res.skipped)}
@@ -118,5 +127,6 @@ Handler = Callable[[Any, p.Request], dict]
 HANDLERS: dict[str, Handler] = {
     "reserve": reserve, "commit": commit, "abort": abort, "lookup": lookup,
     "acquire": acquire, "release": release, "pin": pin, "unpin": unpin, "evict": evict,
+    "demote": demote,
     "clear": clear, "verify": verify, "ls": ls,
 }

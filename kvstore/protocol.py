@@ -276,6 +276,21 @@ class Evict(Request):
 
 
 @dataclass(frozen=True)
+class Demote(Evict):
+    """Like ``evict``'s selection, but the entries move one tier down (``kvstore
+    demote``) instead of going."""
+
+    OP = "demote"
+
+    def validate(self) -> None:
+        chosen = [self.nbytes is not None, self.fraction is not None, self.keys is not None,
+                  self.everything]
+        if sum(chosen) != 1:
+            raise InvalidRequestError(
+                "demote: give exactly one of nbytes, fraction, keys, everything")
+
+
+@dataclass(frozen=True)
 class Clear(Request):
     OP = "clear"
 
@@ -317,7 +332,7 @@ class Health(Request):
 
 REQUESTS: dict[str, type[Request]] = {
     cls.OP: cls for cls in (Hello, Reserve, Commit, Abort, Lookup, Acquire, Release, Pin,
-                            Unpin, Evict, Clear, Stats, Ls, Verify, Health)}
+                            Unpin, Evict, Demote, Clear, Stats, Ls, Verify, Health)}
 
 
 # ------------------------------------------------------------------ codec

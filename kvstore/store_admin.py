@@ -16,7 +16,14 @@ from kvstore.errors import InvalidRequestError, NotFoundError
 from kvstore.hashing import checksum
 from kvstore.index import Record
 from kvstore.policy import Candidate, Selection
-from kvstore.store_types import TIER_ORDER, EvictResult, VerifyResult, check_keys, check_tier
+from kvstore.store_types import (
+    TIER_ORDER,
+    DemoteResult,
+    EvictResult,
+    VerifyResult,
+    check_keys,
+    check_tier,
+)
 
 
 class AdminMixin:
@@ -58,6 +65,38 @@ class AdminMixin:
                 self._apply(drop=sel.keys)
                 self._stats["evictions"] += len(sel.keys)
             return EvictResult(sel.keys, size, sel.skipped)
+
+    def demote_entries(self, tier: str | None = None, nbytes: int | None = None,
+                       fraction: float | None = None, keys: Sequence[bytes] | None = None,
+                       everything: bool = False, dry_run: bool = False) -> DemoteResult:
+        """Move entries one tier down now (``kvstore demote``), LRU first, chosen as
+        ``evict`` chooses (exactly one of nbytes / fraction / keys / everything)
+        among the tiers that have one below; pinned and leased entries stay
+        (``skipped``). As in pressure demotion, an entry no lower tier can take is
+        evicted (``evicted``). The last tier has nothing below: naming it is an
+        ``InvalidRequestError``."""
+        _check_evict_args(tier, nbytes, fraction, keys, everything)
+        wanted = check_keys(keys) if keys is not None else None
+        with self._lock:
+            last = [n for n in TIER_ORDER if n in self._tiers][-1]
+            if tier == last:
+                raise InvalidRequestError(f"{tier} is the last tier: nothing below it "
+                                          f"(evict removes entries)")
+            names = [tier] if tier else [n for n in self._tiers if n != last]
+            cands = [c for name in names if name in self._tiers for c in self._candidates(name)]
+            sel = self._select_evictions(cands, nbytes, fraction, wanted, everything)
+            size = sum(self._records[k].nbytes for k in sel.keys)
+            if dry_run:
+                return DemoteResult(sel.keys, size, sel.skipped, 0, 0)
+            before = self._stats["demotions"], self._stats["evictions"]
+            for name in names:  # fastest first: a gpu entry lands in dram, stays there
+                group = [k for k in sel.keys if k in self._records
+                         and self._records[k].tier == name]
+                if group:
+                    self._move_down(name, group)
+            return DemoteResult(sel.keys, size, sel.skipped,
+                                self._stats["demotions"] - before[0],
+                                self._stats["evictions"] - before[1])
 
     def _select_evictions(self, cands: list[Candidate], nbytes: int | None,
                           fraction: float | None, wanted: list[bytes] | None,

@@ -72,6 +72,15 @@ class Acquisition(NamedTuple):
     short: str = ""
 
 
+class DemoteResult(NamedTuple):
+    keys: list[bytes]  # selected (for a dry run: would be), moved down or, where no
+    # lower tier could take them, evicted
+    nbytes: int
+    skipped: list[bytes]  # pinned or leased entries passed over
+    demoted: int  # entries now one tier lower
+    evicted: int  # entries no lower tier could take (gone, as pressure demotion does)
+
+
 class EvictResult(NamedTuple):
     keys: list[bytes]  # gone (or, for a dry run, would go)
     nbytes: int

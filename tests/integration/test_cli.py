@@ -207,6 +207,36 @@ def test_evict_dry_run_changes_nothing(filled):
     assert text.exit_code == 0 and "would evict" in text.stdout
 
 
+def _tiers_of(address: str) -> dict[str, str]:
+    return {e["key"]: e["tier"] for e in run_json("ls", "--server", address, "--limit", "0")[0]
+            ["entries"]}
+
+
+def test_demote_moves_entries_down_instead_of_removing_them(filled, writer):
+    address = filled.address
+    assert set(_tiers_of(address).values()) == {"dram"}
+    dry = run("demote", "--server", address, "--all", "--dry-run")
+    assert dry.exit_code == 0 and "would demote 6 entries" in dry.stdout, dry.output
+    assert set(_tiers_of(address).values()) == {"dram"}  # a dry run moves nothing
+    key = keys_of(PROMPT_A)[0].hex()
+    one = run("demote", "--server", address, "--key", key)
+    assert one.exit_code == 0 and "demoted 1 entries" in one.stdout, one.output
+    assert _tiers_of(address)[key] == "nvme"
+    half = run_json("demote", "--server", address, "--tier", "dram", "--fraction", "0.5")
+    assert half[0]["demoted"] >= 1 and half[0]["evicted"] == 0
+    rest = run("demote", "--server", address, "--prefix", ",".join(map(str, PROMPT_B)),
+               *MODEL)
+    assert rest.exit_code == 0, rest.output
+    every = run_json("demote", "--server", address, "--all")[0]
+    assert set(_tiers_of(address).values()) == {"nvme"} and every["evicted"] == 0
+    assert total_entries(address) == 6  # nothing removed: the bytes are all still served
+    got = writer.get(PROMPT_A)
+    assert got.matched_tokens == len(PROMPT_A)
+    assert (got.kv.numpy() == make_kv(len(PROMPT_A), seed=1)).all()
+    bad = run("demote", "--server", address, "--tier", "nvme", "--all")
+    assert bad.exit_code == 2 and len(bad.stderr.strip().splitlines()) == 1
+
+
 def test_evict_by_key_prefix_bytes_and_all(filled):
     addr = filled.address
     a_keys = keys_of(PROMPT_A)
