@@ -213,8 +213,9 @@ class Server:
     def _te_probe(self) -> list[int] | None:
         """[address, nbytes] of one page a TE peer may read: a client's first TE
         contact (the handshake, which has no timeout of its own) happens at hello."""
-        for regions in self.store.regions().values():
-            for region in regions:
+        regions = self.store.regions()
+        for name in ("dram", *regions):  # host memory first: any TE peer can read it
+            for region in regions.get(name, ()):
                 return [region.address, min(4096, region.nbytes)]
         return None
 
