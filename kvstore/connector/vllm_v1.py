@@ -32,6 +32,7 @@ medium "kvstore"), stepping vLLM on while reports are due (``has_pending_push_wo
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -81,6 +82,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_IDLE_STEP_PAUSE_S = 0.002  # between vLLM's empty steps while transfer reports are due
+
 
 class KVStoreConnectorV1(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
@@ -128,8 +131,15 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
 
     def has_pending_push_work(self) -> bool:
         """Saves or drops whose workers have not reported yet: vLLM keeps stepping
-        (empty steps) so their stats and events arrive without a next request."""
-        return self.scheduler.events.pending()
+        (empty steps) so their stats and events arrive without a next request.
+
+        vLLM asks only when it has no request left, so the short pause slows nothing
+        but that idle loop, which would otherwise spin a core against the transfer
+        thread it waits for."""
+        if not self.scheduler.events.pending():
+            return False
+        time.sleep(_IDLE_STEP_PAUSE_S)
+        return True
 
     # ================================================================ both sides
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
