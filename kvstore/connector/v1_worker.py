@@ -253,8 +253,9 @@ class WorkerSide:
                 event.set()
             if host is not None:
                 self.buffers.give(host)
-        self._finish_load(job, got)
+        # Recorded before the load is done: a same-step load's stats go out with its step.
         self._record_load(order, held, got, time.perf_counter() - start)
+        self._finish_load(job, got)
 
     def _record_load(self, order: LoadOrder, held: int, got: int, seconds: float) -> None:
         into_cache = max(0, got - order.first_block * self.layout.block_tokens) \

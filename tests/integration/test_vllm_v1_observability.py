@@ -284,6 +284,43 @@ def test_background_save_reports_arrive_in_a_later_step(clean_server):
     worker.shutdown(), sched.shutdown()
 
 
+def test_same_step_load_is_in_its_own_steps_stats(clean_server):
+    """A prefix-cache hit loads inside its step: the step's stats already count it
+    (vLLM may have no next step to carry them)."""
+    from kvstore.connector.v1_stats import KVStoreConnectorStats
+
+    prompt = list(range(600, 609))
+    sched, worker = connectors("kv_both", server=clean_server.address)
+    first = hashed("k0", prompt)
+    sched.get_num_new_matched_tokens(first, 0)
+    assert schedule(sched, worker, first, [0, 1, 2], 0) == set()
+    worker.get_kv_connector_stats()  # that step's save
+
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+
+    again = hashed("k1", prompt)
+    assert sched.get_num_new_matched_tokens(again, 0) == (8, False)
+    blocks = KVCacheBlocks(([KVCacheBlock(b) for b in (3, 4, 5)],))
+    sched.update_state_after_alloc(again, blocks, 8)
+    again.num_computed_tokens = 8
+    out = SchedulerOutput.make_empty()
+    out.scheduled_new_reqs = [NewRequestData.from_request(again, ([3, 4, 5],))]
+    out.num_scheduled_tokens = {"k1": 1}
+    worker.bind_connector_metadata(sched.build_connector_meta(out))
+    worker.start_load_kv(None)
+    for name in LAYERS:
+        worker.wait_for_layer_load(name)
+    worker.wait_for_save()
+    stats = worker.get_kv_connector_stats()  # this step's, taken before any drain
+    worker.clear_connector_metadata()
+    assert isinstance(stats, KVStoreConnectorStats)
+    assert (stats.data["loads"], stats.data["loaded_tokens"]) == (1, 8)
+    assert worker.worker.drain(30)
+    worker.shutdown(), sched.shutdown()
+
+
 # ============================================================ in a real vLLM server
 def _post(url: str, body: dict, timeout: float = 120.0) -> dict:
     import json
