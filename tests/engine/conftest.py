@@ -32,6 +32,8 @@ import random
 import re
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -285,6 +287,30 @@ class Listener:
         self.proc.terminate()
         out, _ = self.proc.communicate(timeout=10)
         return [line for line in out.splitlines() if line.startswith("accepted")]
+
+
+def settle(stats: Callable[[], dict], want_entries: int | None = None, timeout: float = 30.0,
+           quiet: float = 1.0) -> dict:
+    """A server's stats once a producer's saves have landed (they finish in the
+    background, after ``generate`` returned): ``want_entries`` reached (if given), no
+    reservation open, and nothing changed for ``quiet`` seconds; else, after
+    ``timeout``, the last stats seen (the caller's assertion then says what is off)."""
+    deadline = time.monotonic() + timeout
+    last, since = stats(), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        cur = stats()
+        if _counts(cur) != _counts(last):
+            last, since = cur, time.monotonic()
+        elif (cur["reservations"] == 0 and time.monotonic() - since >= quiet
+              and (want_entries is None or cur["entries"] >= want_entries)):
+            return cur
+    return last
+
+
+def _counts(stats: dict) -> tuple:
+    return tuple(stats.get(k) for k in ("entries", "reservations", "commits", "aborts", "hits",
+                                        "misses", "dropped", "bytes_in", "bytes_out"))
 
 
 def maps_arena_of(engine: EngineProc, server: ServerProc) -> bool:
