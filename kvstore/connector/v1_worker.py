@@ -63,7 +63,7 @@ class HostBuffers:
             fits = [b for b in self._free if b.numel() >= nbytes]
             if fits:
                 best = min(fits, key=lambda b: b.numel())
-                self._free.remove(best)
+                self._drop(best)
                 return best[:nbytes]
         return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=self.pinned)[:nbytes]
 
@@ -72,7 +72,12 @@ class HostBuffers:
         with self._lock:
             self._free.append(base)
             if len(self._free) > _KEEP_BUFFERS:
-                self._free.remove(min(self._free, key=lambda b: b.numel()))
+                self._drop(min(self._free, key=lambda b: b.numel()))
+
+    def _drop(self, buf: torch.Tensor) -> None:
+        # By identity: list.remove compares tensors with ==, elementwise (it raises on
+        # two buffers of different sizes).
+        self._free = [b for b in self._free if b is not buf]
 
 
 @dataclass
