@@ -21,7 +21,7 @@ API (kept stable; other tests reuse it):
 
 * ``EngineProc(model, dtype, role=None, connector=None, host_ip="127.0.0.1", prefix=(),
   log_path=None, env=None, max_model_len=4096, block_size=32, in_process=False,
-  warmup=None, name="engine")`` — ``role`` None is a plain engine (no KV connector); else vLLM's
+  warmup=None, kv_cache_bytes=256 MiB, name="engine")`` — ``role`` None is a plain engine (no KV connector); else vLLM's
   ``kv_role`` for ``KVStoreConnectorV1`` with ``connector`` as its
   ``kv_connector_extra_config``. ``in_process=False`` is vLLM's own process layout
   (engine core and, on CPU, the worker in processes of their own, so the connector's
@@ -103,8 +103,10 @@ LOGGING = {
 def engine_env(host_ip: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment an engine process runs with (harmless where CUDA exists)."""
     env = dict(os.environ)
+    # The KV cache is sized by kv_cache_memory_bytes (EngineProc's kv_cache_bytes);
+    # VLLM_CPU_KVCACHE_SPACE would override it on the CPU build.
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     env.update({
-        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; CPU build only
         "VLLM_HOST_IP": host_ip,  # keeps vLLM's own sockets on the node's address
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_CONFIGURE_LOGGING": "1",
@@ -132,12 +134,14 @@ class EngineProc:
                  prefix: Sequence[str] = (), log_path: str | Path | None = None,
                  env: dict[str, str] | None = None, max_model_len: int = 4096,
                  block_size: int = 32, in_process: bool = False,
-                 warmup: bool | None = None, name: str = "engine") -> None:
+                 warmup: bool | None = None, kv_cache_bytes: int = 256 << 20,
+                 name: str = "engine") -> None:
         self.name = name
         self.config = {"model": str(model), "dtype": dtype, "role": role,
                        "connector": dict(connector or {}), "max_model_len": max_model_len,
                        "block_size": block_size,
-                       "warmup": role != "kv_producer" if warmup is None else warmup}
+                       "warmup": role != "kv_producer" if warmup is None else warmup,
+                       "kv_cache_bytes": kv_cache_bytes}
         self.host_ip = host_ip
         self.prefix = list(prefix)
         self.log_path = Path(log_path) if log_path else None
@@ -346,11 +350,13 @@ def _make_llm(cfg: dict):
             kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE,
             kv_role=cfg["role"], kv_load_failure_policy="recompute",
             kv_connector_extra_config=cfg["connector"])
-    # gpu_memory_utilization: several engines share one GPU where there is one (the
-    # CPU build sizes its cache by VLLM_CPU_KVCACHE_SPACE instead).
+    # An explicit, small KV cache: several engines share this machine's memory (or one
+    # GPU), and vLLM then neither checks for a fraction of all memory being free nor
+    # sizes the cache by a warm-up pass.
     return LLM(model=cfg["model"], dtype=cfg["dtype"], block_size=cfg["block_size"],
                max_model_len=cfg["max_model_len"], enforce_eager=True,
-               skip_tokenizer_init=True, seed=0, gpu_memory_utilization=0.15, **kwargs)
+               skip_tokenizer_init=True, seed=0, gpu_memory_utilization=0.15,
+               kv_cache_memory_bytes=cfg["kv_cache_bytes"], **kwargs)
 
 
 def _generate(llm, msg: dict) -> dict:
