@@ -26,12 +26,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from tools.netns import ClusterError, Node, make_cluster, namespaces
@@ -42,6 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 32  # CPU attention needs a multiple of 32
 START_TIMEOUT_S = 300.0  # three engines starting at once on 2 cores
 STOP_TIMEOUT_S = 15.0
+_RPC_PREFIX = "kvs-rpc-"
 SERVED_NAME = "tiny"  # the name clients put in "model"; also the connector's model_id
 CONNECTOR = {"kv_connector": "KVStoreConnectorV1",
              "kv_connector_module_path": "kvstore.connector.vllm_v1",
@@ -78,6 +82,10 @@ def _env(host: str, extra: dict[str, str] | None) -> dict[str, str]:
     env = dict(os.environ)
     env.update({
         "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache (CPU build)
+        # Three engines share the machine's cores: pinning each one's OpenMP threads to
+        # all of them buys nothing, and sched_setaffinity calls of starting engines were
+        # seen stuck in the kernel (unkillable) on an overloaded 2-core VM.
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "VLLM_HOST_IP": host,  # vLLM's own sockets stay on the node's address
         "VLLM_NO_USAGE_STATS": "1",
         "MC_LOG_LEVEL": "ERROR",
@@ -96,7 +104,7 @@ def engine_argv(model: str | Path, dtype: str, host: str, port: int,
             "--served-model-name", SERVED_NAME, "--host", host, "--port", str(port),
             "--block-size", str(BLOCK_SIZE), "--enforce-eager", "--dtype", dtype,
             # usage.prompt_tokens_details.cached_tokens: prompt tokens the engine did
-            # not compute; "metrics": the engine's own TTFT (scheduled -> first token).
+            # not compute; "metrics": the engine's own timings (queue, TTFT from scheduled).
             "--enable-prompt-tokens-details", "--enable-per-request-metrics",
             "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
     if kv_transfer is not None:
@@ -107,14 +115,26 @@ def engine_argv(model: str | Path, dtype: str, host: str, port: int,
 class PDCluster:
     def __init__(self, model: str | Path, workdir: str | Path, dtype: str = "float32",
                  prefer_netns: bool = True, env: dict[str, str] | None = None,
-                 consumer_extra: dict[str, Any] | None = None) -> None:
+                 consumer_extra: dict[str, Any] | None = None,
+                 progress: Callable[[str], None] = lambda msg: None,
+                 stop: threading.Event | None = None) -> None:
         """``env``: added to every process's environment; ``consumer_extra``: replaces
-        keys of the decode connector's ``kv_connector_extra_config`` (None drops one)."""
+        keys of the decode connector's ``kv_connector_extra_config`` (None drops one);
+        ``progress`` hears each start-up step; ``stop``: set by the caller's signal
+        handler. Every wait here checks it and raises ``KeyboardInterrupt``: a handler's
+        own exception is lost when the signal lands in a fork hook of ``subprocess``."""
         self.model, self.dtype = Path(model), dtype
         self.workdir = Path(workdir)
         self.extra_env = env
         self.consumer_extra = consumer_extra or {}
+        self.progress = progress
+        self.stop = stop or threading.Event()
         self.cluster = make_cluster(3, prefer_netns=prefer_netns)
+        # vLLM leaves ZMQ socket files, vllm_dist_* and torchinductor dirs in its TMPDIR
+        # even after a clean exit: give every process a scratch TMPDIR that close()
+        # removes. Socket paths must stay under 108 bytes, so those get a short one.
+        self.scratch = self.workdir / "tmp"
+        self.rpc_dir: Path | None = None  # made by start()
         self.services: list[Service] = []
         self._groups: list[int] = []
         self._closed = False
@@ -135,7 +155,9 @@ class PDCluster:
     def kind(self) -> str:
         return self.cluster.kind
 
-    def start(self, progress=lambda msg: None) -> None:
+    def start(self) -> None:
+        progress = self.progress
+        self.rpc_dir = _rpc_dir()
         self.cluster.start()
         a, b, c = self.cluster.nodes
         self.node_a, self.node_b, self.node_c = a, b, c
@@ -146,6 +168,7 @@ class PDCluster:
                 store.node.wait_port(store.node.host, store.port, timeout=60, proc=store.proc)
             except ClusterError as exc:
                 raise PDError(f"{exc}\n{store.log_tail()}") from None
+        self._check_stop()
         progress(f"kvstore-servers up: A {self.store_a.address}, B {self.store_b.address}")
         self.prefill = self._engine(a, "prefill", {
             "kv_role": "kv_producer",
@@ -168,19 +191,28 @@ class PDCluster:
 
     def close(self) -> None:
         """Stop every process group (proxy and engines first, stores last), then the
-        cluster (its namespaces). Idempotent; ignores a second Ctrl-C meanwhile."""
+        cluster (its namespaces). Idempotent; ignores Ctrl-C and SIGTERM meanwhile
+        (in the main thread), so an impatient second signal cannot strand anything."""
         if self._closed:
             return
         self._closed = True
         main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        shielded = (signal.SIGINT, signal.SIGTERM) if main else ()
+        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in shielded}
         try:
             for service in reversed(self.services):
                 _stop_group(service.proc)
             self.cluster.close()
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            if self.rpc_dir is not None:
+                shutil.rmtree(self.rpc_dir, ignore_errors=True)
         finally:
-            if main:
-                signal.signal(signal.SIGINT, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _check_stop(self) -> None:
+        if self.stop.is_set():
+            raise KeyboardInterrupt("stop requested")
 
     def leftover_namespaces(self) -> list[str]:
         """This cluster's network namespaces that still exist (empty after close)."""
@@ -194,16 +226,21 @@ class PDCluster:
     # --------------------------------------------------------------- starts
     def _start(self, node: Node, name: str, argv: list[str]) -> Service:
         log_path = self.workdir / f"{name}.log"
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.scratch.mkdir(parents=True, exist_ok=True)
         port = int(argv[argv.index("--port") + 1])
         with open(log_path, "wb") as logf:
             proc = node.popen(argv, stdin=subprocess.DEVNULL, stdout=logf,
-                              stderr=subprocess.STDOUT, cwd=REPO,
-                              env=_env(node.host, self.extra_env), start_new_session=True)
+                              stderr=subprocess.STDOUT, cwd=REPO, env=self._env(node),
+                              start_new_session=True)
         self._groups.append(proc.pid)
         service = Service(name, node, port, proc, log_path)
         self.services.append(service)
         return service
+
+    def _env(self, node: Node) -> dict[str, str]:
+        return _env(node.host, {"TMPDIR": str(self.scratch),
+                                "VLLM_RPC_BASE_PATH": str(self.rpc_dir),
+                                **(self.extra_env or {})})
 
     def _kvstore_server(self, node: Node, name: str) -> Service:
         return self._start(node, name, [
@@ -221,10 +258,11 @@ class PDCluster:
         if one of them exits."""
         waiter = self.node_c.popen(
             [sys.executable, "-m", "tools.pd_client", "wait", "--timeout", str(timeout),
-             *(s.url for s in services)], cwd=REPO, env=_env(self.node_c.host, None),
+             *(s.url for s in services)], cwd=REPO, env=self._env(self.node_c),
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             while waiter.poll() is None:
+                self._check_stop()
                 for s in services:
                     if s.proc.poll() is not None:
                         raise PDError(f"{s.name} exited ({s.proc.returncode}) before serving:"
@@ -241,12 +279,31 @@ class PDCluster:
     def run_plan(self, steps: list[dict[str, Any]], timeout: float = 600.0
                  ) -> list[dict[str, Any]]:
         """Run a tools.pd_client plan on node C; one result per (sub)step, in order."""
-        res = self.node_c.run([sys.executable, "-m", "tools.pd_client", "run"],
-                              timeout=timeout, input="".join(json.dumps(s) + "\n" for s in steps),
-                              cwd=REPO, env=_env(self.node_c.host, None))
-        if res.returncode != 0:
-            raise PDError(f"client failed ({res.returncode}):\n{res.stderr[-3000:]}")
-        return [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+        # From a file: Popen.communicate cannot be retried (to check ``stop``) while
+        # it still has input to send.
+        plan = self.scratch / f"plan-{time.monotonic_ns()}.jsonl"
+        plan.write_text("".join(json.dumps(s) + "\n" for s in steps))
+        with open(plan) as stdin:
+            client = self.node_c.popen([sys.executable, "-m", "tools.pd_client", "run"],
+                                       stdin=stdin, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True, cwd=REPO,
+                                       env=self._env(self.node_c), start_new_session=True)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                self._check_stop()
+                try:
+                    out, err = client.communicate(timeout=0.5)
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() > deadline:
+                        raise PDError(f"client still running after {timeout:.0f}s") from None
+        finally:
+            _stop_group(client, timeout=2)
+            plan.unlink(missing_ok=True)
+        if client.returncode != 0:
+            raise PDError(f"client failed ({client.returncode}):\n{err[-3000:]}")
+        return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
     def store_stats(self) -> dict[str, dict[str, Any]]:
         """Both kvstore-servers' stats: {"A": ..., "B": ...}."""
@@ -255,6 +312,19 @@ class PDCluster:
         if "error" in res:
             raise PDError(f"store stats: {res['error']}")
         return {name: res["stats"][addr] for name, addr in addresses.items()}
+
+
+def _rpc_dir() -> Path:
+    """A fresh dir for vLLM's socket files, with room for their names (sun_path is 108
+    bytes); first removes those of earlier runs whose process is gone (a SIGKILLed run
+    cannot remove its own)."""
+    base = tempfile.gettempdir()
+    base = Path(base if len(base) <= 48 else "/tmp")
+    for old in base.glob(f"{_RPC_PREFIX}*-*"):
+        pid = old.name[len(_RPC_PREFIX):].split("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{_RPC_PREFIX}{os.getpid()}-", dir=base))
 
 
 def _stop_group(proc: subprocess.Popen, timeout: float = STOP_TIMEOUT_S) -> None:
