@@ -120,9 +120,11 @@ def test_the_kv_came_from_the_prefill_nodes_store(served):
     # drop_select took everything; a 1-token prompt left nothing no consumer can take
     assert a["entries"] == 0
     assert (b["entries"], b["hits"], b["bytes_in"]) == (0, 0, 0)
-    assert served["by_id"]["proxy"]["json"] == {
-        "requests": len(PROMPT_LENS), "handoffs": len(PROMPT_LENS), "without_params": 0,
-        "prefill_failures": 0}
+    proxy = served["by_id"]["proxy"]["json"]
+    # Every prompt with KV to hand off was handed off (a 1-token prompt has none).
+    loadable = sum(n > 1 for n in PROMPT_LENS)
+    assert proxy["requests"] == proxy["handoffs"] + proxy["without_params"] == len(PROMPT_LENS)
+    assert proxy["handoffs"] >= loadable and proxy["prefill_failures"] == 0
 
 
 def test_the_requests_were_in_flight_together(served):
