@@ -377,7 +377,8 @@ def test_real_openai_server_shows_stats_in_metrics_and_log_and_publishes_events(
     # vLLM's publisher binds (an ipc:// endpoint is bound; it only connects to a
     # tcp://host:port, and then published nothing here); we connect, as routers do.
     endpoint = f"ipc://{tmp_path}/kv-events"
-    sub = zmq.Context.instance().socket(zmq.SUB)
+    ctx = zmq.Context()  # our own: nothing else's sockets hold up its end
+    sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     sub.connect(endpoint)  # retried by ZeroMQ until the server has bound it
@@ -458,3 +459,4 @@ def test_real_openai_server_shows_stats_in_metrics_and_log_and_publishes_events(
         sub.disable_monitor()
         monitor.close(linger=0)
         sub.close(linger=0)
+        ctx.term()
