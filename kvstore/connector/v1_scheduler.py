@@ -20,6 +20,7 @@ drops, which ``events`` keeps until the workers have reported them).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -37,6 +38,9 @@ from kvstore.connector.v1_orders import (
 from kvstore.connector.v1_stats import KVStoreConnectorStats, StoreEvents, TransferReports
 from kvstore.connector.v1_stores import StoreClients
 from kvstore.layout import KVLayout
+
+
+_LOOKUP_MEMO_S = 1.0
 
 
 class _Match(NamedTuple):
@@ -66,6 +70,8 @@ class SchedulerSide:
         self._scopes: dict[str, str] = {}
         self._matched: dict[str, _Match] = {}
         self._loads: dict[str, LoadOrder] = {}
+        self._claims_used: set[str] = set()  # requests whose params' claim was loaded
+        self._looked: dict[str, tuple[float, int]] = {}  # req -> (when, tokens) of a lookup
         self._tracked: dict[str, _Tracked] = {}
         self._saved: set[str] = set()  # requests whose save was ordered
 
@@ -83,12 +89,17 @@ class SchedulerSide:
         params = getattr(request, "kv_transfer_params", None)
         named = params.get(PARAM_SERVER) if isinstance(params, dict) else None
         server = self.stores.source(named)
-        claimed = claimed_tokens(params, len(stored_tokens)) if server == named else None
+        # A claim is taken once: a request whose claimed load failed (or that was
+        # preempted after taking its entries) comes back, and then only what a lookup
+        # finds is loaded, else vLLM recomputes; believing the claim again would
+        # send it round WAITING_FOR_REMOTE_KVS for ever.
+        claimed = (claimed_tokens(params, len(stored_tokens))
+                   if server == named and request.request_id not in self._claims_used
+                   else None)
         if claimed is not None:
             stored = claimed
         else:
-            stored = self.stores.lookup(server, stored_tokens, scope,
-                                        timeout_s=self.settings.lookup_timeout_s)
+            stored = self._lookup(request.request_id, server, stored_tokens, scope)
         if first_sight:  # vLLM asks again each step a request waits for room
             self._stats.record_lookup(stored)
         new = max(0, stored - num_computed_tokens)
@@ -96,12 +107,28 @@ class SchedulerSide:
                                                    claimed is not None)
         return new, bool(new) and claimed is not None
 
+    def _lookup(self, rid: str, server: str, tokens: list[int], scope: str) -> int:
+        """The store's answer for a request, remembered for ``_LOOKUP_MEMO_S``: vLLM
+        asks again every step a request waits for room, and each ask would be a
+        round trip on the scheduler's thread."""
+        now = time.monotonic()
+        seen = self._looked.get(rid)
+        if seen is not None and now - seen[0] < _LOOKUP_MEMO_S:
+            return seen[1]
+        stored = self.stores.lookup(server, tokens, scope,
+                                    timeout_s=self.settings.lookup_timeout_s)
+        self._looked[rid] = (now, stored)
+        return stored
+
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
         self._requests.setdefault(request.request_id, request)
         match = self._matched.pop(request.request_id, None)
+        self._looked.pop(request.request_id, None)
         if match is None:
             return
+        if match.claimed and num_external_tokens > 0:
+            self._claims_used.add(request.request_id)
         drop = self.settings.load_mode == "drop"
         if num_external_tokens <= 0 and not (match.stored and drop):
             return
@@ -169,8 +196,10 @@ class SchedulerSide:
         rid = request.request_id
         # Not _loads: an order vLLM is waiting on (WAITING_FOR_REMOTE_KVS) must reach
         # the worker, whose report is what lets vLLM free the request's blocks.
-        for state in (self._tracked, self._matched, self._scopes, self._requests):
+        for state in (self._tracked, self._matched, self._scopes, self._requests,
+                      self._looked):
             state.pop(rid, None)
+        self._claims_used.discard(rid)
         if rid not in self._saved:
             return False, None
         self._saved.discard(rid)

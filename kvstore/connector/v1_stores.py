@@ -96,42 +96,34 @@ class StoreClients:
             log.warning("cluster membership of %.100r unknown: %s", address, exc)
             return False
 
-    def _usable(self, server: str) -> bool:
+    def usable(self, server: str) -> bool:
+        """False while ``server`` is remembered as down (it failed recently)."""
         return time.monotonic() >= self._down_until.get(server, 0.0)
 
-    def _failed(self, server: str, what: str, exc: BaseException) -> None:
+    _usable = usable
+
+    def _failed(self, server: str, what: str, exc: BaseException,
+                mark_down: bool = True) -> None:
         if not isinstance(exc, MissError):
             log.exception("kvstore %s via %s failed unexpectedly", what, server)
         else:
             log.warning("kvstore %s via %s: %s (recomputing)", what, server, exc)
-        if isinstance(exc, (PeerUnavailableError, KVTimeoutError)):
+        if mark_down and isinstance(exc, (PeerUnavailableError, KVTimeoutError)):
             self._down_until[server] = time.monotonic() + _DOWN_S
 
     # ------------------------------------------------------------------ calls
     def lookup(self, server: str, tokens: Sequence[int], scope: str = "",
-               timeout_s: float | None = None) -> int:
-        """Prompt tokens the store holds (a non-binding answer); 0 on any failure."""
+               timeout_s: float | None = None, mark_down: bool = True) -> int:
+        """Prompt tokens the store holds (a non-binding answer); 0 on any failure.
+        ``mark_down``: a server that did not answer is skipped for ``_DOWN_S``."""
         if not tokens or not self._usable(server):
             return 0
         try:
             return self.client(server).lookup(tokens, scope=scope,
                                               timeout_s=timeout_s).matched_tokens
         except Exception as exc:  # noqa: BLE001 - never into the scheduler
-            self._failed(server, "lookup", exc)
+            self._failed(server, "lookup", exc, mark_down)
             return 0
-
-    def wait_for(self, server: str, tokens: Sequence[int], scope: str, want: int,
-                 deadline: float) -> int:
-        """Poll until the store holds ``want`` tokens of ``tokens`` (a producer's save
-        may still be on its way) or ``deadline`` passes; the tokens it holds then."""
-        pause, held = 0.002, 0
-        while True:
-            left = deadline - time.monotonic()
-            held = self.lookup(server, tokens, scope, timeout_s=max(0.05, min(left, 1.0)))
-            if held >= want or left <= 0 or not self._usable(server):
-                return held
-            time.sleep(min(pause, max(0.0, left)))
-            pause = min(pause * 2, 0.05)
 
     def fetch(self, order: Any, into: torch.Tensor) -> int:
         """Take (drop mode) or read (keep mode) ``order``'s stored tokens into ``into``;

@@ -86,6 +86,8 @@ class _LoadJob:
     layers: list[threading.Event]  # set as each layer is in the cache (same-step loads)
     done: threading.Event = field(default_factory=threading.Event)
     failed_blocks: set[int] = field(default_factory=set)
+    deadline: float | None = None  # waiting for the producer's entries until then
+    pause: float = 0.002  # before the next look, doubling to 50 ms
 
     @property
     def reported(self) -> bool:
@@ -237,16 +239,38 @@ class WorkerSide:
                     self._busy -= 1
                     self._idle.notify_all()
 
+    def _arrived(self, job: _LoadJob) -> bool:
+        """Whether a load that waits for the producer may go on now: its entries are
+        all there, or its time is up. Otherwise it is queued again after a pause, so
+        waiting never holds the thread other loads and saves need."""
+        order = job.order
+        now = time.monotonic()
+        if job.deadline is None:
+            job.deadline = now + self.settings.load_wait_s
+        want = min(order.ntokens, len(order.token_ids))
+        held = self.stores.lookup(order.server, order.token_ids, order.scope,
+                                  timeout_s=max(0.25, min(job.deadline - now, 1.0)),
+                                  mark_down=False)
+        if held >= want or time.monotonic() >= job.deadline or \
+                not self.stores.usable(order.server):
+            return True  # (a server known to be down: the load fails at once)
+        delay, job.pause = job.pause, min(job.pause * 2, 0.05)
+        with self._lock:
+            self._busy += 1  # still pending: drain() must wait for it
+        timer = threading.Timer(delay, lambda: self._jobs.put(
+            (_OTHER, next(self._seq), lambda: self._load(job))))
+        timer.daemon = True
+        timer.start()
+        return False
+
     def _load(self, job: _LoadJob) -> None:
         order, lay = job.order, self.layout
         host = None
         got = held = 0
         start = time.perf_counter()
         try:
-            want = min(order.ntokens, len(order.token_ids))
-            if order.wait:
-                self.stores.wait_for(order.server, order.token_ids, order.scope, want,
-                                     time.monotonic() + self.settings.load_wait_s)
+            if order.wait and not self._arrived(job):
+                return  # queued again; nothing of it is done yet
             start = time.perf_counter()  # the load's time is the transfer's, not the wait
             host = self.buffers.take(lay.nbytes(len(order.token_ids)))
             held = self.stores.fetch(order, host)
@@ -254,13 +278,16 @@ class WorkerSide:
         except Exception:  # noqa: BLE001 - reported as load errors, never raised
             log.exception("load of %s failed", order.req_id)
         finally:
-            for event in job.layers:
-                event.set()
             if host is not None:
                 self.buffers.give(host)
-        # Recorded before the load is done: a same-step load's stats go out with its step.
-        self._record_load(order, held, got, time.perf_counter() - start)
-        self._finish_load(job, got)
+        try:
+            # Recorded before the load is done: a same-step load's stats go out with
+            # its step.
+            self._record_load(order, held, got, time.perf_counter() - start)
+        finally:
+            for event in job.layers:
+                event.set()
+            self._finish_load(job, got)  # always: vLLM waits for this report
 
     def _record_load(self, order: LoadOrder, held: int, got: int, seconds: float) -> None:
         into_cache = max(0, got - order.first_block * self.layout.block_tokens) \

@@ -258,6 +258,7 @@ def test_chunked_prefill_saves_once_the_last_chunk_is_computed(clean_server):
     worker.bind_connector_metadata(meta2)
     worker.wait_for_save()
     worker.clear_connector_metadata()
+    assert worker.worker.drain(30)  # the save runs in the background
     assert entries(clean_server) == 3
     worker.shutdown(), sched.shutdown()
 
@@ -338,6 +339,7 @@ def test_one_step_with_a_loading_and_a_saving_request(clean_server):
     worker.wait_for_save()
     assert worker.get_block_ids_with_load_errors() == set()
     worker.clear_connector_metadata()
+    assert worker.worker.drain(30)  # the saves run in the background
     for name in LAYERS:
         assert torch.equal(caches[name][3], before[name][0])
         assert torch.equal(caches[name][4], before[name][1])
@@ -482,4 +484,56 @@ def test_cache_salt_scopes_the_keys(clean_server):
     for salt, want in ((None, 0), ("bob", 0), ("alice", len(prompt) - 1)):
         other = Request(f"r-{salt}", prompt, SamplingParams(max_tokens=1), None, cache_salt=salt)
         assert sched.get_num_new_matched_tokens(other, 0) == (want, False)
+    worker.shutdown(), sched.shutdown()
+
+
+def test_a_claim_is_believed_once_then_only_the_store_counts(clean_server):
+    """A decode whose claimed load failed comes back (vLLM resets it to WAITING):
+    then only a lookup decides, so it recomputes instead of waiting for KV that is not
+    coming, round after round."""
+    prompt = list(range(1200, 1211))
+    sched, worker, _ = make_connectors("kv_consumer", server=clean_server.address,
+                                       load_wait_s=0.3)
+    params = {PARAM_SERVER: clean_server.address, "kvstore_tokens": 10}  # nothing stored
+    req = request("claim", prompt, params)
+    assert sched.get_num_new_matched_tokens(req, 0) == (10, True)
+    assert schedule(sched, worker, req, [1, 2, 3], 10) == {1, 2, 3}
+    req.num_computed_tokens = 0  # what vLLM does after a fully failed async load
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    worker.shutdown(), sched.shutdown()
+
+
+def test_a_load_waiting_for_its_producer_does_not_hold_up_the_others(clean_server):
+    """While one background load waits (up to load_wait_s) for a producer's entries,
+    the transfer thread serves the others: a prompt that is there loads at once."""
+    waiting, there = list(range(1300, 1311)), list(range(1400, 1411))
+    _, params = prefill(clean_server, there, [3, 7, 1])
+    sched, worker, _ = make_connectors("kv_consumer", server=clean_server.address,
+                                       load_wait_s=20.0)
+    late = request("late", waiting, {PARAM_SERVER: clean_server.address,
+                                     "kvstore_tokens": 10})
+    assert sched.get_num_new_matched_tokens(late, 0) == (10, True)
+    sched.update_state_after_alloc(late, KVCacheBlocks(([KVCacheBlock(b) for b in (0, 4, 8)],)),
+                                   10)
+    out = SchedulerOutput.make_empty()
+    worker.bind_connector_metadata(sched.build_connector_meta(out))
+    worker.start_load_kv(None)
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    start = time.monotonic()
+    now = request("now", there, params)
+    matched, _ = sched.get_num_new_matched_tokens(now, 0)
+    sched.update_state_after_alloc(now, KVCacheBlocks(([KVCacheBlock(b) for b in (5, 9, 2)],)),
+                                   matched)
+    worker.bind_connector_metadata(sched.build_connector_meta(SchedulerOutput.make_empty()))
+    worker.start_load_kv(None)
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    done: set[str] = set()
+    while "now" not in done and time.monotonic() - start < 15:
+        done |= worker.get_finished(set())[1] or set()
+        time.sleep(0.01)
+    assert done == {"now"} and time.monotonic() - start < 5.0  # not behind the 20 s wait
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert entries(clean_server) == 0  # it took its entries
     worker.shutdown(), sched.shutdown()
