@@ -82,6 +82,10 @@ def test_get_is_non_destructive_and_lookup_reports_prefix(clean_server, client_f
         assert np.array_equal(got.kv.numpy(), kv)
     got = client.drop_select(longer)
     assert got.matched_tokens == 8 and np.array_equal(got.kv.numpy(), kv[:LAYOUT.nbytes(8)])
+    # ``longer`` was never inserted: it read prompt(10)'s shared blocks and took nothing
+    # (docs/architecture.md, "Who a drop_select takes from"); prompt(10)'s own takes it.
+    assert client.lookup(prompt(10)).matched_tokens == 10
+    assert client.drop_select(prompt(10)).matched_tokens == 10
     assert client.lookup(prompt(10)).matched_tokens == 0
 
 
