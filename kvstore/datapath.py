@@ -182,7 +182,10 @@ class DataPath:
                     te.unregister(local.ctypes.data)
         finally:
             del local
-            page.close()
+            try:
+                page.close()
+            except BufferError:  # a view outlived the read (a profiler's frame): GC frees it
+                pass
 
     @property
     def uses_shared_memory(self) -> bool:
