@@ -137,10 +137,25 @@ def test_cache_salt_separates_and_matches(disagg, node_emulation):
 
     same = disagg.consumer_a.generate(ps, DECODE_TOKENS, params, ["tenant-a"] * len(ps))
     after = settle(disagg.stats_a)
-    assert not prompt_report(ps, same, ref), prompt_report(ps, same, ref)
     assert [o.num_cached_tokens for o in same] == [len(p) - 1 for p in ps], "same salt missed"
     assert after["entries"] == before["entries"]
     assert _delta(after, missed, "hits") == stored_blocks(map(len, ps))
+    if disagg.spec.dtype == "float32":
+        assert not prompt_report(ps, same, ref), prompt_report(ps, same, ref)
+        return
+    # bf16: the decode engine computes the last prompt token as a 1-token query over
+    # loaded KV, the plain engine inside its full prefill; the two round differently,
+    # and this phase's 300-token prompt (Llama bf16) reaches a near-tie at output 6.
+    # The same-node and TE tests hold bf16 loads to the plain engine; here the judge
+    # of "same salt, same KV" is the same load without any salt: identical bytes
+    # through an identical path must give identical tokens.
+    unsalted = disagg.producer.generate(ps, max_tokens=1)
+    settle(disagg.stats_a, after["entries"] + stored_blocks(map(len, ps)))
+    plain_load = disagg.consumer_a.generate(ps, DECODE_TOKENS,
+                                            [o.kv_transfer_params for o in unsalted])
+    assert [o.num_cached_tokens for o in plain_load] == [len(p) - 1 for p in ps]
+    assert [o.token_ids for o in same] == [o.token_ids for o in plain_load]
+    assert settle(disagg.stats_a)["entries"] == before["entries"]
 
 
 def test_unconfigured_server_in_params_is_never_contacted(disagg, cluster, node_emulation):
