@@ -83,7 +83,13 @@ def decode(key: bytes, value: bytes) -> Record:
         fields = msgpack.unpackb(value, raw=False)
         if not isinstance(fields, list) or fields[0] != _FORMAT:
             raise ValueError(f"unknown record format {fields[:1]!r}")
-        return Record(bytes(key), *fields[1:])
+        rec = Record(bytes(key), *fields[1:])
+        if len(fields) < len(Record._fields):
+            # Written before ``ends`` existed: which of its pending consumers' prompts
+            # ended here is unknown, so each may end here (the old rule). Left at 0,
+            # a drop_select would read such an entry and never take it: stranded.
+            rec = rec._replace(ends=rec.pending)
+        return rec
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise IntegrityError(f"undecodable index record {key.hex()}: {exc}") from exc
 

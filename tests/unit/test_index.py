@@ -80,3 +80,16 @@ def test_load_falls_back_to_an_nvme_copy(tmp_path):
     assert result.dropped == 1
     assert idx.get(staged.key).tier == "nvme"
     idx.close()
+
+
+def test_a_record_written_before_ends_existed_can_still_be_taken():
+    """An NVMe record from an older index has no ``ends``: its pending consumers may
+    each end there, else a drop_select would read it and never take it."""
+    import msgpack
+
+    from kvstore.index import _FORMAT, Record, decode, encode
+
+    rec = Record(b"k" * 16, "nvme", 0, 4096, 16, b"\x00" * 64, 7, 1.0, 2.0, 0, 2, b"")
+    old = msgpack.packb((_FORMAT, *rec[1:-1]), use_bin_type=True)  # no ``ends`` field
+    assert decode(rec.key, old).ends == 2
+    assert decode(rec.key, encode(rec._replace(ends=1))).ends == 1  # new records as stored
