@@ -171,11 +171,17 @@ def recover(index: Index, tiers: dict[str, Tier]) -> Recovered:
     whose extent cannot be claimed (outside the tier, or overlapping another) is
     deleted too: its bytes are not trustworthy. Checksums are verified lazily, on
     the first read of each entry.
+
+    A kept record may be the head of a prompt whose last block died with DRAM, so no
+    drop_select could end at that prompt's end any more: each of its pending
+    consumers may end at any kept block (``ends = pending``), else the survivors would
+    be read and never taken.
     """
     persistent = {name for name, tier in tiers.items() if not tier.volatile}
     loaded = index.load(persistent)
     kept: list[Record] = []
     bad: list[bytes] = []
+    reopened: list[Record] = []
     for rec in loaded.kept:
         try:
             tiers[rec.tier].claim(Extent(rec.tier, rec.offset, rec.nbytes))
@@ -183,8 +189,13 @@ def recover(index: Index, tiers: dict[str, Tier]) -> Recovered:
             log.warning("dropping index record %s: %s", rec.key.hex(), exc)
             bad.append(rec.key)
             continue
+        if rec.pending > rec.ends:
+            rec = rec._replace(ends=rec.pending)
+            reopened.append(rec)
         kept.append(rec)
     if bad:
         index.delete_many(bad)
+    if reopened:
+        index.put_many(reopened)
     log.info("recovered %s entries, dropped %s records", len(kept), loaded.dropped + len(bad))
     return Recovered(kept, loaded.dropped + len(bad))
