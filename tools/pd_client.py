@@ -87,7 +87,14 @@ def _stats(step: dict[str, Any]) -> dict[str, Any]:
     for address in step["stats"]:
         try:
             with KVStoreClient(address, timeout_s=10.0) as client:
-                out["stats"][address] = client.stats()
+                stats = client.stats()
+                # A reader's release (which carries its bytes) may still be on its way
+                # on a loaded machine: wait, briefly, until no read is open.
+                deadline = time.monotonic() + 10.0
+                while stats.get("leases") and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    stats = client.stats()
+                out["stats"][address] = stats
         except Exception as exc:  # noqa: BLE001 - reported to the caller, which decides
             out["error"] = f"{address}: {type(exc).__name__}: {exc}"
     return out
