@@ -272,7 +272,7 @@ class Evict(Request):
                   self.everything]
         if sum(chosen) != 1:
             raise InvalidRequestError(
-                "evict: give exactly one of nbytes, fraction, keys, everything")
+                f"{self.OP}: give exactly one of nbytes, fraction, keys, everything")
 
 
 @dataclass(frozen=True)
@@ -281,13 +281,6 @@ class Demote(Evict):
     demote``) instead of going."""
 
     OP = "demote"
-
-    def validate(self) -> None:
-        chosen = [self.nbytes is not None, self.fraction is not None, self.keys is not None,
-                  self.everything]
-        if sum(chosen) != 1:
-            raise InvalidRequestError(
-                "demote: give exactly one of nbytes, fraction, keys, everything")
 
 
 @dataclass(frozen=True)
