@@ -29,7 +29,7 @@ from kvstore.client import KVStoreClient
 from kvstore.cluster_client import ClusterClient, connect
 from kvstore.datapath import TeEngine
 from kvstore.connector.v1_config import ConnectorSettings
-from kvstore.errors import KVTimeoutError, MissError, PeerUnavailableError
+from kvstore.errors import KVTimeoutError, MissError, PeerUnavailableError, TransferError
 from kvstore.layout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -128,15 +128,25 @@ class StoreClients:
     def fetch(self, order: Any, into: torch.Tensor) -> int:
         """Take (drop mode) or read (keep mode) ``order``'s stored tokens into ``into``;
         the tokens whose entries arrived (0 on any failure: logged, never raised)."""
-        try:
-            if not self._usable(order.server):
-                raise MissError(f"{order.server} failed recently")
-            client = self.client(order.server)
-            fetch = client.drop_select if self.settings.load_mode == "drop" else client.get
-            return fetch(order.token_ids, scope=order.scope, into=into).matched_tokens
-        except Exception as exc:  # noqa: BLE001 - reported as load errors, never raised
-            self._failed(order.server, f"load of {order.req_id}", exc)
-            return 0
+        for attempt in (1, 2):
+            try:
+                if not self._usable(order.server):
+                    raise MissError(f"{order.server} failed recently")
+                client = self.client(order.server)
+                fetch = client.drop_select if self.settings.load_mode == "drop" else client.get
+                return fetch(order.token_ids, scope=order.scope, into=into).matched_tokens
+            except (KVTimeoutError, TransferError) as exc:
+                # One slow or failed move is no verdict on the server: try once more
+                # before remembering it as down (which fails every load for _DOWN_S).
+                if attempt == 2:
+                    self._failed(order.server, f"load of {order.req_id}", exc)
+                else:
+                    log.warning("load of %s via %s: %s; trying once more", order.req_id,
+                                order.server, exc)
+            except Exception as exc:  # noqa: BLE001 - reported as load errors, never raised
+                self._failed(order.server, f"load of {order.req_id}", exc)
+                return 0
+        return 0
 
     def insert(self, order: Any, data: torch.Tensor) -> bool:
         """Insert a prompt's entry bytes into this node's server; False if skipped."""
