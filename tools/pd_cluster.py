@@ -37,6 +37,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from tools.engine_proc import _group_members  # one /proc scan for both harnesses
 from tools.netns import ClusterError, Node, make_cluster, namespaces
 
 log = logging.getLogger(__name__)
@@ -346,18 +347,3 @@ def _stop_group(proc: subprocess.Popen, timeout: float = STOP_TIMEOUT_S) -> None
     log.error("process group %s survived SIGKILL", proc.pid)
 
 
-def _group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of process group ``pgid``."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(entry))
-    return pids
