@@ -268,10 +268,17 @@ class KVStoreClient:
         while len(entries) < len(keys):
             done = len(entries)
             # The hidden key is optional: a prompt stored without one is no miss.
+            # A later round of a drop_select that finds no room spends the rest:
+            # with the head taken, no whole-prompt read could reach it again.
             acq = self._call(p.Acquire(keys=tuple(keys[done:]), tokens=tuple(toks[done:]),
-                                       claim=drop, optional_tail=True), _left(deadline))
+                                       claim=drop, optional_tail=True,
+                                       spend_rest=drop and done > 0), _left(deadline))
             short = acq.get("short", "")
             if not acq["entries"]:
+                if acq.get("spent"):
+                    log.warning("drop_select: the server spent the %d entries it had no "
+                                "room to stage after serving the first %d", acq["spent"],
+                                done)
                 break
             landed = sum(x.size for x in parts)
             out, released = self._read_round(

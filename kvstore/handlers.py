@@ -64,9 +64,11 @@ def lookup(store: Any, req: p.Lookup) -> dict:
 
 def acquire(store: Any, req: p.Acquire) -> dict:
     acq = store.acquire(list(req.keys), list(req.tokens), lease_s=req.lease_s, claim=req.claim,
-                        optional_tail=req.optional_tail)
+                        optional_tail=req.optional_tail,
+                        spend_rest=req.spend_rest and req.claim)
     return {"aid": acq.id, "matched_tokens": acq.matched_tokens, "expires_at": acq.expires_at,
-            "entries": [_entry(e) for e in acq.entries], "short": acq.short}
+            "entries": [_entry(e) for e in acq.entries], "short": acq.short,
+            "spent": acq.spent}
 
 
 def release(store: Any, req: p.Release) -> dict:

@@ -217,15 +217,18 @@ class Acquire(Lookup):
     """``claim``: the caller will release with drop (drop_select); entries whose
     pending consumers are all claimed by other open acquisitions end the prefix.
     ``optional_tail``: the last key is an optional extra (the hidden-state entry), not
-    a block of the prompt; the store's hit/miss counts leave it out."""
+    a block of the prompt; the store's hit/miss counts leave it out.
+    ``spend_rest``: the keys are the rest of a drop_select whose first round took the
+    prompt's head; if none can be staged they are spent unread (see Store.acquire)."""
 
     lease_s: float | None = None
     claim: bool = False
     optional_tail: bool = False
+    spend_rest: bool = False
     OP = "acquire"
     CHECKS = {"keys": _keys, "tokens": _tokens, "lease_s": _lease, "claim": _bool,
-              "optional_tail": _bool}
-    OPTIONAL = frozenset({"lease_s", "claim", "optional_tail"})
+              "optional_tail": _bool, "spend_rest": _bool}
+    OPTIONAL = frozenset({"lease_s", "claim", "optional_tail", "spend_rest"})
 
 
 @dataclass(frozen=True)

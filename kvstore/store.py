@@ -222,7 +222,7 @@ class Store(WritesMixin, ReadsMixin, AdminMixin, MovesMixin, AuditMixin):
                          "stagings", "checksum_failures", "commit_checksum_failures",
                          "collisions", "commits", "aborts", "dropped",
                          "reservations_expired", "leases_expired", "storage_errors",
-                         "staging_shortfalls", "transfer_checksum_failures"):
+                         "staging_shortfalls", "staging_spent", "transfer_checksum_failures"):
                 out[name] = self._stats[name]
             return out
 

@@ -49,7 +49,7 @@ class ReadsMixin:
 
     def acquire(self, keys: Sequence[bytes], tokens: Sequence[bytes],
                 lease_s: float | None = None, claim: bool = False,
-                optional_tail: bool = False) -> Acquisition:
+                optional_tail: bool = False, spend_rest: bool = False) -> Acquisition:
         """Longest stored prefix, leased (cannot move or go) until ``release``.
 
         NVMe entries are staged into a memory tier and checksum-verified first; a
@@ -63,6 +63,13 @@ class ReadsMixin:
 
         ``optional_tail``: the last key is an optional extra (a prompt's hidden-state
         entry), not a block: served or absent, it counts as neither hit nor miss.
+
+        ``spend_rest`` (with ``claim``): these keys are the rest of a drop_select
+        whose earlier round already took the prompt's first blocks. If none of them
+        can be staged, they are spent now (one pending consumer each, as a
+        drop_select would): with their head gone no whole-prompt read could ever
+        reach them, so they would sit stranded until evicted. The caller hears how
+        many (``spent``) next to ``short``.
         """
         keys = check_keys(keys)
         tokens = check_tokens(tokens, len(keys))
@@ -76,6 +83,7 @@ class ReadsMixin:
                 claim = take
             found_in = [r.tier for r in recs]
             held = [r.key for r in recs]
+            wanted = held if claim else []
             self._hold(held)
             try:
                 recs, short = self._stage_prefix(recs)
@@ -89,7 +97,8 @@ class ReadsMixin:
             if short:
                 self._staging_short(len(found_in) - len(recs), len(found_in))
             if not recs:
-                return Acquisition(0, [], 0, time.time(), short)
+                spent = self._spend(wanted, end) if spend_rest and short else 0
+                return Acquisition(0, [], 0, time.time(), short, spent)
             return self._lease_prefix(recs, found_in, lease_s, claim, take,
                                       end)._replace(short=short)
 
@@ -113,6 +122,25 @@ class ReadsMixin:
         if any(r.ends for r in recs[:nblocks]):
             return [], True, None  # an insert ends here, its consumer is reading it
         return recs, False, None
+
+    def _spend(self, keys: list[bytes], end: bytes | None) -> int:
+        """Spend one pending consumer of each of ``keys`` (and the prompt end
+        ``end``) as a drop_select's release would, without reading them. Returns
+        how many entries that freed."""
+        keys = [k for k in keys if k in self._records]
+        if not keys:
+            return 0
+        end = end if end in keys else None
+        self._hold(keys)  # _end_lease gives back a lease's holds and its end claim
+        if end is not None:
+            self._end_claims[end] = self._end_claims.get(end, 0) + 1
+        lease = Lease(keys, 0.0, claim=False, take=True, end=end)
+        freed = self._end_lease(lease, drop=True)
+        log.warning("a drop_select took the first blocks of a prompt and no memory room "
+                    "was left to stage the rest: spent %d stranded entries (%d freed)",
+                    len(keys), freed)
+        self._stats["staging_spent"] += len(keys)
+        return len(keys)
 
     def _staging_short(self, cut: int, found: int) -> None:
         self._stats["staging_shortfalls"] += 1

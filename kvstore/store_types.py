@@ -70,6 +70,8 @@ class Acquisition(NamedTuple):
     # stage it: pinned or leased entries fill it, or the prompt is bigger than it).
     # The entries from there on are still stored: acquire them in another round.
     short: str = ""
+    # With ``spend_rest``: how many entries were spent unread (see Store.acquire).
+    spent: int = 0
 
 
 class DemoteResult(NamedTuple):

@@ -90,3 +90,50 @@ def test_dram_full_of_pinned_entries_says_why_nvme_hits_are_not_served(server_fa
     got = client.drop_select(prompt_tokens(3, 64))
     assert got.matched_tokens == 64 and got.short == ""
     assert np.array_equal(got.kv.numpy(), prompt_kv(3, 64))
+
+
+def test_rest_with_no_room_after_the_first_round_is_spent_not_stranded(server_factory,
+                                                                        client_factory):
+    """Round one stages what DRAM holds and takes it; before round two, another
+    client pins DRAM full. The rest can never be read whole again (its head is
+    gone): the server spends it, the caller hears it got part, and the half
+    prompt's own insert is still served whole once there is room."""
+    from kvstore.client import KVStoreClient
+
+    srv = _server(server_factory)
+    other = client_factory(srv)
+    fillers: list[int] = []
+
+    class FillAfterFirstRound(KVStoreClient):
+        def _read_round(self, *args, **kwargs):
+            out = super()._read_round(*args, **kwargs)
+            for pid in range(100, 300) if not fillers else ():
+                try:
+                    other.insert(prompt_tokens(pid, 4), prompt_kv(pid, 4), pin=True)
+                except TierFullError:
+                    fillers.append(-1)
+                    break
+                fillers.append(pid)
+            return out
+
+    client = client_factory(srv)
+    _insert_big(client, 4)
+    _on_nvme(client, 90)
+    reader = FillAfterFirstRound(srv.address, layout=client.layout, timeout_s=10.0)
+    try:
+        got = reader.drop_select(prompt_tokens(4, BIG))
+    finally:
+        reader.close()
+    assert 0 < got.matched_tokens < BIG and got.short == "no_room_to_stage", (fillers, client.stats())
+    assert np.array_equal(got.kv.numpy(), prompt_kv(4, BIG)[:got.matched_tokens * 128])
+    stats = client.stats()
+    assert stats["staging_spent"] > 0 and stats["leases"] == 0
+    # Nothing of the whole prompt is left that only it could reach.
+    assert client.lookup(prompt_tokens(4, BIG)).matched_tokens <= BIG // 2
+    for pid in fillers:
+        if pid > 0:
+            other.unpin(other.keys_for(prompt_tokens(pid, 4)))
+    half = client.drop_select(prompt_tokens(4, BIG // 2))
+    assert half.matched_tokens == BIG // 2 and half.short == ""
+    assert np.array_equal(half.kv.numpy(), prompt_kv(4, BIG // 2 * 2)[:BIG // 2 * 128])
+    assert client.stats()["entries"] == sum(1 for pid in fillers if pid > 0)

@@ -420,6 +420,45 @@ def test_staging_stops_the_prefix_when_dram_is_all_held(make_store):
     store.check_integrity()
 
 
+@pytest.mark.parametrize("inserts", [1, 2])
+def test_rest_of_a_taken_prompt_with_no_room_to_stage_is_spent_not_stranded(make_store,
+                                                                             inserts):
+    store = make_store(dram=3, nvme=4)
+    for _ in range(inserts):
+        put(store, [1, 2, 3])
+    assert store.demote([key(3)]) == 1
+    put(store, [4])
+    store.pin([key(4)])  # DRAM: 1, 2 and the pinned 4
+    first = acquire(store, [1, 2, 3], claim=True)  # 3 cannot be staged: two of three
+    assert len(first.entries) == 2 and first.short == "no_room_to_stage"
+    store.release(first.id, drop=True)
+    put(store, [5, 6])
+    store.pin([key(5), key(6)])  # the room the first round freed is taken again
+    rest = acquire(store, [3], claim=True, spend_rest=True)
+    assert rest.entries == [] and rest.short == "no_room_to_stage" and rest.spent == 1
+    assert store.stats()["staging_spent"] == 1 and store.stats()["leases"] == 0
+    if inserts == 1:  # its head gone, 3 could never be read whole again: spent, freed
+        assert where(store) == {4: "dram", 5: "dram", 6: "dram"}
+    else:  # the second insert's consumer still gets the whole prompt
+        store.unpin([key(4), key(5), key(6)])  # room for all three again
+        again = acquire(store, [1, 2, 3], claim=True)
+        assert len(again.entries) == 3 and again.short == ""
+        store.release(again.id, drop=True)
+        assert not {1, 2, 3} & set(where(store))  # both consumers had it: gone
+    store.check_integrity()
+
+
+def test_a_later_round_that_stages_nothing_keeps_the_rest_without_spend_rest(make_store):
+    store = make_store(dram=3, nvme=4)
+    put(store, [1, 2, 3])
+    store.demote([key(3)])
+    put(store, [4, 5, 6])
+    store.pin([key(4), key(5), key(6)])  # 1, 2 went down: DRAM is all pinned
+    acq = acquire(store, [1, 2, 3], claim=True, spend_rest=False)
+    assert acq.entries == [] and acq.spent == 0 and acq.short == "no_room_to_stage"
+    assert sorted(where(store)) == [1, 2, 3, 4, 5, 6]  # a plain shortfall keeps them
+
+
 def test_pinned_entry_stays_in_dram_under_pressure(make_store):
     store = make_store(dram=2, nvme=4)
     put(store, [1])
