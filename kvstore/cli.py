@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from kvstore import protocol as p
+from kvstore.core import protocol as p
 from kvstore.cli_admin import Admin, fail, server_options
 from kvstore.cli_cluster import cluster_stats, nodes
 from kvstore.cli_cluster import etcd_option as cluster_etcd_option

@@ -31,8 +31,8 @@ from kvstore.cli_prompt import (
     prompt_keys,
     prompt_options,
 )
-from kvstore.config import load_config
-from kvstore.errors import KVStoreError
+from kvstore.core.config import load_config
+from kvstore.core.errors import KVStoreError
 from kvstore.rpc import Channel, CurveKeys
 
 __all__ = ["Admin", "KeyType", "NamespaceType", "PromptKeys", "SizeType", "TokensType",

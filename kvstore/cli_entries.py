@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from kvstore import protocol as p
+from kvstore.core import protocol as p
 from kvstore.cli_admin import Admin, server_options
 from kvstore.cli_group import CONTEXT, emit
 from kvstore.cli_params import KeyType, NamespaceType, SizeType, TokensType, fail

@@ -10,7 +10,7 @@ import click
 
 from kvstore.cli_admin import Admin
 from kvstore.cliformat import to_json
-from kvstore.errors import KVStoreError
+from kvstore.core.errors import KVStoreError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 

@@ -1,6 +1,6 @@
 """Prompt -> keys for the ``kvstore`` CLI: the options that name a prompt and its
 model (``prompt_options``), and the block keys / namespace tag they give, computed
-exactly as the engine's connector does (``kvstore.hashing``)."""
+exactly as the engine's connector does (``kvstore.core.hashing``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import tomllib
 
 from kvstore.cli_params import TokensType, apply, fail
 from kvstore.cliformat import parse_tokens
-from kvstore.errors import KVStoreError
+from kvstore.core.errors import KVStoreError
 from kvstore.index import NAMESPACE_TAG_BYTES
 
 
@@ -62,7 +62,7 @@ def prompt_keys(opts: dict[str, Any]) -> PromptKeys | None:
         return None
     if tokens is not None and prompt_file is not None:
         fail("give --tokens or --prompt-file, not both")
-    from kvstore.hashing import block_keys, hidden_key  # imported late, as in _namespace
+    from kvstore.core.hashing import block_keys, hidden_key  # imported late, as in _namespace
 
     ns = _namespace_settings(opts)
     if prompt_file is not None:
@@ -78,9 +78,9 @@ def prompt_keys(opts: dict[str, Any]) -> PromptKeys | None:
 
 def _namespace(ns: dict[str, Any]) -> tuple[Any, bytes]:
     """(KVLayout, namespace fingerprint) of the settings; bad ones fail the command."""
-    # Imported here: kvstore.layout pulls in torch (seconds), which only prompts need.
-    from kvstore.hashing import namespace_of
-    from kvstore.layout import KVLayout
+    # Imported here: kvstore.core.layout pulls in torch (seconds), which only prompts need.
+    from kvstore.core.hashing import namespace_of
+    from kvstore.core.layout import KVLayout
 
     try:
         layout = KVLayout(ns["layers"], ns["kv_heads"], ns["head_dim"], ns["dtype"],

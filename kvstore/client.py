@@ -6,7 +6,7 @@ one-sided write/read, or memcpy through the server's shared DRAM arena when the
 server is on this node), and one more message commits or releases. Bytes never
 travel over the control socket.
 
-Failures raise ``kvstore.errors`` classes within a bounded time: a miss
+Failures raise ``kvstore.core.errors`` classes within a bounded time: a miss
 (``MissError``: timeout, peer gone, transfer error, checksum) means "recompute";
 ``InvalidRequestError`` means the caller passed something wrong.
 """
@@ -21,13 +21,13 @@ import msgpack
 import numpy as np
 import torch
 
-from kvstore import protocol as p
-from kvstore.config import ClientConfig
+from kvstore.core import protocol as p
+from kvstore.core.config import ClientConfig
 from kvstore.datapath import DataPath, Segment, TeEngine
-from kvstore.errors import (ChecksumError, InvalidRequestError, KVStoreError, KVTimeoutError,
+from kvstore.core.errors import (ChecksumError, InvalidRequestError, KVStoreError, KVTimeoutError,
                             PeerUnavailableError)
-from kvstore.hashing import block_keys, block_token_bytes, hidden_key, namespace_of, tokens_to_array
-from kvstore.layout import KVLayout, dtype_name, pack_hf
+from kvstore.core.hashing import block_keys, block_token_bytes, hidden_key, namespace_of, tokens_to_array
+from kvstore.core.layout import KVLayout, dtype_name, pack_hf
 from kvstore.rpc import Channel, CurveKeys
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ class KVStoreClient:
 
     def namespace_for(self, scope: bytes | str = b"") -> bytes:
         """This client's key namespace, narrowed by a per-request ``scope`` (see
-        kvstore.hashing.namespace_of); the unscoped one is ``self.namespace``."""
+        kvstore.core.hashing.namespace_of); the unscoped one is ``self.namespace``."""
         if self.layout is None or self.namespace is None:
             raise InvalidRequestError("this client was created without a KV layout")
         if not scope:

@@ -11,8 +11,8 @@ import math
 import re
 from typing import Any, Iterable, Mapping, Sequence
 
-from kvstore.config import format_size, parse_size
-from kvstore.errors import ConfigError
+from kvstore.core.config import format_size, parse_size
+from kvstore.core.errors import ConfigError
 
 KEY_HEX_CHARS = 32
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?", re.IGNORECASE)

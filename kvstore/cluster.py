@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 import xxhash
 
-from kvstore.errors import ConfigError, KVStoreError, PeerUnavailableError
+from kvstore.core.errors import ConfigError, KVStoreError, PeerUnavailableError
 from kvstore.etcd import EtcdClient
 
 log = logging.getLogger(__name__)

@@ -37,12 +37,12 @@ import numpy as np
 
 from kvstore.client import InsertResult, KVStoreClient, LookupResult, SelectResult
 from kvstore.cluster import NodeInfo, NodeSet
-from kvstore.config import ClientConfig
+from kvstore.core.config import ClientConfig
 from kvstore.datapath import TeEngine
-from kvstore.errors import InvalidRequestError, KVTimeoutError, PeerUnavailableError, TransferError
+from kvstore.core.errors import InvalidRequestError, KVTimeoutError, PeerUnavailableError, TransferError
 from kvstore.etcd import EtcdClient
-from kvstore.hashing import block_keys, namespace_of, tokens_to_array
-from kvstore.layout import KVLayout
+from kvstore.core.hashing import block_keys, namespace_of, tokens_to_array
+from kvstore.core.layout import KVLayout
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import time
 from typing import Any
 
 from kvstore.cluster import NodeInfo, Registration
-from kvstore.config import KVStoreConfig
-from kvstore.errors import ConfigError, PeerUnavailableError
+from kvstore.core.config import KVStoreConfig
+from kvstore.core.errors import ConfigError, PeerUnavailableError
 from kvstore.etcd import EtcdClient
 
 log = logging.getLogger(__name__)

@@ -34,8 +34,8 @@ import numpy as np
 import xxhash
 
 from kvstore.datapath_shm import copy_in, copy_out
-from kvstore.errors import ChecksumError, ConfigError, InvalidRequestError
-from kvstore.nodeid import host_id
+from kvstore.core.errors import ChecksumError, ConfigError, InvalidRequestError
+from kvstore.core.nodeid import host_id
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ class DataPath:
     def write(self, seg: Segment, buffers: list[np.ndarray], placements: list[list]
               ) -> list[int]:
         """Copy each buffer into its placement (same-node memcpy or TE write); returns
-        each buffer's checksum (``kvstore.hashing.checksum``, xxh3_64) for the commit.
+        each buffer's checksum (``kvstore.core.hashing.checksum``, xxh3_64) for the commit.
         A same-node copy hashes each entry right after copying it, in the same loop
         (``kvstore.datapath_shm``: measured faster than copy-all-then-hash for 64 KiB
         and for 2 MiB entries)."""

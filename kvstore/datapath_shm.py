@@ -1,7 +1,7 @@
 """Same-node copies between a client's memory and the server's shared DRAM arena,
 with the checksums computed on the way (kvstore.datapath's same-node path).
 
-Checksums are per entry (xxh3_64, ``kvstore.hashing.checksum``) and always taken
+Checksums are per entry (xxh3_64, ``kvstore.core.hashing.checksum``) and always taken
 from the caller's side of the copy, right after copying, while the bytes are still
 in cache: the client's checksum at insert, the verification at drop_select.
 

@@ -16,7 +16,7 @@ import urllib.request
 from typing import NamedTuple
 from urllib.parse import urlparse
 
-from kvstore.errors import ConfigError, PeerUnavailableError
+from kvstore.core.errors import ConfigError, PeerUnavailableError
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The server's handler table: one function per wire op.
 
-A handler gets the store and an already validated request (kvstore.protocol), calls
+A handler gets the store and an already validated request (kvstore.core.protocol), calls
 the one store method it maps to and turns the typed result into a msgpack-safe map.
 No business logic lives here: dedup, leases, staging, eviction are the store's.
 """
@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, is_dataclass
 from typing import Any, Callable
 
-from kvstore import protocol as p
-
+from kvstore.core import protocol as p
 MAX_EVICT_KEYS_REPLY = 1000  # an evict reply lists at most this many keys (count is exact)
 
 

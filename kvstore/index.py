@@ -27,7 +27,7 @@ from typing import NamedTuple
 import lmdb
 import msgpack
 
-from kvstore.errors import ConfigError, IntegrityError, StorageError, TierFullError
+from kvstore.core.errors import ConfigError, IntegrityError, StorageError, TierFullError
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
-from kvstore.errors import ConfigError
+from kvstore.core.errors import ConfigError
 from kvstore.metrics_transfer import TransferMetrics
 
 log = logging.getLogger(__name__)

@@ -29,8 +29,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from kvstore import protocol as p
-
+from kvstore.core import protocol as p
 PREFIX = "kvstore"
 MAX_OPEN = 1 << 16
 # A small insert's whole round trip is ~1 ms; a large TE move takes seconds.

@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from kvstore.errors import ConfigError
+from kvstore.core.errors import ConfigError
 
 
 class Candidate(NamedTuple):

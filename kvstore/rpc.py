@@ -20,8 +20,8 @@ from typing import Any, NamedTuple
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvstore import protocol as p
-from kvstore.errors import (AuthError, ConfigError, InvalidRequestError, KVTimeoutError,
+from kvstore.core import protocol as p
+from kvstore.core.errors import (AuthError, ConfigError, InvalidRequestError, KVTimeoutError,
                             PeerUnavailableError)
 
 log = logging.getLogger(__name__)

@@ -27,11 +27,11 @@ from typing import Any, Callable
 
 import zmq
 
-from kvstore import protocol as p
-from kvstore.config import KVStoreConfig
-from kvstore.errors import ConfigError, InvalidRequestError, KVStoreError
+from kvstore.core import protocol as p
+from kvstore.core.config import KVStoreConfig
+from kvstore.core.errors import ConfigError, InvalidRequestError, KVStoreError
 from kvstore.handlers import HANDLERS
-from kvstore.nodeid import host_id
+from kvstore.core.nodeid import host_id
 
 log = logging.getLogger(__name__)
 

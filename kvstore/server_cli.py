@@ -18,8 +18,8 @@ from typing import Any
 
 import click
 
-from kvstore.config import KVStoreConfig, format_size, load_config
-from kvstore.errors import ConfigError, KVStoreError
+from kvstore.core.config import KVStoreConfig, format_size, load_config
+from kvstore.core.errors import ConfigError, KVStoreError
 
 log = logging.getLogger("kvstore.server")
 

@@ -26,8 +26,8 @@ import threading
 import time
 from pathlib import Path
 
-from kvstore.config import KVStoreConfig
-from kvstore.errors import ConfigError, LeaseExpiredError, NotFoundError, StorageError
+from kvstore.core.config import KVStoreConfig
+from kvstore.core.errors import ConfigError, LeaseExpiredError, NotFoundError, StorageError
 from kvstore.index import Index, Record, open_volatile
 from kvstore.policy import Candidate, make_policy
 from kvstore.store_admin import AdminMixin

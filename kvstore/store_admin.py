@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from kvstore.errors import InvalidRequestError, NotFoundError
-from kvstore.hashing import checksum
+from kvstore.core.errors import InvalidRequestError, NotFoundError
+from kvstore.core.hashing import checksum
 from kvstore.index import Record
 from kvstore.policy import Candidate, Selection
 from kvstore.store_types import (

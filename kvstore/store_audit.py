@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 
-from kvstore.errors import IntegrityError
+from kvstore.core.errors import IntegrityError
 from kvstore.index import Record
 from kvstore.store_records import durable
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import logging
 
-from kvstore.errors import MissError, TierFullError
-from kvstore.hashing import checksum
+from kvstore.core.errors import MissError, TierFullError
+from kvstore.core.hashing import checksum
 from kvstore.index import Record
 from kvstore.policy import Candidate, Selection, bytes_to_free, over_watermark
 from kvstore.store_order import GroupOrder

@@ -19,8 +19,8 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
-from kvstore.errors import ChecksumError, InvalidRequestError
-from kvstore.hashing import checksum
+from kvstore.core.errors import ChecksumError, InvalidRequestError
+from kvstore.core.hashing import checksum
 from kvstore.index import Record
 from kvstore.store_records import Lease, uncount
 from kvstore.store_types import (

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvstore.errors import StorageError
-from kvstore.hashing import checksum, hidden_key
+from kvstore.core.errors import StorageError
+from kvstore.core.hashing import checksum, hidden_key
 from kvstore.index import Record
 from tiers.base import Extent
 

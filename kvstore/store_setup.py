@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 from typing import NamedTuple
 
-from kvstore.config import KVStoreConfig, resolve_data_path
-from kvstore.errors import ConfigError, IntegrityError, InvalidRequestError
+from kvstore.core.config import KVStoreConfig, resolve_data_path
+from kvstore.core.errors import ConfigError, IntegrityError, InvalidRequestError
 from kvstore.index import Index, Record
 from tiers.base import Extent, Tier
 

@@ -10,8 +10,8 @@ import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from kvstore.errors import InvalidRequestError
-from kvstore.hashing import KEY_BYTES
+from kvstore.core.errors import InvalidRequestError
+from kvstore.core.hashing import KEY_BYTES
 from kvstore.index import MAX_META_BYTES, NAMESPACE_TAG_BYTES
 
 TIER_ORDER = ("gpu", "dram", "nvme")  # fastest first; demotion follows this order

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from kvstore.errors import ChecksumError, InvalidRequestError
+from kvstore.core.errors import ChecksumError, InvalidRequestError
 from kvstore.index import Record
 from kvstore.store_records import Open, prompt_end
 from kvstore.store_types import (

@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvstore.errors import (
+from kvstore.core.errors import (
     ConfigError,
     InvalidRequestError,
     PeerUnavailableError,

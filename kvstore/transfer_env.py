@@ -9,7 +9,7 @@ import math
 import os
 import socket
 
-from kvstore.errors import ConfigError
+from kvstore.core.errors import ConfigError
 
 _TE_MIN_TIMEOUT_S = 5
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvstore.errors import InvalidRequestError
+from kvstore.core.errors import InvalidRequestError
 
 Addrs = Sequence[int] | np.ndarray
 

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvstore.errors import InvalidRequestError, KVStoreError, TransferError
+from kvstore.core.errors import InvalidRequestError, KVStoreError, TransferError
 
 log = logging.getLogger(__name__)
 

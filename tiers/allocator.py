@@ -22,7 +22,7 @@ import bisect
 import operator
 from typing import NamedTuple
 
-from kvstore.errors import ConfigError, IntegrityError, InvalidRequestError, TierFullError
+from tiers.errors import ConfigError, IntegrityError, InvalidRequestError, TierFullError
 
 
 class Run(NamedTuple):

@@ -7,7 +7,7 @@ copies; the bookkeeping lives here once.
 
 from __future__ import annotations
 
-from kvstore.errors import IntegrityError, InvalidRequestError
+from tiers.errors import IntegrityError, InvalidRequestError
 from tiers.allocator import ExtentAllocator
 from tiers.base import Extent, Tier, TierStats
 

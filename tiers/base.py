@@ -18,7 +18,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import NamedTuple
 
-from kvstore.errors import InvalidRequestError
+from tiers.errors import InvalidRequestError
 
 
 class Extent(NamedTuple):

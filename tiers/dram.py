@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 
-from kvstore.errors import ConfigError, InvalidRequestError
+from tiers.errors import ConfigError, InvalidRequestError
 from tiers.arena import ArenaTier
 from tiers.base import Extent, MemoryRegion
 

@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from kvstore.errors import ConfigError, InvalidRequestError
+from tiers.errors import ConfigError, InvalidRequestError
 from tiers.arena import ArenaTier
 from tiers.base import Extent, MemoryRegion
 

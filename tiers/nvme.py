@@ -23,7 +23,7 @@ import mmap
 import os
 import stat
 
-from kvstore.errors import ConfigError, InvalidRequestError
+from tiers.errors import ConfigError, InvalidRequestError
 from tiers.arena import ArenaTier
 from tiers.base import Extent, same_length
 from tiers.nvme_runs import RunIO, address

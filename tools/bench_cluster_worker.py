@@ -31,7 +31,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 import numpy as np
 import xxhash
 
-from kvstore.layout import KVLayout
+from kvstore.core.layout import KVLayout
 
 LAYOUTS = {
     # Llama-3-8B-like, one TP rank: 2 MiB per 16-token block.

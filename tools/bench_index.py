@@ -24,8 +24,8 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
-from kvstore.config import KVStoreConfig
-from kvstore.hashing import checksum
+from kvstore.core.config import KVStoreConfig
+from kvstore.core.hashing import checksum
 from kvstore.store import Store
 from tools.bench import BenchOptions, Row, measure, ratio
 

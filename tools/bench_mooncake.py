@@ -10,7 +10,7 @@ its bundled HTTP metadata server on one node; ``MooncakeSide`` is one
 * consumer (node B): mounts no segment; ``batch_get_into`` a registered buffer,
   then ``batch_remove(force=True)`` -- drop after read, as kvstore's drop_select.
 
-Object keys are the same chained block hashes kvstore computes (kvstore.hashing),
+Object keys are the same chained block hashes kvstore computes (kvstore.core.hashing),
 as hex, so both stores pay for keying a prompt. Mooncake keeps a lease on an
 object after a get (``default_kv_lease_ttl``); ``force=True`` removes it anyway,
 which is what a consumer that owns the prompt does.
@@ -30,8 +30,8 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 import numpy as np
 
-from kvstore.hashing import block_keys, namespace_of
-from kvstore.layout import KVLayout
+from kvstore.core.hashing import block_keys, namespace_of
+from kvstore.core.layout import KVLayout
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 30.0

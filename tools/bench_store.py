@@ -18,9 +18,9 @@ import numpy as np
 import torch
 import xxhash
 
-from kvstore.config import KVStoreConfig
-from kvstore.hashing import block_keys, block_token_bytes, checksum, namespace_of
-from kvstore.layout import KVLayout
+from kvstore.core.config import KVStoreConfig
+from kvstore.core.hashing import block_keys, block_token_bytes, checksum, namespace_of
+from kvstore.core.layout import KVLayout
 from kvstore.store import Store
 from tiers.dram import map_shared
 from tiers.nvme import NvmeTier

@@ -19,7 +19,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 import numpy as np
 
-from kvstore.config import format_size, parse_size
+from kvstore.core.config import format_size, parse_size
 from kvstore.transfer import Transport
 from tests.integration.te_peer import PeerProcess
 

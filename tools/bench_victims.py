@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvstore.config import KVStoreConfig
+from kvstore.core.config import KVStoreConfig
 from kvstore.store import Store
 from tools.bench import BenchOptions, Row, measure, ratio
 from tools.bench_index import FILL_BATCH, PAGE, _reserve_commit, keys_at

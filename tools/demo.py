@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # children inherit it
 
-from kvstore.config import format_size
+from kvstore.core.config import format_size
 from tools.netns import ClusterError
 from tools.pd_cluster import BLOCK_SIZE, SERVED_NAME, PDCluster, PDError
 from tools.tiny_models import VOCAB, ModelSpec, build

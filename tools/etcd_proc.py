@@ -12,7 +12,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from kvstore.errors import PeerUnavailableError
+from kvstore.core.errors import PeerUnavailableError
 from kvstore.etcd import EtcdClient
 
 

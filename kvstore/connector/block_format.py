@@ -6,7 +6,7 @@ promise about the block's *size*. CPU attention, for one, keeps each head's K
 transposed (``[D, block_size]``) followed by V (``[block_size, D]``) in the same
 bytes, so element ``[b, h, t, c]`` of the view is not token ``t``'s channel ``c``.
 
-An entry is always the logical layout of kvstore.layout, whatever the backend:
+An entry is always the logical layout of kvstore.core.layout, whatever the backend:
 per layer and block ``[2, tokens, kv_heads, D]`` (MLA: kv_heads 1 and the latent's C
 channels split in two halves of D). So KV written by a CPU engine can be read by a
 GPU engine and the other way round.
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.errors import ConfigError
+from kvstore.core.errors import ConfigError
 
 # Largest base whose digits 1..B are exact in each cache dtype.
 _BASE = {torch.float32: 4096, torch.float16: 1024, torch.bfloat16: 128,

@@ -72,11 +72,11 @@ import torch
 
 from kvstore.client import KVStoreClient
 from kvstore.cluster_client import ClusterClient, connect
-from kvstore.config import ClientConfig
+from kvstore.core.config import ClientConfig
 from kvstore.connector.v0_record import (decode_record, encode_manifest, encode_record,
                                          manifest_parts, split_record)
 from kvstore.datapath import TeEngine
-from kvstore.errors import (
+from kvstore.core.errors import (
     ChecksumError,
     InvalidRequestError,
     KVStoreError,
@@ -84,8 +84,8 @@ from kvstore.errors import (
     NotFoundError,
     TierFullError,
 )
-from kvstore.hashing import hidden_key, tokens_to_array
-from kvstore.layout import KVLayout
+from kvstore.core.hashing import hidden_key, tokens_to_array
+from kvstore.core.layout import KVLayout
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 vLLM hands connectors one view per attention layer (``[blocks, kv_heads, block_size,
 2*D]``; MLA ``[blocks, block_size, C]``); where each K/V element really sits inside a
 block is the backend's business, found by ``block_format.probe``. An entry is
-``[layers, 2, tokens, kv_heads, D]`` (kvstore.layout), a prompt's entries back to
+``[layers, 2, tokens, kv_heads, D]`` (kvstore.core.layout), a prompt's entries back to
 back: full blocks first, then the partial rest.
 
 The unit of work is one layer (``gather_layer`` / ``scatter_layer``), so a save can
@@ -22,8 +22,8 @@ from collections.abc import Sequence
 import torch
 
 from kvstore.connector.block_format import BlockFormat, bits
-from kvstore.errors import InvalidRequestError
-from kvstore.layout import KVLayout
+from kvstore.core.errors import InvalidRequestError
+from kvstore.core.layout import KVLayout
 
 CHUNK_BLOCKS = 128  # blocks per device-side gather/scatter
 

@@ -20,7 +20,7 @@ from typing import Any
 import msgpack
 import torch
 
-from kvstore.errors import ChecksumError, InvalidRequestError
+from kvstore.core.errors import ChecksumError, InvalidRequestError
 
 _LEN = struct.Struct("<I")
 _VERSION = 1

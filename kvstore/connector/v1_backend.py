@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from kvstore.connector.block_format import BlockFormat, Writer, probe
-from kvstore.errors import ConfigError
+from kvstore.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

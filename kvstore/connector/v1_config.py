@@ -41,9 +41,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.config import parse_size
-from kvstore.errors import ConfigError
-from kvstore.layout import KVLayout, dtype_name
+from kvstore.core.config import parse_size
+from kvstore.core.errors import ConfigError
+from kvstore.core.layout import KVLayout, dtype_name
 
 SERVER_SCHEMES = ("tcp://", "etcd://")  # one server / a cluster's registry
 _KEYS = {"server", "allowed_servers", "cluster_prefix", "model_id", "salt", "timeout_s",

@@ -37,7 +37,7 @@ from kvstore.connector.v1_orders import (
 )
 from kvstore.connector.v1_stats import KVStoreConnectorStats, StoreEvents, TransferReports
 from kvstore.connector.v1_stores import StoreClients
-from kvstore.layout import KVLayout
+from kvstore.core.layout import KVLayout
 
 
 _LOOKUP_MEMO_S = 1.0

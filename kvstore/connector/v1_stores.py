@@ -29,8 +29,8 @@ from kvstore.client import KVStoreClient
 from kvstore.cluster_client import ClusterClient, connect
 from kvstore.datapath import TeEngine
 from kvstore.connector.v1_config import ConnectorSettings
-from kvstore.errors import KVTimeoutError, MissError, PeerUnavailableError, TransferError
-from kvstore.layout import KVLayout
+from kvstore.core.errors import KVTimeoutError, MissError, PeerUnavailableError, TransferError
+from kvstore.core.layout import KVLayout
 
 log = logging.getLogger(__name__)
 

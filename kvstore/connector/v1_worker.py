@@ -41,7 +41,7 @@ from kvstore.connector.paged_io import gather_layer, scatter_layer
 from kvstore.connector.v1_orders import KVStoreConnectorMetadata, LoadOrder, SaveOrder
 from kvstore.connector.v1_stats import KVStoreConnectorStats, TransferReports
 from kvstore.connector.v1_stores import StoreClients
-from kvstore.layout import KVLayout
+from kvstore.core.layout import KVLayout
 
 log = logging.getLogger(__name__)
 

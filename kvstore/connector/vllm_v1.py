@@ -62,7 +62,7 @@ from kvstore.connector.v1_stats import (
 )
 from kvstore.connector.v1_stores import StoreClients
 from kvstore.connector.v1_worker import WorkerSide
-from kvstore.errors import ConfigError
+from kvstore.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore.errors import StorageError, TierFullError
+from kvstore.core.errors import StorageError, TierFullError
 from tests.faults.conftest import fill, needs_root
 from tests.integration.client_worker import prompt_kv, prompt_tokens
 

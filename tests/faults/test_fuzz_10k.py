@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import zmq
 
-from kvstore.errors import _BY_CODE
+from kvstore.core.errors import _BY_CODE
 from tests.integration.test_fuzz_protocol import CORPUS
 
 pytestmark = pytest.mark.timeout(600)

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from kvstore.errors import MissError
+from kvstore.core.errors import MissError
 from tests.integration.client_worker import prompt_kv, prompt_tokens
 
 pytestmark = pytest.mark.timeout(120)

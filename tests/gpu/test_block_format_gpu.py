@@ -9,7 +9,7 @@ import torch
 
 from kvstore.connector.block_format import probe
 from kvstore.connector.paged_io import gather_blocks, scatter_blocks
-from kvstore.layout import KVLayout, dtype_name, pack_hf
+from kvstore.core.layout import KVLayout, dtype_name, pack_hf
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
 

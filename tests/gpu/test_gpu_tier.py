@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.errors import ConfigError, IntegrityError, TierFullError
+from kvstore.core.errors import ConfigError, IntegrityError, TierFullError
 from tiers.dram import DramTier
 from tiers.gpu import GpuTier
 

@@ -29,7 +29,7 @@ import numpy as np
 import xxhash
 
 from kvstore.client import KVStoreClient
-from kvstore.layout import KVLayout
+from kvstore.core.layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=8, dtype="float16", block_tokens=4)
 
@@ -118,8 +118,8 @@ def wait_nvme(job: dict, clients: list[KVStoreClient]) -> dict:
 
 
 def hang_after_reserve(job: dict, clients: list[KVStoreClient]) -> dict:
-    from kvstore import protocol as p
-    from kvstore.hashing import block_keys, block_token_bytes
+    from kvstore.core import protocol as p
+    from kvstore.core.hashing import block_keys, block_token_bytes
 
     client, pid, n = clients[0], job["pid"], job["ntokens"]
     keys = block_keys(client.namespace, prompt_tokens(pid, n), LAYOUT.block_tokens).keys
@@ -135,8 +135,8 @@ def hang_after_reserve(job: dict, clients: list[KVStoreClient]) -> dict:
 
 
 def hang_after_acquire(job: dict, clients: list[KVStoreClient]) -> dict:
-    from kvstore import protocol as p
-    from kvstore.hashing import block_keys, block_token_bytes
+    from kvstore.core import protocol as p
+    from kvstore.core.hashing import block_keys, block_token_bytes
 
     client, pid, n = clients[0], job["pid"], job["ntokens"]
     keys = block_keys(client.namespace, prompt_tokens(pid, n), LAYOUT.block_tokens).keys

@@ -29,8 +29,8 @@ import xxhash
 
 from kvstore.client import KVStoreClient
 from kvstore.cluster_client import ClusterClient
-from kvstore.errors import KVStoreError
-from kvstore.layout import KVLayout
+from kvstore.core.errors import KVStoreError
+from kvstore.core.layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=8, dtype="float16", block_tokens=4)
 NTOKENS = 16  # four blocks per prompt

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore.layout import KVLayout
+from kvstore.core.layout import KVLayout
 
 REPO = Path(__file__).resolve().parents[2]
 # 2 layers x 2 heads x 8 dim x fp16 = 128 bytes per token, 512 bytes per 4-token block.

@@ -26,7 +26,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 import numpy as np
 
-from kvstore.config import parse_size
+from kvstore.core.config import parse_size
 from kvstore.transfer import Transport
 
 REPO = Path(__file__).resolve().parents[2]

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kvstore import protocol as p
+from kvstore.core import protocol as p
 from kvstore.cli import cli
-from kvstore.hashing import block_keys, namespace_of
+from kvstore.core.hashing import block_keys, namespace_of
 from kvstore.rpc import Channel
 from tests.integration.conftest import LAYOUT, ServerProc, free_port, make_kv, server_argv
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.errors import (ChecksumError, InvalidRequestError, NotFoundError,
+from kvstore.core.errors import (ChecksumError, InvalidRequestError, NotFoundError,
                             PeerUnavailableError, TierFullError)
-from kvstore.layout import unpack_hf
+from kvstore.core.layout import unpack_hf
 from tests.integration.conftest import LAYOUT, free_port, make_kv
 
 pytestmark = pytest.mark.timeout(120)
@@ -169,8 +169,7 @@ def test_server_absent_is_peer_unavailable_in_bounded_time(client_factory):
 
 
 def test_concurrent_drop_selects_claim_each_pending_consumer_once(clean_server, client_factory):
-    from kvstore import protocol as p
-
+    from kvstore.core import protocol as p
     client = client_factory(clean_server)
     client.insert(prompt(8, 7), make_kv(8, 7))
     keys = tuple(client.keys_for(prompt(8, 7)))
@@ -191,7 +190,7 @@ def test_large_te_insert_goes_straight_from_the_callers_buffer(clean_server, cli
     the call and writes from them: no copy into staging, no staging buffer at all,
     nothing left registered. Page-multiple entries (4 KiB a token), a hidden tensor
     (its own allocation: a second registered span) included."""
-    from kvstore.layout import KVLayout
+    from kvstore.core.layout import KVLayout
 
     layout = KVLayout(num_layers=4, kv_heads=4, head_dim=64, dtype="float16", block_tokens=4)
     client = client_factory(clean_server, layout=layout, same_node=False,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.errors import InvalidRequestError
+from kvstore.core.errors import InvalidRequestError
 from tests.integration.conftest import LAYOUT, make_kv
 
 pytestmark = pytest.mark.timeout(120)

@@ -19,7 +19,7 @@ from kvstore.cli import cli
 from kvstore.client import KVStoreClient
 from kvstore.cluster import NodeInfo, NodeSet, Registration, rendezvous_order
 from kvstore.cluster_client import ClusterClient, connect
-from kvstore.errors import InvalidRequestError, PeerUnavailableError
+from kvstore.core.errors import InvalidRequestError, PeerUnavailableError
 from kvstore.etcd import EtcdClient
 from tests.integration.conftest import LAYOUT, make_kv
 from tools.etcd_proc import free_port, start_etcd
@@ -273,8 +273,8 @@ class _FakeServer:
 
 def test_a_node_id_taken_at_another_address_is_refused(etcd):
     from kvstore.cluster_node import register_server
-    from kvstore.config import KVStoreConfig
-    from kvstore.errors import ConfigError
+    from kvstore.core.config import KVStoreConfig
+    from kvstore.core.errors import ConfigError
 
     def config(port: int) -> KVStoreConfig:
         return KVStoreConfig().replace(server={"port": port}, cluster={

@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from kvstore.errors import KVTimeoutError, MissError
-from kvstore.layout import KVLayout
+from kvstore.core.errors import KVTimeoutError, MissError
+from kvstore.core.layout import KVLayout
 from tests.integration.client_worker import digest, prompt_kv, prompt_tokens
 from tests.integration.conftest import LAYOUT, REPO, server_env
 

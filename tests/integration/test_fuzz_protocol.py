@@ -1,6 +1,6 @@
 """Fuzz a live server with random and mutated msgpack frames.
 
-Every frame must be answered with ``ok`` or a typed error (a code kvstore.errors
+Every frame must be answered with ``ok`` or a typed error (a code kvstore.core.errors
 knows), the server must stay up, and afterwards its store must pass
 ``check_integrity`` (``health deep``) and still serve a real round trip.
 """
@@ -11,7 +11,7 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kvstore.errors import _BY_CODE
+from kvstore.core.errors import _BY_CODE
 from tests.integration.conftest import make_kv
 
 pytestmark = pytest.mark.timeout(180)

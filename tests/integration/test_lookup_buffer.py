@@ -16,7 +16,7 @@ import torch
 
 from kvstore.client import KVStoreClient
 from kvstore.connector.lookup_buffer import KVStoreLookupBuffer
-from kvstore.errors import InvalidRequestError
+from kvstore.core.errors import InvalidRequestError
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from kvstore.client import KVStoreClient
-from kvstore.errors import ConfigError, InvalidRequestError
-from kvstore.layout import KVLayout, unpack_hf
+from kvstore.core.errors import ConfigError, InvalidRequestError
+from kvstore.core.layout import KVLayout, unpack_hf
 
 from tests.integration.conftest import REPO
 

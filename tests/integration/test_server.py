@@ -11,7 +11,7 @@ import msgpack
 import pytest
 import zmq
 
-from kvstore.errors import AuthError, PeerUnavailableError
+from kvstore.core.errors import AuthError, PeerUnavailableError
 from kvstore.server import generate_keys
 from tests.integration.conftest import REPO, free_port, make_kv, server_env
 

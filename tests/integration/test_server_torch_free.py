@@ -27,7 +27,7 @@ def test_server_modules_import_without_torch():
     out = _run("""
         import sys
         import kvstore.server_cli, kvstore.store, kvstore.server, kvstore.cluster_node
-        import kvstore.metrics, kvstore.transfer, kvstore.hashing
+        import kvstore.metrics, kvstore.transfer, kvstore.core.hashing
         assert 'torch' not in sys.modules, 'torch imported'
     """)
     assert out.returncode == 0, out.stderr
@@ -38,7 +38,7 @@ def test_opening_a_dram_nvme_server_does_not_import_torch(tmp_path):
     # the store (index, recovery), the TE engine and the ROUTER socket.
     out = _run(f"""
         import sys
-        from kvstore.config import KVStoreConfig
+        from kvstore.core.config import KVStoreConfig
         from kvstore.server_cli import open_server
         cfg = KVStoreConfig().replace(
             tiers={{"dram_bytes": 4 << 20, "nvme_bytes": 8 << 20, "nvme_fsync": "never"}},

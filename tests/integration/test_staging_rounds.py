@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from kvstore.errors import TierFullError
+from kvstore.core.errors import TierFullError
 from tests.integration.client_worker import prompt_kv, prompt_tokens
 
 pytestmark = pytest.mark.timeout(120)

@@ -20,7 +20,7 @@ TIERS = {"dram": 4, "nvme": 512}  # entries; NVMe never fills in this test
 # step; the parent kills it at an arbitrary point of that loop.
 CHILD = """
 import sys
-from kvstore.hashing import checksum
+from kvstore.core.hashing import checksum
 from kvstore.store import Store
 from tests.unit.conftest import data, key, store_config, toks, ENTRY
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvstore.datapath import TeEngine
-from kvstore.errors import ConfigError
+from kvstore.core.errors import ConfigError
 from tests.integration.conftest import LAYOUT, make_kv
 from tools.etcd_proc import start_etcd
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore.errors import ChecksumError
+from kvstore.core.errors import ChecksumError
 from kvstore.transfer import Transport
 from tests.integration.client_worker import prompt_kv, prompt_tokens
 

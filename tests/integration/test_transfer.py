@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.errors import ConfigError, InvalidRequestError, PeerUnavailableError, TransferError
+from kvstore.core.errors import ConfigError, InvalidRequestError, PeerUnavailableError, TransferError
 from kvstore.transfer import MAX_BATCH_ENTRIES, Transport, coalesce
 from tests.integration.te_peer import REPO, PeerProcess
 from tools.etcd_proc import start_etcd

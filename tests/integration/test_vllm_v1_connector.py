@@ -290,7 +290,7 @@ def test_entry_lost_between_lookup_and_load_fails_only_the_blocks_from_there(cle
 
 
 def test_bad_extra_config_is_a_clear_error_at_start(clean_server):
-    from kvstore.errors import ConfigError
+    from kvstore.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="unknown kv_connector_extra_config"):
         make_connectors("kv_consumer", server=clean_server.address, sevrer="typo")
@@ -299,7 +299,7 @@ def test_bad_extra_config_is_a_clear_error_at_start(clean_server):
 
 
 def test_caches_of_another_shape_are_refused_at_registration(clean_server):
-    from kvstore.errors import ConfigError
+    from kvstore.core.errors import ConfigError
 
     sched, worker, _ = make_connectors("kv_both", server=clean_server.address)
     # e.g. vLLM split each 4-token block into two 2-token kernel blocks
@@ -380,7 +380,7 @@ def test_etcd_server_address_places_saves_and_loads_through_the_cluster(server_f
 
 
 def test_server_address_of_another_scheme_is_refused():
-    from kvstore.errors import ConfigError
+    from kvstore.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="tcp://host:port or etcd://host:port"):
         make_connectors("kv_both", server="http://127.0.0.1:2379")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore.config import KVStoreConfig
-from kvstore.hashing import checksum
+from kvstore.core.config import KVStoreConfig
+from kvstore.core.hashing import checksum
 from kvstore.store import Store
 
 ENTRY = 4096

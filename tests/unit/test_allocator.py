@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvstore.errors import ConfigError, IntegrityError, InvalidRequestError, TierFullError
+from kvstore.core.errors import ConfigError, IntegrityError, InvalidRequestError, TierFullError
 from tiers.allocator import ExtentAllocator, Run
 
 PAGE = 4096

@@ -23,8 +23,8 @@ from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: E402
 
 from kvstore.connector.block_format import probe, truthful  # noqa: E402
 from kvstore.connector.paged_io import gather_blocks, scatter_blocks  # noqa: E402
-from kvstore.errors import ConfigError  # noqa: E402
-from kvstore.layout import KVLayout, dtype_name, pack_hf  # noqa: E402
+from kvstore.core.errors import ConfigError  # noqa: E402
+from kvstore.core.layout import KVLayout, dtype_name, pack_hf  # noqa: E402
 
 
 def cpu_attn_writer(heads: int, block: int, dim: int, dtype: torch.dtype):

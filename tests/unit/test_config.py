@@ -1,4 +1,4 @@
-"""The configuration tree: sizes, TOML -> env -> overrides, validation (kvstore/config.py)."""
+"""The configuration tree: sizes, TOML -> env -> overrides, validation (kvstore/core/config.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from kvstore.config import (
+from kvstore.core.config import (
     KVStoreConfig,
     PolicyConfig,
     StoreConfig,
@@ -18,7 +18,7 @@ from kvstore.config import (
     parse_size,
     resolve_data_path,
 )
-from kvstore.errors import ConfigError
+from kvstore.core.errors import ConfigError
 
 
 # ------------------------------------------------------------------ sizes

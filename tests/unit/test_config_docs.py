@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.config import describe_options
+from kvstore.core.config import describe_options
 from tools import gen_config_docs as gen
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "operations.md"

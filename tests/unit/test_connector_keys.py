@@ -16,8 +16,8 @@ from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from kvstore.connector.v1_orders import claimed_tokens, request_scope, stored_part  # noqa: E402
-from kvstore.hashing import block_keys, namespace_of  # noqa: E402
-from kvstore.layout import KVLayout  # noqa: E402
+from kvstore.core.hashing import block_keys, namespace_of  # noqa: E402
+from kvstore.core.layout import KVLayout  # noqa: E402
 
 PROMPT = list(range(100, 170))
 LAYOUT = KVLayout(2, 2, 32, "float32", 32)

@@ -1,5 +1,5 @@
 """paged_io through a truthful-view placement (flash-attention's [B, H, N, K|V] caches)
-<-> entry bytes, against kvstore.layout. Backend-specific placements (CPU attention,
+<-> entry bytes, against kvstore.core.layout. Backend-specific placements (CPU attention,
 MLA) are tested against vLLM's own cache writes in test_block_format.py."""
 
 import torch
@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kvstore.connector.block_format import truthful
 from kvstore.connector.paged_io import gather_blocks, scatter_blocks
-from kvstore.layout import KVLayout, pack_paged
+from kvstore.core.layout import KVLayout, pack_paged
 
 LAYOUT = KVLayout(num_layers=3, kv_heads=2, head_dim=4, dtype="float16", block_tokens=4)
 

@@ -4,7 +4,7 @@ import numpy as np
 
 from kvstore.datapath import _mirror
 from kvstore.datapath_shm import RUN_BYTES, copy_in, copy_out
-from kvstore.hashing import checksum
+from kvstore.core.hashing import checksum
 
 BASE = 1 << 30
 
@@ -80,7 +80,7 @@ def test_write_refuses_a_buffer_whose_size_is_not_its_placements():
     import pytest
 
     from kvstore.datapath import DataPath, Segment
-    from kvstore.errors import InvalidRequestError
+    from kvstore.core.errors import InvalidRequestError
 
     shm = np.zeros(4 * 4096, np.uint8)
     path = DataPath("127.0.0.1", 1 << 20, same_node=True)

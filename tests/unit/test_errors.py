@@ -1,11 +1,11 @@
-"""Error classes: miss vs fatal, stable codes, rebuilt from the wire (kvstore/errors.py)."""
+"""Error classes: miss vs fatal, stable codes, rebuilt from the wire (kvstore/core/errors.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvstore import errors
-from kvstore.errors import (
+from kvstore.core import errors
+from kvstore.core.errors import (
     ChecksumError,
     ConfigError,
     IntegrityError,

@@ -1,4 +1,4 @@
-"""Properties of the token-prefix key chain (kvstore/hashing.py)."""
+"""Properties of the token-prefix key chain (kvstore/core/hashing.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.errors import InvalidRequestError
-from kvstore.hashing import (
+from kvstore.core.errors import InvalidRequestError
+from kvstore.core.hashing import (
     KEY_BYTES,
     block_keys,
     block_token_bytes,
@@ -23,7 +23,7 @@ from kvstore.hashing import (
     namespace_of,
     tokens_to_array,
 )
-from kvstore.layout import KVLayout
+from kvstore.core.layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=4, kv_heads=2, head_dim=8, dtype="bfloat16", block_tokens=4)
 NS = namespace_of("org/model", LAYOUT)
@@ -202,8 +202,8 @@ def test_checksum_is_xxh3_64_of_any_buffer():
 # ------------------------------------------------------------------ determinism
 _CHILD = """
 import sys
-from kvstore.hashing import block_keys, namespace_of
-from kvstore.layout import KVLayout
+from kvstore.core.hashing import block_keys, namespace_of
+from kvstore.core.layout import KVLayout
 layout = KVLayout(num_layers=4, kv_heads=2, head_dim=8, dtype="bfloat16", block_tokens=4)
 ns = namespace_of("org/model", layout, tp_rank=1, tp_size=2, salt="t")
 tokens = [int(t) for t in sys.argv[1].split(",")]

@@ -3,7 +3,7 @@
 import lmdb
 import pytest
 
-from kvstore.errors import IntegrityError
+from kvstore.core.errors import IntegrityError
 from kvstore.index import COMMITTED, Index, Record, decode, encode
 
 

@@ -1,4 +1,4 @@
-"""Entry bytes <-> HF and vLLM paged KV tensors (kvstore/layout.py)."""
+"""Entry bytes <-> HF and vLLM paged KV tensors (kvstore/core/layout.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.errors import ConfigError, InvalidRequestError
-from kvstore.layout import KVLayout, pack_hf, pack_paged, unpack_hf, unpack_paged
+from kvstore.core.errors import ConfigError, InvalidRequestError
+from kvstore.core.layout import KVLayout, pack_hf, pack_paged, unpack_hf, unpack_paged
 
 DTYPES = ["float32", "float16", "bfloat16", "float8_e4m3fn", "int8", "uint8"]
 

@@ -7,7 +7,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore.errors import ConfigError
+from kvstore.core.errors import ConfigError
 from kvstore.metrics import MAX_OPS, Metrics, flatten_stats
 
 

@@ -7,7 +7,7 @@ import mmap
 import numpy as np
 import pytest
 
-from kvstore.errors import IntegrityError, InvalidRequestError
+from kvstore.core.errors import IntegrityError, InvalidRequestError
 from tiers.base import Extent
 from tiers.nvme import NvmeTier
 from tiers.nvme_runs import RunIO

@@ -11,7 +11,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from kvstore.errors import ConfigError, IntegrityError
+from kvstore.core.errors import ConfigError, IntegrityError
 from tiers import nvme as nvme_mod
 from tiers.dram import DramTier
 from tiers.nvme import NvmeTier

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvstore.errors import ConfigError
+from kvstore.core.errors import ConfigError
 from kvstore.policy import POLICIES, Candidate, bytes_to_free, make_policy, over_watermark
 
 

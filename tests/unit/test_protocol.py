@@ -4,8 +4,8 @@ import msgpack
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvstore import protocol as p
-from kvstore.errors import ChecksumError, InvalidRequestError, KVStoreError
+from kvstore.core import protocol as p
+from kvstore.core.errors import ChecksumError, InvalidRequestError, KVStoreError
 
 MAX = 1 << 20
 K = [bytes([i]) * 16 for i in range(4)]

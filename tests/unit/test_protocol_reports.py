@@ -6,8 +6,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from kvstore import protocol as p
-from kvstore.errors import InvalidRequestError
+from kvstore.core import protocol as p
+from kvstore.core.errors import InvalidRequestError
 
 LIMIT = 1 << 20
 KEY, TOK = b"k" * 16, b"\x01\x00\x00\x00"

@@ -4,7 +4,7 @@ Story: the v0 lookup buffer inserts, then pinned with a separate call; a writer
 making room in between could evict the fresh entry, and its consumer never got it.
 """
 
-from kvstore.hashing import checksum
+from kvstore.core.hashing import checksum
 
 from tests.unit.conftest import data, key, put, toks, where
 

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from kvstore.errors import ChecksumError, InvalidRequestError
+from kvstore.core.errors import ChecksumError, InvalidRequestError
 from tests.unit.conftest import key, put, toks, where
 
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from kvstore.errors import LeaseExpiredError
+from kvstore.core.errors import LeaseExpiredError
 from tests.unit.conftest import key, put, toks
 
 

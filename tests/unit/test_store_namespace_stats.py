@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from kvstore.errors import InvalidRequestError
+from kvstore.core.errors import InvalidRequestError
 from kvstore.index import Index, Record
 from kvstore.store import Store
 from tests.unit.conftest import ENTRY, key, put, store_config, toks, where

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from kvstore.errors import KVStoreError
+from kvstore.core.errors import KVStoreError
 from kvstore.policy import make_policy
 from kvstore.store_order import GroupOrder
 from tests.unit.conftest import key, put, toks

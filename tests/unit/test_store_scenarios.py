@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvstore.errors import (
+from kvstore.core.errors import (
     ChecksumError,
     ConfigError,
     InvalidRequestError,
@@ -15,7 +15,7 @@ from kvstore.errors import (
     NotFoundError,
     TierFullError,
 )
-from kvstore.hashing import checksum
+from kvstore.core.hashing import checksum
 from kvstore.store import Store
 from tests.unit.conftest import ENTRY, data, key, put, store_config, toks, where
 

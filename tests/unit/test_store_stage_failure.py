@@ -9,8 +9,8 @@ import errno
 
 import pytest
 
-from kvstore.errors import MissError
-from kvstore.hashing import checksum
+from kvstore.core.errors import MissError
+from kvstore.core.hashing import checksum
 
 from tests.unit.conftest import data, key, put, toks
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.errors import ConfigError, IntegrityError, InvalidRequestError, TierFullError
+from kvstore.core.errors import ConfigError, IntegrityError, InvalidRequestError, TierFullError
 from tiers.base import Extent
 from tiers.dram import DramTier, map_shared
 from tiers.gpu import GpuTier

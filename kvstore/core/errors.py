@@ -14,20 +14,20 @@ client turns it back into the same class with ``error_from_code``.
 
 from __future__ import annotations
 
-
-class KVStoreError(Exception):
-    """Base of every kvstore error. Fatal unless a subclass says otherwise."""
-
-    code = "internal"
+# The tier-level roots live in tiers/ (which imports nothing from kvstore); they are
+# kvstore's errors under the same names, not wrappers.
+from tiers.errors import (  # noqa: F401  (re-exported)
+    ConfigError,
+    IntegrityError,
+    InvalidRequestError,
+    KVStoreError,
+    MissError,
+    TierFullError,
+)
 
 
 # ---------------------------------------------------------------- misses
-class MissError(KVStoreError):
-    """A miss: fall back to recompute. Nothing was changed by the failed call."""
-
-    code = "miss"
-
-
+# (MissError and TierFullError: tiers/errors.py)
 class NotFoundError(MissError):
     """A miss: the key (or reservation / lease id) is not stored."""
 
@@ -67,13 +67,6 @@ class TransferError(MissError):
     code = "transfer"
 
 
-class TierFullError(MissError):
-    """A miss for a writer: no tier has room (pinned/leased data is never evicted
-    to make some). The insert is skipped; readers will recompute those blocks."""
-
-    code = "full"
-
-
 class StorageError(MissError):
     """A miss for a writer: the server could not write its index or its files
     (file system full, read-only, I/O error). Nothing was changed; the server stays
@@ -84,31 +77,11 @@ class StorageError(MissError):
 
 
 # ---------------------------------------------------------------- fatal
-class ConfigError(KVStoreError):
-    """Fatal: invalid configuration. Fix the config and restart."""
-
-    code = "config"
-
-
-class InvalidRequestError(KVStoreError):
-    """Fatal for the request: malformed, oversized or inconsistent input.
-
-    The server replies with this and changes nothing.
-    """
-
-    code = "invalid"
-
-
+# (ConfigError, InvalidRequestError, IntegrityError: tiers/errors.py)
 class AuthError(KVStoreError):
     """Fatal: the control plane refused the client's credentials."""
 
     code = "auth"
-
-
-class IntegrityError(KVStoreError):
-    """Fatal: an internal invariant is broken (a bug). ``check_integrity`` raises it."""
-
-    code = "integrity"
 
 
 def _all_subclasses(cls: type) -> list[type]:

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 import numpy as np
 import xxhash
 
-from kvstore.errors import InvalidRequestError
+from kvstore.core.errors import InvalidRequestError
 
 if TYPE_CHECKING:  # layout imports torch; the server hashes without it (checksums, KEY_BYTES)
-    from kvstore.layout import KVLayout
+    from kvstore.core.layout import KVLayout
 
 KEY_BYTES = 16
 _FULL_SEED = 0

@@ -1,7 +1,7 @@
 """The control-plane wire format: msgpack maps, one per ZeroMQ frame.
 
 Request: ``{v: 1, op: str, id: int, ...fields}``. Reply: ``{v: 1, id, ok: true, ...}``
-or ``{v: 1, id, ok: false, code, message}`` with ``code`` from ``kvstore.errors``.
+or ``{v: 1, id, ok: false, code, message}`` with ``code`` from ``kvstore.core.errors``.
 
 Every request is decoded into a frozen dataclass of its op (``Hello``, ``Reserve``, ...)
 and every field is checked for type, length and bounds before the server looks at it:
@@ -20,7 +20,7 @@ from typing import Any, Callable, ClassVar
 
 import msgpack
 
-from kvstore.errors import InvalidRequestError, KVStoreError, error_from_code
+from kvstore.core.errors import InvalidRequestError, KVStoreError, error_from_code
 
 VERSION = 1
 KEY_BYTES = 16
