@@ -64,7 +64,7 @@ class TeEngine:
         self.staging_bytes = staging_bytes
         self.timeout_s = timeout_s  # bounds a TE transfer to a stalled peer (TE minimum 5 s)
         self.lock = threading.Lock()
-        self.transport = None  # kvstore.transfer.Transport once started
+        self.transport = None  # kvstore.transport.te.Transport once started
         self._stage: np.ndarray | None = None
         self._stage_address = 0
         self.metadata: str | None = None  # fixed by the first server's hello
@@ -86,7 +86,7 @@ class TeEngine:
     def te(self):
         """The Transport, started now if need be. Callers hold ``lock``."""
         if self.transport is None:
-            from kvstore.transfer import P2P, Transport
+            from kvstore.transport.te import P2P, Transport
 
             metadata = self.metadata or P2P
             # With a metadata server the name is the key peers look us up by: unique per

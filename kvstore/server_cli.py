@@ -68,7 +68,7 @@ def open_server(cfg: KVStoreConfig):
     """Bind, open the store (data-dir lock), start TE; undo everything on failure."""
     from kvstore.server import Server
     from kvstore.store import Store
-    from kvstore.transfer import Transport
+    from kvstore.transport.te import Transport
 
     srv = cfg.server
     if srv.host in ("0.0.0.0", "*", "::") and not srv.te_host:

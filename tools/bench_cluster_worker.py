@@ -135,7 +135,7 @@ class RawTESide:
     block, contiguous runs coalesced by Transport, as kvstore's are)."""
 
     def __init__(self, cfg: dict) -> None:
-        from kvstore.transfer import Transport
+        from kvstore.transport.te import Transport
 
         self.te = Transport(cfg["host"])
         self.device = cfg.get("device", "cpu")

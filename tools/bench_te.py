@@ -20,7 +20,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 import numpy as np
 
 from kvstore.core.config import format_size, parse_size
-from kvstore.transfer import Transport
+from kvstore.transport.te import Transport
 from tests.integration.te_peer import PeerProcess
 
 DEFAULT_BLOCKS = ("4KiB", "64KiB", "1MiB", "16MiB")

@@ -231,15 +231,15 @@ def client_factory():
 
 @pytest.fixture
 def transports_made(monkeypatch) -> list:
-    """Every ``kvstore.transfer.Transport`` (one TE engine each) created in the test."""
-    import kvstore.transfer
+    """Every ``kvstore.transport.te.Transport`` (one TE engine each) created in the test."""
+    import kvstore.transport.te
 
     made: list = []
 
-    class CountedTransport(kvstore.transfer.Transport):
+    class CountedTransport(kvstore.transport.te.Transport):
         def __init__(self, *args, **kw):
             super().__init__(*args, **kw)
             made.append(self)
 
-    monkeypatch.setattr(kvstore.transfer, "Transport", CountedTransport)
+    monkeypatch.setattr(kvstore.transport.te, "Transport", CountedTransport)
     return made

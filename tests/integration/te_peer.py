@@ -27,7 +27,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 import numpy as np
 
 from kvstore.core.config import parse_size
-from kvstore.transfer import Transport
+from kvstore.transport.te import Transport
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 30.0

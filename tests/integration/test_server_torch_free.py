@@ -27,7 +27,7 @@ def test_server_modules_import_without_torch():
     out = _run("""
         import sys
         import kvstore.server_cli, kvstore.store, kvstore.server, kvstore.cluster_node
-        import kvstore.metrics, kvstore.transfer, kvstore.core.hashing
+        import kvstore.metrics, kvstore.transport.te, kvstore.core.hashing
         assert 'torch' not in sys.modules, 'torch imported'
     """)
     assert out.returncode == 0, out.stderr

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvstore.core.errors import ChecksumError
-from kvstore.transfer import Transport
+from kvstore.transport.te import Transport
 from tests.integration.client_worker import prompt_kv, prompt_tokens
 
 pytestmark = pytest.mark.timeout(120)

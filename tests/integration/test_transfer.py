@@ -1,4 +1,4 @@
-"""kvstore.transfer: coalescing (pure, hypothesis) and real TE transfers over TCP
+"""kvstore.transport.te: coalescing (pure, hypothesis) and real TE transfers over TCP
 between this process and a te_peer process (loopback ports, no namespaces)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.core.errors import ConfigError, InvalidRequestError, PeerUnavailableError, TransferError
-from kvstore.transfer import MAX_BATCH_ENTRIES, Transport, coalesce
+from kvstore.transport.te import MAX_BATCH_ENTRIES, Transport, coalesce
 from tests.integration.te_peer import REPO, PeerProcess
 from tools.etcd_proc import start_etcd
 

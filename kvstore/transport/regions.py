@@ -1,5 +1,5 @@
 """The memory a transport may move bytes from and to: its TE registrations and
-the staging buffers it maps itself. A mixin of ``kvstore.transfer.Transport``.
+the staging buffers it maps itself. A mixin of ``kvstore.transport.te.Transport``.
 
 Invariants kept here (under the transport's lock):
 * registered regions never overlap (TE does not support it), and

@@ -1,6 +1,6 @@
 """What TE needs from its surroundings before an engine starts: its timeout
 environment, a host it can bind, a free port; and a cheap liveness check of a
-P2P peer. No mooncake import here (kvstore/transfer.py is the only one).
+P2P peer. No mooncake import here (kvstore/transport/te.py is the only one).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Address ranges of a transfer: validation and coalescing (pure numpy, no TE).
 
-Kept apart from kvstore/transfer.py so the batching rule can be property-tested
+Kept apart from kvstore/transport/te.py so the batching rule can be property-tested
 without an engine. Invariant: whatever these return moves exactly the bytes the
 caller asked for, zero-length entries aside.
 """

@@ -48,9 +48,9 @@ from kvstore.core.errors import (
     PeerUnavailableError,
     TransferError,
 )
-from kvstore.transfer_env import bound_from_env, check_host, free_port, port_open, set_timeouts
-from kvstore.transfer_ranges import Addrs, coalesce, nonempty_ranges
-from kvstore.transfer_regions import Region, RegionsMixin, StagingBuffer
+from kvstore.transport.env import bound_from_env, check_host, free_port, port_open, set_timeouts
+from kvstore.transport.ranges import Addrs, coalesce, nonempty_ranges
+from kvstore.transport.regions import Region, RegionsMixin, StagingBuffer
 
 # Re-exported: callers import these names from here.
 __all__ = ["DEFAULT_TIMEOUT_S", "MAX_BATCH_ENTRIES", "P2P", "Addrs", "Region", "StagingBuffer",
