@@ -1,6 +1,6 @@
 """``kvstore``: the admin CLI.
 
-Talks to servers over the control plane only (``kvstore.rpc.Channel``): an admin
+Talks to servers over the control plane only (``kvstore.client.rpc.Channel``): an admin
 command never starts a Transfer Engine, so it is quick and cannot touch KV bytes.
 Each command prints a readable table, or JSON with ``--json`` (always a list with
 one object per ``--server``), and fails with one line on stderr and exit 1 (the

@@ -33,7 +33,7 @@ from kvstore.cli_prompt import (
 )
 from kvstore.core.config import load_config
 from kvstore.core.errors import KVStoreError
-from kvstore.rpc import Channel, CurveKeys
+from kvstore.client.rpc import Channel, CurveKeys
 
 __all__ = ["Admin", "KeyType", "NamespaceType", "PromptKeys", "SizeType", "TokensType",
            "apply", "fail", "generate_keypair", "has_model_options", "namespace_tag",

@@ -2,7 +2,7 @@
 
 With ``shared_path`` the arena is a file (normally under /dev/shm), its pages
 reserved at start (``posix_fallocate``: a /dev/shm too small for it is refused
-then, not a SIGBUS later), mapped MAP_SHARED, so a client process on the same node can ``map_shared`` the very same
+then, not a SIGBUS later), mapped MAP_SHARED, so a client process on the same node can map (``kvstore.client.shm.map_shared``) the very same
 bytes and memcpy an insert straight into a reserved extent, with no TE transfer.
 Without it the arena is an anonymous mapping. Either way mmap gives page alignment.
 Where CUDA exists *and torch is already imported* the arena is pinned
@@ -28,23 +28,6 @@ log = logging.getLogger(__name__)
 
 PAGE_SIZE = 4096
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
-
-
-def map_shared(path: str, nbytes: int) -> np.ndarray:
-    """Map the first ``nbytes`` of a server's shared DRAM arena, writable, in a client
-    process. The mapping lives as long as the returned array (or views of it)."""
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError as exc:
-        raise ConfigError(f"cannot open shared DRAM arena {path}: {exc}") from exc
-    try:
-        size = os.fstat(fd).st_size
-        if nbytes <= 0 or nbytes > size:
-            raise ConfigError(f"shared DRAM arena {path} has {size} bytes, asked for {nbytes}")
-        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-    return np.frombuffer(mm, dtype=np.uint8)
 
 
 def _map_arena(path: str | None, nbytes: int) -> mmap.mmap:

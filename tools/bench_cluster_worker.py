@@ -99,7 +99,7 @@ class KVStoreSide:
     """KVStoreClient against the server on node A (same-node path for the producer)."""
 
     def __init__(self, cfg: dict) -> None:
-        from kvstore.client import KVStoreClient
+        from kvstore.client.client import KVStoreClient
 
         self.clients = {name: KVStoreClient(cfg["server"], layout=LAYOUTS[name],
                                             te_host=cfg["host"], same_node=cfg["same_node"],

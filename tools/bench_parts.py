@@ -51,7 +51,7 @@ def _timed(obj: Any, name: str, label: str, sink: dict[str, float]) -> None:
 
 def run(layout_name: str, ntokens: int, path: str, reps: int) -> dict[str, dict[str, float]]:
     """Median ms per part of insert and drop_select."""
-    from kvstore.client import KVStoreClient
+    from kvstore.client.client import KVStoreClient
 
     layout = LAYOUTS[layout_name]
     nbytes = layout.nbytes(ntokens)

@@ -22,7 +22,7 @@ from kvstore.core.config import KVStoreConfig
 from kvstore.core.hashing import block_keys, block_token_bytes, checksum, namespace_of
 from kvstore.core.layout import KVLayout
 from kvstore.store import Store
-from tiers.dram import map_shared
+from kvstore.client.shm import map_shared
 from tiers.nvme import NvmeTier
 from tools.bench import BenchOptions, Row, Timing, measure, ratio
 

@@ -398,7 +398,7 @@ def _warm_up(llm) -> None:
 
 
 def _stats(msg: dict) -> dict:
-    from kvstore.client import KVStoreClient
+    from kvstore.client.client import KVStoreClient
 
     with KVStoreClient(msg["server"], timeout_s=10.0) as client:
         return {"stats": client.stats()}

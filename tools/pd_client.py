@@ -81,7 +81,7 @@ def _json(r: httpx.Response) -> Any:
 
 
 def _stats(step: dict[str, Any]) -> dict[str, Any]:
-    from kvstore.client import KVStoreClient
+    from kvstore.client.client import KVStoreClient
 
     out: dict[str, Any] = {"id": step.get("id"), "stats": {}}
     for address in step["stats"]:

@@ -70,12 +70,12 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from kvstore.client import KVStoreClient
+from kvstore.client.client import KVStoreClient
 from kvstore.cluster_client import ClusterClient, connect
 from kvstore.core.config import ClientConfig
 from kvstore.connector.v0_record import (decode_record, encode_manifest, encode_record,
                                          manifest_parts, split_record)
-from kvstore.datapath import TeEngine
+from kvstore.client.datapath import TeEngine
 from kvstore.core.errors import (
     ChecksumError,
     InvalidRequestError,

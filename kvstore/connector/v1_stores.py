@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from kvstore.client import KVStoreClient
+from kvstore.client.client import KVStoreClient
 from kvstore.cluster_client import ClusterClient, connect
-from kvstore.datapath import TeEngine
+from kvstore.client.datapath import TeEngine
 from kvstore.connector.v1_config import ConnectorSettings
 from kvstore.core.errors import KVTimeoutError, MissError, PeerUnavailableError, TransferError
 from kvstore.core.layout import KVLayout

@@ -84,7 +84,7 @@ def server_factory(tmp_path) -> ServerFactory:
 
 @pytest.fixture
 def client_factory():
-    from kvstore.client import KVStoreClient
+    from kvstore.client.client import KVStoreClient
 
     clients = []
 

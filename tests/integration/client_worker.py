@@ -28,7 +28,7 @@ import time
 import numpy as np
 import xxhash
 
-from kvstore.client import KVStoreClient
+from kvstore.client.client import KVStoreClient
 from kvstore.core.layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=8, dtype="float16", block_tokens=4)

@@ -27,7 +27,7 @@ import time
 import numpy as np
 import xxhash
 
-from kvstore.client import KVStoreClient
+from kvstore.client.client import KVStoreClient
 from kvstore.cluster_client import ClusterClient
 from kvstore.core.errors import KVStoreError
 from kvstore.core.layout import KVLayout

@@ -201,7 +201,7 @@ def shared_server(tmp_path_factory) -> ServerProc:
 @pytest.fixture
 def clean_server(shared_server) -> ServerProc:
     """The module's shared server, emptied (``clear``) before the test."""
-    from kvstore.client import KVStoreClient
+    from kvstore.client.client import KVStoreClient
 
     with KVStoreClient(shared_server.address, timeout_s=10.0) as admin:
         admin.clear()
@@ -211,7 +211,7 @@ def clean_server(shared_server) -> ServerProc:
 
 @pytest.fixture
 def client_factory():
-    from kvstore.client import KVStoreClient
+    from kvstore.client.client import KVStoreClient
 
     clients = []
 

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from kvstore.core import protocol as p
 from kvstore.cli import cli
 from kvstore.core.hashing import block_keys, namespace_of
-from kvstore.rpc import Channel
+from kvstore.client.rpc import Channel
 from tests.integration.conftest import LAYOUT, ServerProc, free_port, make_kv, server_argv
 
 pytestmark = pytest.mark.timeout(120)
@@ -63,7 +63,7 @@ def node(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def writer(node):
-    from kvstore.client import KVStoreClient
+    from kvstore.client.client import KVStoreClient
 
     client = KVStoreClient(node.address, layout=LAYOUT, model_id="cli-test", timeout_s=10.0,
                            staging_bytes=1 << 20)
@@ -308,7 +308,7 @@ def test_evict_fraction_of_a_tier_really_evicts_least_recently_used_first(filled
 
 
 def test_ls_filters_by_namespace(filled):
-    from kvstore.client import KVStoreClient
+    from kvstore.client.client import KVStoreClient
 
     addr = filled.address
     other = KVStoreClient(addr, layout=LAYOUT, model_id="other-model", timeout_s=10.0,

@@ -107,7 +107,7 @@ def test_prompt_larger_than_staging_buffer(clean_server, client_factory):
 @pytest.mark.parametrize("same_node", ["auto", False], ids=["shm", "te"])
 def test_corrupt_bytes_are_a_checksum_miss_reported_and_dropped(clean_server, client_factory,
                                                                  same_node):
-    from tiers.dram import map_shared
+    from kvstore.client.shm import map_shared
 
     client = client_factory(clean_server, same_node=same_node)
     client.insert(prompt(12, 5), make_kv(12, 5))

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvstore.cli import cli
-from kvstore.client import KVStoreClient
+from kvstore.client.client import KVStoreClient
 from kvstore.cluster import NodeInfo, NodeSet, Registration, rendezvous_order
 from kvstore.cluster_client import ClusterClient, connect
 from kvstore.core.errors import InvalidRequestError, PeerUnavailableError

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from kvstore.client import KVStoreClient
+from kvstore.client.client import KVStoreClient
 from kvstore.connector.lookup_buffer import KVStoreLookupBuffer
 from kvstore.core.errors import InvalidRequestError
 

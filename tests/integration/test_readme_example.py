@@ -15,7 +15,7 @@ import shlex
 import pytest
 import torch
 
-from kvstore.client import KVStoreClient
+from kvstore.client.client import KVStoreClient
 from kvstore.core.errors import ConfigError, InvalidRequestError
 from kvstore.core.layout import KVLayout, unpack_hf
 

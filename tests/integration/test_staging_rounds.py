@@ -98,7 +98,7 @@ def test_rest_with_no_room_after_the_first_round_is_spent_not_stranded(server_fa
     client pins DRAM full. The rest can never be read whole again (its head is
     gone): the server spends it, the caller hears it got part, and the half
     prompt's own insert is still served whole once there is room."""
-    from kvstore.client import KVStoreClient
+    from kvstore.client.client import KVStoreClient
 
     srv = _server(server_factory)
     other = client_factory(srv)

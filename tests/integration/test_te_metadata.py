@@ -8,7 +8,7 @@ the metadata the server's hello names, and refuses a second server that differs.
 import numpy as np
 import pytest
 
-from kvstore.datapath import TeEngine
+from kvstore.client.datapath import TeEngine
 from kvstore.core.errors import ConfigError
 from tests.integration.conftest import LAYOUT, make_kv
 from tools.etcd_proc import start_etcd

@@ -32,7 +32,7 @@ from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
 
-from kvstore.client import KVStoreClient
+from kvstore.client.client import KVStoreClient
 from kvstore.connector import vllm_v1
 from kvstore.connector.block_format import truthful
 from kvstore.connector.vllm_v1 import PARAM_SERVER, KVStoreConnectorV1

@@ -60,7 +60,7 @@ def test_kvstore_and_its_connector_helpers_import_without_vllm():
     import sys
 
     code = ("import sys; sys.modules['vllm'] = None\n"
-            "import kvstore, kvstore.client, kvstore.connector.lookup_buffer\n"
+            "import kvstore, kvstore.client.client, kvstore.connector.lookup_buffer\n"
             "import kvstore.connector.paged_io, kvstore.connector.v1_config\n"
             "import kvstore.connector.v1_stores, kvstore.connector.block_format\n"
             "import kvstore.connector.v1_backend\n")

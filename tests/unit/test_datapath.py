@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from kvstore.datapath import _mirror
-from kvstore.datapath_shm import RUN_BYTES, copy_in, copy_out
+from kvstore.client.datapath import _mirror
+from kvstore.client.shm import RUN_BYTES, copy_in, copy_out
 from kvstore.core.hashing import checksum
 
 BASE = 1 << 30
@@ -79,7 +79,7 @@ def test_write_refuses_a_buffer_whose_size_is_not_its_placements():
     would then fail on a checksum; a wrong size is the caller's error, said so."""
     import pytest
 
-    from kvstore.datapath import DataPath, Segment
+    from kvstore.client.datapath import DataPath, Segment
     from kvstore.core.errors import InvalidRequestError
 
     shm = np.zeros(4 * 4096, np.uint8)

@@ -1,10 +1,10 @@
-"""kvstore.datapath._runs: copies contiguous on both sides merge into one run."""
+"""kvstore.client.datapath._runs: copies contiguous on both sides merge into one run."""
 
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstore.datapath import _runs
+from kvstore.client.datapath import _runs
 
 
 def test_back_to_back_entries_are_one_copy():

@@ -12,7 +12,8 @@ import torch
 
 from kvstore.core.errors import ConfigError, IntegrityError, InvalidRequestError, TierFullError
 from tiers.base import Extent
-from tiers.dram import DramTier, map_shared
+from kvstore.client.shm import map_shared
+from tiers.dram import DramTier
 from tiers.gpu import GpuTier
 from tiers.nvme import NvmeTier
 
@@ -155,7 +156,7 @@ def test_dram_view_is_zero_copy():
 
 _CLIENT = """
 import sys
-from tiers.dram import map_shared
+from kvstore.client.shm import map_shared
 arena = map_shared(sys.argv[1], int(sys.argv[2]))
 off = int(sys.argv[3])
 assert bytes(arena[off:off + 5]) == b"hello", bytes(arena[off:off + 5])

@@ -2,7 +2,7 @@
 
 Two ways, chosen per entry:
 * same node: the server's DRAM arena is a shared-memory file this process maps
-  (``tiers.dram.map_shared``); a DRAM entry is one memcpy at its arena offset;
+  (``kvstore.client.shm.map_shared``); a DRAM entry is one memcpy at its arena offset;
 * otherwise TE: bytes go through this client's registered, page-aligned staging
   buffer in as few one-sided batches as it takes (one when they fit), and the
   Transport coalesces runs that are contiguous on both sides into single transfers.
@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import numpy as np
 import xxhash
 
-from kvstore.datapath_shm import copy_in, copy_out
+from kvstore.client.shm import copy_in, copy_out
 from kvstore.core.errors import ChecksumError, ConfigError, InvalidRequestError
 from kvstore.core.nodeid import host_id
 
@@ -152,7 +152,7 @@ class DataPath:
             raise ConfigError("same_node=True but the server's DRAM arena is not shared "
                               "with this process (other node, or no shared arena)")
         if self.same_node and local:
-            from tiers.dram import map_shared
+            from kvstore.client.shm import map_shared
 
             shm = map_shared(dram["path"], int(dram["nbytes"]))
             log.info("same-node fast path: mapped %s (%s bytes)", dram["path"], dram["nbytes"])
@@ -197,7 +197,7 @@ class DataPath:
         """Copy each buffer into its placement (same-node memcpy or TE write); returns
         each buffer's checksum (``kvstore.core.hashing.checksum``, xxh3_64) for the commit.
         A same-node copy hashes each entry right after copying it, in the same loop
-        (``kvstore.datapath_shm``: measured faster than copy-all-then-hash for 64 KiB
+        (``kvstore.client.shm``: measured faster than copy-all-then-hash for 64 KiB
         and for 2 MiB entries)."""
         sums: list[int] = [0] * len(buffers)
         local, remote, where = [], [], []

@@ -1,5 +1,5 @@
 """Same-node copies between a client's memory and the server's shared DRAM arena,
-with the checksums computed on the way (kvstore.datapath's same-node path).
+with the checksums computed on the way (kvstore.client.datapath's same-node path).
 
 Checksums are per entry (xxh3_64, ``kvstore.core.hashing.checksum``) and always taken
 from the caller's side of the copy, right after copying, while the bytes are still
@@ -15,16 +15,37 @@ entries in 256 KiB pieces, each hashed after its copy, measured slower on the ar
 
 from __future__ import annotations
 
+import mmap
+import os
 from collections.abc import Callable
 
 import numpy as np
 import xxhash
+
+from kvstore.core.errors import ConfigError
 
 # Small enough that a run is still in a core's L2 (1 MiB here) when its entries are hashed.
 RUN_BYTES = 1 << 20
 
 # Wire layout of placements / entries (kvstore.handlers): tier, offset, nbytes, ...
 _OFFSET, _NBYTES = 1, 2
+
+
+def map_shared(path: str, nbytes: int) -> np.ndarray:
+    """Map the first ``nbytes`` of a server's shared DRAM arena, writable, in a client
+    process. The mapping lives as long as the returned array (or views of it)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        raise ConfigError(f"cannot open shared DRAM arena {path}: {exc}") from exc
+    try:
+        size = os.fstat(fd).st_size
+        if nbytes <= 0 or nbytes > size:
+            raise ConfigError(f"shared DRAM arena {path} has {size} bytes, asked for {nbytes}")
+        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return np.frombuffer(mm, dtype=np.uint8)
 
 
 def copy_in(shm: np.ndarray, bufs: list[np.ndarray], placements: list[list]) -> list[int]:

@@ -23,12 +23,12 @@ import torch
 
 from kvstore.core import protocol as p
 from kvstore.core.config import ClientConfig
-from kvstore.datapath import DataPath, Segment, TeEngine
+from kvstore.client.datapath import DataPath, Segment, TeEngine
 from kvstore.core.errors import (ChecksumError, InvalidRequestError, KVStoreError, KVTimeoutError,
                             PeerUnavailableError)
 from kvstore.core.hashing import block_keys, block_token_bytes, hidden_key, namespace_of, tokens_to_array
 from kvstore.core.layout import KVLayout, dtype_name, pack_hf
-from kvstore.rpc import Channel, CurveKeys
+from kvstore.client.rpc import Channel, CurveKeys
 
 log = logging.getLogger(__name__)
 
