@@ -21,9 +21,9 @@ from kvstore.core import protocol as p
 from kvstore.cli_admin import Admin, fail, server_options
 from kvstore.cli_views import TIER_ORDER, stats_view
 from kvstore.cliformat import format_bytes, format_count, format_ratio, render_table, to_json
-from kvstore.cluster import NodeInfo, NodeSet
+from kvstore.cluster.membership import NodeInfo, NodeSet
 from kvstore.core.config import load_config
-from kvstore.etcd import EtcdClient
+from kvstore.cluster.etcd import EtcdClient
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 ETCD_TIMEOUT_S = 2.0

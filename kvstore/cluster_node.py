@@ -13,10 +13,10 @@ import logging
 import time
 from typing import Any
 
-from kvstore.cluster import NodeInfo, Registration
+from kvstore.cluster.membership import NodeInfo, Registration
 from kvstore.core.config import KVStoreConfig
 from kvstore.core.errors import ConfigError, PeerUnavailableError
-from kvstore.etcd import EtcdClient
+from kvstore.cluster.etcd import EtcdClient
 
 log = logging.getLogger(__name__)
 

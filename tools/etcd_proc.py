@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from kvstore.core.errors import PeerUnavailableError
-from kvstore.etcd import EtcdClient
+from kvstore.cluster.etcd import EtcdClient
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -57,7 +57,7 @@ Parts already stored for a skipped insert are unpinned, so nothing stays pinned.
 
 ``server`` may also be a cluster's etcd (``etcd://host:port``): both sides then
 place the prompt by rendezvous hashing over the registered nodes
-(``kvstore.cluster_client``), so neither needs to know which node provides it.
+(``kvstore.cluster.client``), so neither needs to know which node provides it.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ import numpy as np
 import torch
 
 from kvstore.client.client import KVStoreClient
-from kvstore.cluster_client import ClusterClient, connect
+from kvstore.cluster.client import ClusterClient, connect
 from kvstore.core.config import ClientConfig
 from kvstore.connector.v0_record import (decode_record, encode_manifest, encode_record,
                                          manifest_parts, split_record)

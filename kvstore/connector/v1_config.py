@@ -4,7 +4,7 @@ Every key (docs/vllm.md lists them with examples):
 
 * ``server`` — this node's kvstore-server (``tcp://host:port``), or a cluster's etcd
   (``etcd://host:port``: prompts are placed on the registered nodes by rendezvous
-  hashing, kvstore.cluster_client). A producer saves there and names it in
+  hashing, kvstore.cluster.client). A producer saves there and names it in
   ``kv_transfer_params``; a consumer loads from the address a request's
   ``kv_transfer_params`` names, else from here. [tcp://127.0.0.1:7700]
 * ``allowed_servers`` — further ``tcp://`` servers a consumer may load from when a

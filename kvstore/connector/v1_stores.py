@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from kvstore.client.client import KVStoreClient
-from kvstore.cluster_client import ClusterClient, connect
+from kvstore.cluster.client import ClusterClient, connect
 from kvstore.client.datapath import TeEngine
 from kvstore.connector.v1_config import ConnectorSettings
 from kvstore.core.errors import KVTimeoutError, MissError, PeerUnavailableError, TransferError

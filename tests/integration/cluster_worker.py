@@ -28,7 +28,7 @@ import numpy as np
 import xxhash
 
 from kvstore.client.client import KVStoreClient
-from kvstore.cluster_client import ClusterClient
+from kvstore.cluster.client import ClusterClient
 from kvstore.core.errors import KVStoreError
 from kvstore.core.layout import KVLayout
 

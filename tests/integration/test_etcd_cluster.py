@@ -17,10 +17,10 @@ from click.testing import CliRunner
 
 from kvstore.cli import cli
 from kvstore.client.client import KVStoreClient
-from kvstore.cluster import NodeInfo, NodeSet, Registration, rendezvous_order
-from kvstore.cluster_client import ClusterClient, connect
+from kvstore.cluster.membership import NodeInfo, NodeSet, Registration, rendezvous_order
+from kvstore.cluster.client import ClusterClient, connect
 from kvstore.core.errors import InvalidRequestError, PeerUnavailableError
-from kvstore.etcd import EtcdClient
+from kvstore.cluster.etcd import EtcdClient
 from tests.integration.conftest import LAYOUT, make_kv
 from tools.etcd_proc import free_port, start_etcd
 

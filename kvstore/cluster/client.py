@@ -36,11 +36,11 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvstore.client.client import InsertResult, KVStoreClient, LookupResult, SelectResult
-from kvstore.cluster import NodeInfo, NodeSet
+from kvstore.cluster.membership import NodeInfo, NodeSet
 from kvstore.core.config import ClientConfig
 from kvstore.client.datapath import TeEngine
 from kvstore.core.errors import InvalidRequestError, KVTimeoutError, PeerUnavailableError, TransferError
-from kvstore.etcd import EtcdClient
+from kvstore.cluster.etcd import EtcdClient
 from kvstore.core.hashing import block_keys, namespace_of, tokens_to_array
 from kvstore.core.layout import KVLayout
 

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 import xxhash
 
 from kvstore.core.errors import ConfigError, KVStoreError, PeerUnavailableError
-from kvstore.etcd import EtcdClient
+from kvstore.cluster.etcd import EtcdClient
 
 log = logging.getLogger(__name__)
 
