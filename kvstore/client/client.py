@@ -73,7 +73,7 @@ class KVStoreClient:
     server is on this node (same host id and the arena file exists), True requires
     that, False always uses TE. ``layout`` is needed for insert/select, not for admin.
     ``observer(op, seconds, ok)`` hears each TE move's duration (``te_write`` /
-    ``te_read``), e.g. ``kvstore.metrics.Metrics().observe``: the server cannot see them.
+    ``te_read``), e.g. ``kvstore.server.metrics.Metrics().observe``: the server cannot see them.
     ``te_engine``: a TE engine + staging buffer shared with other clients of this
     process (``te_host`` and ``staging_bytes`` are then the engine's); its creator
     closes it, ``close()`` here does not.

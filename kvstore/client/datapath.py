@@ -39,7 +39,7 @@ from kvstore.core.nodeid import host_id
 
 log = logging.getLogger(__name__)
 
-# Wire layout of placements / entries (kvstore.handlers): tier, offset, nbytes, address,
+# Wire layout of placements / entries (kvstore.server.handlers): tier, offset, nbytes, address,
 # and for entries the checksum they were stored with.
 _TIER, _OFFSET, _NBYTES, _ADDRESS, _CHECKSUM = 0, 1, 2, 3, 4
 _PAGE = 4096  # tiers.dram.PAGE_SIZE: DRAM extents start on, and are rounded up to, pages
@@ -114,7 +114,7 @@ class TeEngine:
 
 
 class DataPath:
-    """``observer(op, seconds, ok)`` (e.g. ``kvstore.metrics.Metrics.observe``) is told
+    """``observer(op, seconds, ok)`` (e.g. ``kvstore.server.metrics.Metrics.observe``) is told
     how long each TE move took, as ``te_write`` / ``te_read``: staging copy plus the
     batched transfers (the first one also starts the TE engine). Same-node memcpys
     are not reported.

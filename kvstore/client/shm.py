@@ -27,7 +27,7 @@ from kvstore.core.errors import ConfigError
 # Small enough that a run is still in a core's L2 (1 MiB here) when its entries are hashed.
 RUN_BYTES = 1 << 20
 
-# Wire layout of placements / entries (kvstore.handlers): tier, offset, nbytes, ...
+# Wire layout of placements / entries (kvstore.server.handlers): tier, offset, nbytes, ...
 _OFFSET, _NBYTES = 1, 2
 
 

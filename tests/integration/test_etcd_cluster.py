@@ -272,7 +272,7 @@ class _FakeServer:
 
 
 def test_a_node_id_taken_at_another_address_is_refused(etcd):
-    from kvstore.cluster_node import register_server
+    from kvstore.server.registration import register_server
     from kvstore.core.config import KVStoreConfig
     from kvstore.core.errors import ConfigError
 

@@ -82,7 +82,7 @@ def test_metrics_port_taken_refuses_to_start(server_factory):
 def test_client_side_te_transfer_histogram(server_factory, client_factory):
     """TE moves are one-sided, so only the client can time them: a client process
     exposes its own Metrics, fed through KVStoreClient(observer=...)."""
-    from kvstore.metrics import Metrics
+    from kvstore.server.metrics import Metrics
 
     srv = server_factory()
     metrics = Metrics()  # no stats_fn: a client has no store

@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from kvstore.core.errors import AuthError, PeerUnavailableError
-from kvstore.server import generate_keys
+from kvstore.server.cli import generate_keys
 from tests.integration.conftest import REPO, free_port, make_kv, server_env
 
 pytestmark = pytest.mark.timeout(120)

@@ -26,8 +26,8 @@ def _run(code: str) -> subprocess.CompletedProcess:
 def test_server_modules_import_without_torch():
     out = _run("""
         import sys
-        import kvstore.server_cli, kvstore.store, kvstore.server, kvstore.cluster_node
-        import kvstore.metrics, kvstore.transport.te, kvstore.core.hashing
+        import kvstore.server.cli, kvstore.store, kvstore.server.loop, kvstore.server.registration
+        import kvstore.server.metrics, kvstore.transport.te, kvstore.core.hashing
         assert 'torch' not in sys.modules, 'torch imported'
     """)
     assert out.returncode == 0, out.stderr
@@ -39,7 +39,7 @@ def test_opening_a_dram_nvme_server_does_not_import_torch(tmp_path):
     out = _run(f"""
         import sys
         from kvstore.core.config import KVStoreConfig
-        from kvstore.server_cli import open_server
+        from kvstore.server.cli import open_server
         cfg = KVStoreConfig().replace(
             tiers={{"dram_bytes": 4 << 20, "nvme_bytes": 8 << 20, "nvme_fsync": "never"}},
             store={{"data_dir": {str(tmp_path / "data")!r}}},

@@ -8,7 +8,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.core.errors import ConfigError
-from kvstore.metrics import MAX_OPS, Metrics, flatten_stats
+from kvstore.server.metrics import MAX_OPS, Metrics, flatten_stats
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:

@@ -8,7 +8,7 @@ servers in one process - tests - do not collide):
   time and turns every number in that dict into a sample, so ``kvstore stats`` and a
   scrape can never disagree and nothing has to be kept in sync.
 * The server's request loop also hands each successful request and its result to
-  ``on_result`` (kvstore/metrics_transfer.py): client-reported transfer times and
+  ``on_result`` (kvstore/server/transfer_metrics.py): client-reported transfer times and
   bytes, and the server-side reserve->commit / acquire->release durations.
 * Request latencies are observed by the server's request loop through the hook
   ``observe(op, seconds, ok)``: ``op`` is the wire op (``reserve``, ``commit``,
@@ -33,7 +33,7 @@ from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
 from kvstore.core.errors import ConfigError
-from kvstore.metrics_transfer import TransferMetrics
+from kvstore.server.transfer_metrics import TransferMetrics
 
 log = logging.getLogger(__name__)
 

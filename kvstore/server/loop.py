@@ -30,7 +30,7 @@ import zmq
 from kvstore.core import protocol as p
 from kvstore.core.config import KVStoreConfig
 from kvstore.core.errors import ConfigError, InvalidRequestError, KVStoreError
-from kvstore.handlers import HANDLERS
+from kvstore.server.handlers import HANDLERS
 from kvstore.core.nodeid import host_id
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class Server:
         self.store = store
         self.transport = transport
         self.observer = observer
-        # on_result(request, result) after each successful op (kvstore.metrics uses it
+        # on_result(request, result) after each successful op (kvstore.server.metrics uses it
         # for transfer and reserve->commit / acquire->release timings); never raises.
         self.on_result: Callable[[p.Request, dict], None] | None = None
         self.max_bytes = config.server.max_message_bytes
@@ -256,25 +256,3 @@ def _reap_interval(config: KVStoreConfig) -> float:
     shortest = min(config.store.reservation_lease_s, config.store.read_lease_s)
     return min(1.0, max(0.05, shortest / 4))
 
-
-def generate_keys(directory: str, name: str = "server") -> tuple[str, str]:
-    """Write a CURVE keypair ``<name>.key`` (public) and ``<name>.key_secret`` into
-    ``directory``; returns their paths. Copy a client's ``.key`` into the server's
-    ``curve_authorized_keys`` directory to let it in."""
-    import os
-
-    import zmq.auth
-
-    os.makedirs(directory, exist_ok=True)
-    return zmq.auth.create_certificates(directory, name)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of ``kvstore-server`` (the CLI lives in kvstore.server_cli)."""
-    from kvstore.server_cli import cli
-
-    cli.main(args=argv, prog_name="kvstore-server")
-
-
-if __name__ == "__main__":
-    main()

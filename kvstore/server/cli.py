@@ -66,7 +66,7 @@ def _check_port_free(host: str, port: int) -> None:
 
 def open_server(cfg: KVStoreConfig):
     """Bind, open the store (data-dir lock), start TE; undo everything on failure."""
-    from kvstore.server import Server
+    from kvstore.server.loop import Server
     from kvstore.store import Store
     from kvstore.transport.te import Transport
 
@@ -95,14 +95,14 @@ def _describe(server, cfg: KVStoreConfig) -> str:
 
 
 def _serve(cfg: KVStoreConfig) -> int:
-    from kvstore.cluster_node import connect_etcd, register_server
+    from kvstore.server.registration import connect_etcd, register_server
 
     etcd = connect_etcd(cfg)  # before opening anything: etcd down is a quick, clear error
     server = open_server(cfg)
     metrics = registration = None
     try:
         if cfg.server.metrics_port:
-            from kvstore.metrics import Metrics
+            from kvstore.server.metrics import Metrics
 
             metrics = Metrics(stats_fn=server.stats)
             metrics.serve(cfg.server.host, cfg.server.metrics_port)
@@ -167,8 +167,6 @@ def cli(config_file: str | None, gen_keys: str | None, log_level: str, **flags: 
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if gen_keys:
-        from kvstore.server import generate_keys
-
         public, secret = generate_keys(gen_keys)
         click.echo(f"public key {public}\nsecret key {secret}")
         return
@@ -184,3 +182,21 @@ def cli(config_file: str | None, gen_keys: str | None, log_level: str, **flags: 
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def generate_keys(directory: str, name: str = "server") -> tuple[str, str]:
+    """Write a CURVE keypair ``<name>.key`` (public) and ``<name>.key_secret`` into
+    ``directory``; returns their paths. Copy a client's ``.key`` into the server's
+    ``curve_authorized_keys`` directory to let it in."""
+    import os
+
+    import zmq.auth
+
+    os.makedirs(directory, exist_ok=True)
+    return zmq.auth.create_certificates(directory, name)
+
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``kvstore-server``."""
+    cli.main(args=argv, prog_name="kvstore-server")
