@@ -9,7 +9,7 @@ from typing import Any, NoReturn
 import click
 
 from kvstore.cliformat import parse_bytes, parse_key, parse_tokens
-from kvstore.index import NAMESPACE_TAG_BYTES
+from kvstore.store.index import NAMESPACE_TAG_BYTES
 
 
 def fail(message: str) -> NoReturn:

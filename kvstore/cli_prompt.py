@@ -14,7 +14,7 @@ import tomllib
 from kvstore.cli_params import TokensType, apply, fail
 from kvstore.cliformat import parse_tokens
 from kvstore.core.errors import KVStoreError
-from kvstore.index import NAMESPACE_TAG_BYTES
+from kvstore.store.index import NAMESPACE_TAG_BYTES
 
 
 @dataclass(frozen=True)

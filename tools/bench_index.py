@@ -26,7 +26,7 @@ import numpy as np
 
 from kvstore.core.config import KVStoreConfig
 from kvstore.core.hashing import checksum
-from kvstore.store import Store
+from kvstore.store.facade import Store
 from tools.bench import BenchOptions, Row, measure, ratio
 
 ENTRY_BYTES = 256

@@ -21,7 +21,7 @@ import xxhash
 from kvstore.core.config import KVStoreConfig
 from kvstore.core.hashing import block_keys, block_token_bytes, checksum, namespace_of
 from kvstore.core.layout import KVLayout
-from kvstore.store import Store
+from kvstore.store.facade import Store
 from kvstore.client.shm import map_shared
 from tiers.nvme import NvmeTier
 from tools.bench import BenchOptions, Row, Timing, measure, ratio

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvstore.core.config import KVStoreConfig
-from kvstore.store import Store
+from kvstore.store.facade import Store
 from tools.bench import BenchOptions, Row, measure, ratio
 from tools.bench_index import FILL_BATCH, PAGE, _reserve_commit, keys_at
 

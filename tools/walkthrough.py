@@ -32,7 +32,7 @@ import torch
 from kvstore.core.config import KVStoreConfig, format_size
 from kvstore.core.hashing import block_keys, block_token_bytes, checksum, namespace_of
 from kvstore.core.layout import KVLayout, pack_hf, unpack_hf
-from kvstore.store import Store
+from kvstore.store.facade import Store
 
 LAYOUT = KVLayout(num_layers=4, kv_heads=2, head_dim=32, dtype="bfloat16", block_tokens=16)
 MODEL = "walkthrough/tiny-llama-shaped"

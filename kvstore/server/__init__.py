@@ -2,7 +2,7 @@
 (``loop.Server``), one handler per wire op (``handlers``), the command line and
 start-up (``cli``), Prometheus (``metrics``, ``transfer_metrics``), the node's
 record in etcd (``registration``). The server talks to the store through its typed
-interface (``kvstore.store``) and never imports the client."""
+interface (``kvstore.store.facade``) and never imports the client."""
 
 from __future__ import annotations
 

@@ -67,7 +67,7 @@ def _check_port_free(host: str, port: int) -> None:
 def open_server(cfg: KVStoreConfig):
     """Bind, open the store (data-dir lock), start TE; undo everything on failure."""
     from kvstore.server.loop import Server
-    from kvstore.store import Store
+    from kvstore.store.facade import Store
     from kvstore.transport.te import Transport
 
     srv = cfg.server

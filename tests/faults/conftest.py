@@ -122,6 +122,6 @@ def shm_files(data_dir: Path | None = None) -> set[str]:
     """The shared DRAM arenas in /dev/shm: of ``data_dir``'s servers, or all."""
     if data_dir is None:
         return set(glob.glob("/dev/shm/kvstore-*"))
-    from kvstore.store_setup import _arena_prefix
+    from kvstore.store.setup import _arena_prefix
 
     return set(glob.glob(f"/dev/shm/{_arena_prefix(data_dir)}*"))

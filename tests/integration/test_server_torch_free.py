@@ -26,7 +26,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
 def test_server_modules_import_without_torch():
     out = _run("""
         import sys
-        import kvstore.server.cli, kvstore.store, kvstore.server.loop, kvstore.server.registration
+        import kvstore.server.cli, kvstore.store.facade, kvstore.server.loop, kvstore.server.registration
         import kvstore.server.metrics, kvstore.transport.te, kvstore.core.hashing
         assert 'torch' not in sys.modules, 'torch imported'
     """)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.store import Store
+from kvstore.store.facade import Store
 from tests.unit.conftest import data, key, put, store_config, toks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,7 +21,7 @@ TIERS = {"dram": 4, "nvme": 512}  # entries; NVMe never fills in this test
 CHILD = """
 import sys
 from kvstore.core.hashing import checksum
-from kvstore.store import Store
+from kvstore.store.facade import Store
 from tests.unit.conftest import data, key, store_config, toks, ENTRY
 
 store = Store(store_config(sys.argv[1], dram={dram}, nvme={nvme}))

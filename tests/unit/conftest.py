@@ -12,7 +12,7 @@ import pytest
 
 from kvstore.core.config import KVStoreConfig
 from kvstore.core.hashing import checksum
-from kvstore.store import Store
+from kvstore.store.facade import Store
 
 ENTRY = 4096
 

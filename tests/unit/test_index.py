@@ -4,7 +4,7 @@ import lmdb
 import pytest
 
 from kvstore.core.errors import IntegrityError
-from kvstore.index import COMMITTED, Index, Record, decode, encode
+from kvstore.store.index import COMMITTED, Index, Record, decode, encode
 
 
 def rec(i: int, tier: str = "nvme", state: str = COMMITTED) -> Record:
@@ -87,7 +87,7 @@ def test_a_record_written_before_ends_existed_can_still_be_taken():
     each end there, else a drop_select would read it and never take it."""
     import msgpack
 
-    from kvstore.index import _FORMAT, Record, decode, encode
+    from kvstore.store.index import _FORMAT, Record, decode, encode
 
     rec = Record(b"k" * 16, "nvme", 0, 4096, 16, b"\x00" * 64, 7, 1.0, 2.0, 0, 2, b"")
     old = msgpack.packb((_FORMAT, *rec[1:-1]), use_bin_type=True)  # no ``ends`` field

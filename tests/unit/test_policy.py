@@ -3,7 +3,7 @@
 import pytest
 
 from kvstore.core.errors import ConfigError
-from kvstore.policy import POLICIES, Candidate, bytes_to_free, make_policy, over_watermark
+from kvstore.store.policy import POLICIES, Candidate, bytes_to_free, make_policy, over_watermark
 
 
 def cand(i: int, last_access: float, created: float | None = None, pins: int = 0,

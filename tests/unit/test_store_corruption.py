@@ -70,8 +70,8 @@ def test_local_read_without_staging_verifies_too(make_store):
 
 
 def test_index_records_that_overlap_are_dropped_at_restart(tmp_path):
-    from kvstore.index import Index
-    from kvstore.store import Store
+    from kvstore.store.index import Index
+    from kvstore.store.facade import Store
     from tests.unit.conftest import data, store_config
 
     cfg = store_config(tmp_path / "data", dram=4, nvme=8)

@@ -5,8 +5,8 @@ Real LMDB on both sides; conftest integrity-checks every store at the end."""
 import pytest
 
 from kvstore.core.errors import TierFullError
-from kvstore.index import Index
-from kvstore.store import Store
+from kvstore.store.index import Index
+from kvstore.store.facade import Store
 from tests.unit.conftest import data, key, put, store_config, toks, where
 
 

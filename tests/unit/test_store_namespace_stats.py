@@ -7,8 +7,8 @@ import msgpack
 import pytest
 
 from kvstore.core.errors import InvalidRequestError
-from kvstore.index import Index, Record
-from kvstore.store import Store
+from kvstore.store.index import Index, Record
+from kvstore.store.facade import Store
 from tests.unit.conftest import ENTRY, key, put, store_config, toks, where
 
 NS = bytes(range(16))

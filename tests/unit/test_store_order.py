@@ -1,4 +1,4 @@
-"""The kept victim order (kvstore/store_order.py) walks each tier in exactly the
+"""The kept victim order (kvstore/store/order.py) walks each tier in exactly the
 order the policy would sort it, through random puts, hits, moves and drops."""
 
 import random
@@ -6,8 +6,8 @@ import random
 import pytest
 
 from kvstore.core.errors import KVStoreError
-from kvstore.policy import make_policy
-from kvstore.store_order import GroupOrder
+from kvstore.store.policy import make_policy
+from kvstore.store.order import GroupOrder
 from tests.unit.conftest import key, put, toks
 
 
@@ -31,7 +31,7 @@ def _check_orders(store):
 
 @pytest.mark.parametrize("policy,seed", [("lru", 1), ("lru", 2), ("fifo", 3)])
 def test_walk_matches_the_policy_sort(make_store, monkeypatch, policy, seed):
-    import kvstore.store_order as so
+    import kvstore.store.order as so
 
     monkeypatch.setattr(so, "_SLACK", 4)  # rebuilds happen within the test
     rng = random.Random(seed)
@@ -63,7 +63,7 @@ def test_walk_matches_the_policy_sort(make_store, monkeypatch, policy, seed):
 
 
 def test_stale_repeated_and_touched_items_and_rebuild_bounds_the_heap():
-    from kvstore.index import Record
+    from kvstore.store.index import Record
 
     recs: dict[bytes, Record] = {}
 

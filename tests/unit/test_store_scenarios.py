@@ -16,7 +16,7 @@ from kvstore.core.errors import (
     TierFullError,
 )
 from kvstore.core.hashing import checksum
-from kvstore.store import Store
+from kvstore.store.facade import Store
 from tests.unit.conftest import ENTRY, data, key, put, store_config, toks, where
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Collection, Iterator
 
-from kvstore.index import Record
+from kvstore.store.index import Record
 
 _SLACK = 1024  # stale items tolerated beyond the live count before a rebuild
 

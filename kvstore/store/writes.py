@@ -1,6 +1,6 @@
 """The write path of the store: reserve -> write -> commit (or abort).
 
-A mixin of ``kvstore.store.Store``: every method here takes the store's lock (or
+A mixin of ``kvstore.store.facade.Store``: every method here takes the store's lock (or
 runs under it) and uses its state (``_records``, ``_res``, ``_inflight``, ...).
 
 Invariants kept here:
@@ -17,9 +17,9 @@ import time
 from collections.abc import Sequence
 
 from kvstore.core.errors import ChecksumError, InvalidRequestError
-from kvstore.index import Record
-from kvstore.store_records import Open, prompt_end
-from kvstore.store_types import (
+from kvstore.store.index import Record
+from kvstore.store.records import Open, prompt_end
+from kvstore.store.types import (
     CommitResult,
     Placement,
     Reservation,

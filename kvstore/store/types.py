@@ -1,6 +1,6 @@
 """What the store hands out (typed results) and the checks on what it is handed.
 
-Kept apart from kvstore/store.py so the server and protocol can import the result
+Kept apart from kvstore/store/facade.py so the server and protocol can import the result
 types without pulling in the tiers.
 """
 
@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from kvstore.core.errors import InvalidRequestError
 from kvstore.core.hashing import KEY_BYTES
-from kvstore.index import MAX_META_BYTES, NAMESPACE_TAG_BYTES
+from kvstore.store.index import MAX_META_BYTES, NAMESPACE_TAG_BYTES
 
 TIER_ORDER = ("gpu", "dram", "nvme")  # fastest first; demotion follows this order
 MEMORY_TIERS = ("gpu", "dram")  # where new writes land (TE-addressable)

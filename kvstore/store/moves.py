@@ -1,7 +1,7 @@
 """How entries change place: allocation with room-making, demotion down the tiers,
 and staging of NVMe hits into memory.
 
-A mixin of ``kvstore.store.Store``: every method here runs under the store's lock
+A mixin of ``kvstore.store.facade.Store``: every method here runs under the store's lock
 and uses its state (``_records``, ``_by_tier``, ``_leased``, ``_tiers``, ...); every
 record change goes through ``_apply`` (store_records.py).
 
@@ -19,11 +19,11 @@ import logging
 
 from kvstore.core.errors import MissError, TierFullError
 from kvstore.core.hashing import checksum
-from kvstore.index import Record
-from kvstore.policy import Candidate, Selection, bytes_to_free, over_watermark
-from kvstore.store_order import GroupOrder
-from kvstore.store_records import Lease, Open, RecordsMixin, durable
-from kvstore.store_types import MEMORY_TIERS, NO_ROOM_TO_STAGE, TIER_ORDER
+from kvstore.store.index import Record
+from kvstore.store.policy import Candidate, Selection, bytes_to_free, over_watermark
+from kvstore.store.order import GroupOrder
+from kvstore.store.records import Lease, Open, RecordsMixin, durable
+from kvstore.store.types import MEMORY_TIERS, NO_ROOM_TO_STAGE, TIER_ORDER
 from tiers.base import Extent
 
 __all__ = ["Lease", "MovesMixin", "Open", "durable"]  # the books' names, re-exported

@@ -28,16 +28,16 @@ from pathlib import Path
 
 from kvstore.core.config import KVStoreConfig
 from kvstore.core.errors import ConfigError, LeaseExpiredError, NotFoundError, StorageError
-from kvstore.index import Index, Record, open_volatile
-from kvstore.policy import Candidate, make_policy
-from kvstore.store_admin import AdminMixin
-from kvstore.store_audit import AuditMixin
-from kvstore.store_moves import MovesMixin
-from kvstore.store_order import GroupOrder
-from kvstore.store_reads import ReadsMixin
-from kvstore.store_records import Lease, Open
-from kvstore.store_setup import DataDirLock, build_tiers, recover
-from kvstore.store_types import (  # the result types are re-exported: callers import them here
+from kvstore.store.index import Index, Record, open_volatile
+from kvstore.store.policy import Candidate, make_policy
+from kvstore.store.admin import AdminMixin
+from kvstore.store.audit import AuditMixin
+from kvstore.store.moves import MovesMixin
+from kvstore.store.order import GroupOrder
+from kvstore.store.reads import ReadsMixin
+from kvstore.store.records import Lease, Open
+from kvstore.store.setup import DataDirLock, build_tiers, recover
+from kvstore.store.types import (  # the result types are re-exported: callers import them here
     TIER_ORDER,
     Acquisition,
     CommitResult,
@@ -48,7 +48,7 @@ from kvstore.store_types import (  # the result types are re-exported: callers i
     Reservation,
     VerifyResult,
 )
-from kvstore.store_writes import WritesMixin
+from kvstore.store.writes import WritesMixin
 from tiers.base import MemoryRegion, Tier
 
 __all__ = ["Acquisition", "CommitResult", "EntryInfo", "EvictResult", "LookupResult",

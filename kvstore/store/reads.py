@@ -1,6 +1,6 @@
 """The read path of the store: lookup, acquire -> read -> release.
 
-A mixin of ``kvstore.store.Store``: every method here takes the store's lock (or
+A mixin of ``kvstore.store.facade.Store``: every method here takes the store's lock (or
 runs under it) and uses its state (``_records``, ``_acqs``, ``_claims``, ...).
 
 Invariants kept here:
@@ -21,9 +21,9 @@ from collections.abc import Sequence
 
 from kvstore.core.errors import ChecksumError, InvalidRequestError
 from kvstore.core.hashing import checksum
-from kvstore.index import Record
-from kvstore.store_records import Lease, uncount
-from kvstore.store_types import (
+from kvstore.store.index import Record
+from kvstore.store.records import Lease, uncount
+from kvstore.store.types import (
     NO_ROOM_TO_STAGE,
     Acquisition,
     EntryInfo,

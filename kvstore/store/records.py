@@ -1,7 +1,7 @@
 """The store's books: the one primitive that changes records (``_apply``), the
 holds that keep entries in place, and reading an entry's bytes.
 
-A mixin of ``kvstore.store.Store``: every method here runs under the store's lock
+A mixin of ``kvstore.store.facade.Store``: every method here runs under the store's lock
 and uses its state (``_records``, ``_by_tier``, ``_copies``, ``_leased``, ...).
 
 Invariants kept here:
@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from kvstore.core.errors import StorageError
 from kvstore.core.hashing import checksum, hidden_key
-from kvstore.index import Record
+from kvstore.store.index import Record
 from tiers.base import Extent
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ class RecordsMixin:
             raise
 
     def _reordered(self, rec: Record, old: Record | None = None) -> None:
-        """Keep the victim orders (kvstore/store_order.py) in step with ``rec``, which
+        """Keep the victim orders (kvstore/store/order.py) in step with ``rec``, which
         just replaced ``old``: a new item where it joined a group or moved in it."""
         key = self._policy.sort_key
         moved = old is None or key(old) != key(rec)

@@ -19,8 +19,8 @@ from __future__ import annotations
 import collections
 
 from kvstore.core.errors import IntegrityError
-from kvstore.index import Record
-from kvstore.store_records import durable
+from kvstore.store.index import Record
+from kvstore.store.records import durable
 
 
 class AuditMixin:

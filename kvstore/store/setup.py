@@ -1,6 +1,6 @@
 """Opening a store: the data-dir lock, the tiers from config, restart recovery.
 
-Only kvstore/store.py calls this module.
+Only kvstore/store/facade.py calls this module.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from kvstore.core.config import KVStoreConfig, resolve_data_path
 from kvstore.core.errors import ConfigError, IntegrityError, InvalidRequestError
-from kvstore.index import Index, Record
+from kvstore.store.index import Index, Record
 from tiers.base import Extent, Tier
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The durable index: an LMDB map from a 16-byte key to its ``Record``.
 
-Only ``kvstore.store.Store`` uses this, under its lock. It keeps two: the durable
+Only ``kvstore.store.facade.Store`` uses this, under its lock. It keeps two: the durable
 index (records naming NVMe bytes, synced) and ``open_volatile``'s (the rest).
 Every method is one LMDB transaction over a whole batch, never one per entry: a
 store operation (commit, demotion pass, release, ...) hands all its changed

@@ -1,6 +1,6 @@
 """What an operator does to stored entries: pin, evict, demote, clear, verify, list.
 
-A mixin of ``kvstore.store.Store`` (the admin CLI reaches it through the server):
+A mixin of ``kvstore.store.facade.Store`` (the admin CLI reaches it through the server):
 every method here takes the store's lock and uses its state.
 
 Invariant kept here: a leased entry is never removed by any of these (``clear``
@@ -14,9 +14,9 @@ from collections.abc import Iterator, Sequence
 
 from kvstore.core.errors import InvalidRequestError, NotFoundError
 from kvstore.core.hashing import checksum
-from kvstore.index import Record
-from kvstore.policy import Candidate, Selection
-from kvstore.store_types import (
+from kvstore.store.index import Record
+from kvstore.store.policy import Candidate, Selection
+from kvstore.store.types import (
     TIER_ORDER,
     DemoteResult,
     EvictResult,
