@@ -22,6 +22,8 @@ if TYPE_CHECKING:  # layout imports torch; the server hashes without it (checksu
     from kvstore.core.layout import KVLayout
 
 KEY_BYTES = 16
+# What a stored record keeps of a 16-byte namespace fingerprint (``namespace_of``).
+NAMESPACE_TAG_BYTES = 8
 _FULL_SEED = 0
 # Fixed, not random: separates partial-block keys from full-block keys.
 _PARTIAL_SEED = 0x6B7673746F7265  # "kvstore"

@@ -32,7 +32,8 @@ MAX_ID = (1 << 63) - 1
 MAX_LS_LIMIT = 10_000
 MAX_META_BYTES = 1024
 NAMESPACE_BYTES = 16  # hashing.namespace_of; a reserve may send it or its first 8 bytes  # the index keeps at most this much caller meta per entry
-TIERS = ("gpu", "dram", "nvme")
+# Every tier name, fastest first; demotion follows this order. The one definition.
+TIER_ORDER = ("gpu", "dram", "nvme")
 
 
 # ------------------------------------------------------------------ field checks
@@ -106,8 +107,8 @@ def _metas(name: str, v: Any) -> tuple[bytes | None, ...] | None:
 
 
 def _tier(name: str, v: Any) -> str | None:
-    if v is not None and v not in TIERS:
-        raise InvalidRequestError(f"{name}: need one of {TIERS} or nil, got {_show(v)}")
+    if v is not None and v not in TIER_ORDER:
+        raise InvalidRequestError(f"{name}: need one of {TIER_ORDER} or nil, got {_show(v)}")
     return v
 
 

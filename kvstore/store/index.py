@@ -28,11 +28,11 @@ import lmdb
 import msgpack
 
 from kvstore.core.errors import ConfigError, IntegrityError, StorageError, TierFullError
+from kvstore.core.hashing import NAMESPACE_TAG_BYTES
 
 log = logging.getLogger(__name__)
 
 MAX_META_BYTES = 1024
-NAMESPACE_TAG_BYTES = 8  # what a record keeps of a 16-byte namespace fingerprint
 COMMITTED = "committed"
 _FORMAT = 1  # first element of every value; bump when the field list changes
 # LMDB maps its lock file writable: a page the file system cannot back (full disk)

@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from kvstore.core.errors import InvalidRequestError
-from kvstore.core.hashing import KEY_BYTES
-from kvstore.store.index import MAX_META_BYTES, NAMESPACE_TAG_BYTES
+from kvstore.core.hashing import KEY_BYTES, NAMESPACE_TAG_BYTES
+from kvstore.core.protocol import TIER_ORDER
+from kvstore.store.index import MAX_META_BYTES
 
-TIER_ORDER = ("gpu", "dram", "nvme")  # fastest first; demotion follows this order
 MEMORY_TIERS = ("gpu", "dram")  # where new writes land (TE-addressable)
 
 

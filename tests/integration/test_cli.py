@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvstore.core import protocol as p
-from kvstore.cli import cli
+from kvstore.cli.main import cli
 from kvstore.core.hashing import block_keys, namespace_of
 from kvstore.client.rpc import Channel
 from tests.integration.conftest import LAYOUT, ServerProc, free_port, make_kv, server_argv

@@ -15,7 +15,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from kvstore.cli import cli
+from kvstore.cli.main import cli
 from kvstore.client.client import KVStoreClient
 from kvstore.cluster.membership import NodeInfo, NodeSet, Registration, rendezvous_order
 from kvstore.cluster.client import ClusterClient, connect

@@ -1,6 +1,6 @@
 """Text views of the admin CLI, on a stats dict of the shape Store.stats() returns."""
 
-from kvstore.cli_views import ls_table, sort_entries, stats_view
+from kvstore.cli.views import ls_table, sort_entries, stats_view
 
 STATS = {"tiers": {"nvme": {"capacity": 4 << 30, "used": 1 << 30, "entries": 10, "hits": 1},
                    "dram": {"capacity": 1 << 30, "used": 1 << 29, "entries": 5, "hits": 3,

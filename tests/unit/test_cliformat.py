@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kvstore.cliformat import (format_duration, format_ratio, jsonable, parse_bytes,
+from kvstore.cli.format import (format_duration, format_ratio, jsonable, parse_bytes,
                                parse_duration, parse_key, parse_tokens, render_pairs,
                                render_table, to_json)
 

@@ -1,6 +1,6 @@
 """The cluster CLI's pure parts: summing node stats, rendering node rows."""
 
-from kvstore.cli_cluster import _node_cells, sum_stats
+from kvstore.cli.cluster import _node_cells, sum_stats
 
 
 def test_sum_stats_adds_counters_and_tiers_and_skips_the_rest():

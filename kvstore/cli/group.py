@@ -8,8 +8,8 @@ from typing import Any
 
 import click
 
-from kvstore.cli_admin import Admin
-from kvstore.cliformat import to_json
+from kvstore.cli.admin import Admin
+from kvstore.cli.format import to_json
 from kvstore.core.errors import KVStoreError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}

@@ -1,5 +1,5 @@
 """The ``kvstore`` CLI's argument handling: the one way a command refuses bad
-arguments (``fail``), and the click parameter types over ``kvstore.cliformat``."""
+arguments (``fail``), and the click parameter types over ``kvstore.cli.format``."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from typing import Any, NoReturn
 
 import click
 
-from kvstore.cliformat import parse_bytes, parse_key, parse_tokens
-from kvstore.store.index import NAMESPACE_TAG_BYTES
+from kvstore.cli.format import parse_bytes, parse_key, parse_tokens
+from kvstore.core.hashing import NAMESPACE_TAG_BYTES
 
 
 def fail(message: str) -> NoReturn:
-    """Bad arguments: one line and exit 2 (``kvstore.cli.one_line`` shows it)."""
+    """Bad arguments: one line and exit 2 (``kvstore.cli.main.one_line`` shows it)."""
     raise click.UsageError(message, ctx=click.get_current_context(silent=True))
 
 

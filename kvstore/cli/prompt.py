@@ -11,10 +11,10 @@ from typing import Any
 import click
 import tomllib
 
-from kvstore.cli_params import TokensType, apply, fail
-from kvstore.cliformat import parse_tokens
+from kvstore.cli.params import TokensType, apply, fail
+from kvstore.cli.format import parse_tokens
 from kvstore.core.errors import KVStoreError
-from kvstore.store.index import NAMESPACE_TAG_BYTES
+from kvstore.core.hashing import NAMESPACE_TAG_BYTES
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Parsing and formatting for the ``kvstore`` admin CLI: pure functions, no I/O.
 
 Parsers raise ``ValueError`` with a message fit for one line of a click error;
-``kvstore.cli`` wraps them in click parameter types.
+``kvstore.cli.main`` wraps them in click parameter types.
 """
 
 from __future__ import annotations

@@ -18,11 +18,11 @@ from pathlib import Path
 import click
 
 from kvstore.core import protocol as p
-from kvstore.cli_admin import Admin, fail, server_options
-from kvstore.cli_cluster import cluster_stats, nodes
-from kvstore.cli_cluster import etcd_option as cluster_etcd_option
-from kvstore.cli_cluster import prefix_option as cluster_prefix_option
-from kvstore.cli_entries import (
+from kvstore.cli.admin import Admin, fail, server_options
+from kvstore.cli.cluster import cluster_stats, nodes
+from kvstore.cli.cluster import etcd_option as cluster_etcd_option
+from kvstore.cli.cluster import prefix_option as cluster_prefix_option
+from kvstore.cli.entries import (
     LS_PAGE,
     VERIFY_BATCH,
     clear,
@@ -33,9 +33,9 @@ from kvstore.cli_entries import (
     unpin,
     verify,
 )
-from kvstore.cli_group import CONTEXT, AdminGroup, OneLineUsageError, emit, one_line
-from kvstore.cli_views import stats_view
-from kvstore.cliformat import format_count
+from kvstore.cli.group import CONTEXT, AdminGroup, OneLineUsageError, emit, one_line
+from kvstore.cli.views import stats_view
+from kvstore.cli.format import format_count
 
 # Re-exported: these lived here before cli_group.py / cli_entries.py.
 __all__ = ["CONTEXT", "LS_PAGE", "VERIFY_BATCH", "AdminGroup", "OneLineUsageError", "bench",
@@ -107,7 +107,7 @@ def health(admin: Admin, deep: bool) -> None:
 @click.option("--force", is_flag=True, help="Overwrite an existing keypair of that name.")
 def keys(directory: str, name: str, force: bool) -> None:
     """Generate a CURVE keypair (ZeroMQ certificate files) into DIRECTORY."""
-    from kvstore.cli_admin import generate_keypair
+    from kvstore.cli.admin import generate_keypair
 
     public, secret = generate_keypair(directory, name, force)
     click.echo(f"public key: {public}\nsecret key: {secret}")
@@ -116,7 +116,7 @@ def keys(directory: str, name: str, force: bool) -> None:
 def _run_tool(module: str, args: tuple[str, ...]) -> None:
     # tools/ is not part of the installed package; an editable install (or a run from
     # the checkout) has it beside kvstore/, whatever the current directory is.
-    checkout = Path(__file__).resolve().parent.parent
+    checkout = Path(__file__).resolve().parents[2]
     if (checkout / "tools" / "__init__.py").exists() and str(checkout) not in sys.path:
         sys.path.insert(0, str(checkout))
     try:
@@ -151,20 +151,16 @@ def demo(args: tuple[str, ...]) -> None:
 
 
 
-cli.add_command(ls)  # the entry commands: kvstore/cli_entries.py
+cli.add_command(ls)  # the entry commands: kvstore/cli/entries.py
 cli.add_command(evict)
 cli.add_command(demote)
 cli.add_command(clear)
 cli.add_command(pin)
 cli.add_command(unpin)
 cli.add_command(verify)
-cli.add_command(nodes)  # the cluster view: kvstore/cli_cluster.py
+cli.add_command(nodes)  # the cluster view: kvstore/cli/cluster.py
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``kvstore``."""
     cli.main(args=argv, prog_name="kvstore")
-
-
-if __name__ == "__main__":
-    main()

@@ -11,12 +11,12 @@ from typing import Any
 import click
 
 from kvstore.core import protocol as p
-from kvstore.cli_admin import Admin, server_options
-from kvstore.cli_group import CONTEXT, emit
-from kvstore.cli_params import KeyType, NamespaceType, SizeType, TokensType, fail
-from kvstore.cli_prompt import has_model_options, namespace_tag, prompt_keys, prompt_options
-from kvstore.cli_views import SORT_FIELDS, ls_table, sort_entries
-from kvstore.cliformat import format_bytes, format_count, parse_duration
+from kvstore.cli.admin import Admin, server_options
+from kvstore.cli.group import CONTEXT, emit
+from kvstore.cli.params import KeyType, NamespaceType, SizeType, TokensType, fail
+from kvstore.cli.prompt import has_model_options, namespace_tag, prompt_keys, prompt_options
+from kvstore.cli.views import SORT_FIELDS, ls_table, sort_entries
+from kvstore.cli.format import format_bytes, format_count, parse_duration
 
 LS_PAGE = 1000
 VERIFY_BATCH = 512
@@ -25,7 +25,7 @@ VERIFY_BATCH = 512
 # ------------------------------------------------------------------ ls
 @click.command(context_settings=CONTEXT)
 @server_options
-@click.option("--tier", type=click.Choice(p.TIERS), help="Only entries on this tier.")
+@click.option("--tier", type=click.Choice(p.TIER_ORDER), help="Only entries on this tier.")
 @click.option("--older-than", "older", metavar="DURATION", callback=lambda c, _, v: _dur(v),
               help="Only entries created more than DURATION ago (30s, 5m, 1h30m, 2d).")
 @click.option("--newer-than", "newer", metavar="DURATION", callback=lambda c, _, v: _dur(v),
@@ -128,7 +128,7 @@ def _public(e: dict, now: float) -> dict:
 # ------------------------------------------------------------------ evict / clear
 @click.command(context_settings=CONTEXT)
 @server_options
-@click.option("--tier", type=click.Choice(p.TIERS), help="Only from this tier.")
+@click.option("--tier", type=click.Choice(p.TIER_ORDER), help="Only from this tier.")
 @click.option("--bytes", "nbytes", type=SizeType(), help="Free this much, LRU first (1GiB).")
 @click.option("--fraction", type=click.FloatRange(0, 1, min_open=True),
               help="Free this fraction of the (tier's) entries' bytes, LRU first.")

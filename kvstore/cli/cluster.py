@@ -18,9 +18,9 @@ from typing import Any
 import click
 
 from kvstore.core import protocol as p
-from kvstore.cli_admin import Admin, fail, server_options
-from kvstore.cli_views import TIER_ORDER, stats_view
-from kvstore.cliformat import format_bytes, format_count, format_ratio, render_table, to_json
+from kvstore.cli.admin import Admin, fail, server_options
+from kvstore.cli.views import TIER_ORDER, stats_view
+from kvstore.cli.format import format_bytes, format_count, format_ratio, render_table, to_json
 from kvstore.cluster.membership import NodeInfo, NodeSet
 from kvstore.core.config import load_config
 from kvstore.cluster.etcd import EtcdClient

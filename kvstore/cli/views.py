@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from kvstore.cliformat import (format_bytes, format_count, format_duration, format_ratio,
-                               render_pairs, render_table)
+from kvstore.cli.format import (format_bytes, format_count, format_duration, format_ratio,
+                                render_pairs, render_table)
+from kvstore.core.protocol import TIER_ORDER
 
-TIER_ORDER = ("gpu", "dram", "nvme")
 SORT_FIELDS = ("age", "last-access", "size", "tier", "pins", "pending", "key", "prompt")
 ENTRY_HEADERS = ("KEY", "TIER", "SIZE", "TOKENS", "AGE", "IDLE", "PINS", "PENDING", "NS")
 NS_SHOWN = 8  # hex digits of the namespace tag in the table (--json has all 16)

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from kvstore.cli_params import (
+from kvstore.cli.params import (
     KeyType,
     NamespaceType,
     SizeType,
@@ -24,7 +24,7 @@ from kvstore.cli_params import (
     fail,
     parse_namespace,
 )
-from kvstore.cli_prompt import (
+from kvstore.cli.prompt import (
     PromptKeys,
     has_model_options,
     namespace_tag,
