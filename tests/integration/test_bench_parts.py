@@ -1,8 +1,8 @@
-"""tools/bench_parts.py runs on both data paths and reports every part (no speeds asserted)."""
+"""tools/bench/parts.py runs on both data paths and reports every part (no speeds asserted)."""
 
 import pytest
 
-from tools.bench_parts import run
+from tools.bench.parts import run
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -7,8 +7,8 @@ import math
 import pytest
 
 from tools.bench import BenchOptions
-from tools.bench_cluster import bench_entries, bench_limits, run_transfer
-from tools.bench_profile import profile
+from tools.bench.cluster import bench_entries, bench_limits, run_transfer
+from tools.bench.profile import profile
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.netns]
 
@@ -79,7 +79,7 @@ def test_profile_writes_the_workers_profiles(tmp_path, capsys):
         assert (tmp_path / f"{worker}.txt").stat().st_size > 0
         assert (tmp_path / f"{worker}.html").exists()
     text = (tmp_path / "kvstore-consumer.txt").read_text()
-    assert "Samples:" in text and "bench_cluster_worker.py" in text  # pyinstrument's report
+    assert "Samples:" in text and "cluster_worker.py" in text  # pyinstrument's report
     # py-spy on the server needs ptrace, and a server busy at some sample (tiny
     # prompts may give none): either its report or the tool says why there is none
     spy = tmp_path / "kvstore-server.pyspy.txt"

@@ -74,7 +74,7 @@ def test_walkthrough_tells_the_whole_story(tmp_path, capsys):
 
 
 def test_plots_are_drawn_from_bench_json(tmp_path):
-    from tools import bench_plot
+    from tools.bench import plot as bench_plot
 
     doc = {"sections": {
         "dram": [{"table": "t", "op": "put", "entry KiB": 64.0, "store GB/s": 1.0,

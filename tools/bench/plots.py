@@ -1,7 +1,7 @@
 """PNG plots of the two-node benchmark rows (matplotlib, Agg: no display needed).
 
-``render(section, rows, outdir)`` is called by tools/bench_cluster.py after each
-section; ``python -m tools.bench_plots [bench-results] [--out docs/img]`` re-renders
+``render(section, rows, outdir)`` is called by tools/bench/cluster.py after each
+section; ``python -m tools.bench.plots [bench-results] [--out docs/img]`` re-renders
 from the JSON files a run left behind, ``--markdown`` prints the docs' table.
 """
 
@@ -130,7 +130,7 @@ def markdown(rows: list[Row]) -> str:
     cells: dict[tuple, dict[str, Row]] = {}
     for r in rows:
         if r.get("table") == "prompts":
-            # solo points (one system at a time, tools/bench_cluster.py) are marked
+            # solo points (one system at a time, tools/bench/cluster.py) are marked
             tokens = f"{r['tokens']} (solo)" if r.get("mode") == "solo" else r["tokens"]
             cells.setdefault((r["layout"], tokens, r["MiB"], r["op"]), {})[r["system"]] = r
     head = ("| layout | tokens | MiB | op | kvstore GB/s | Mooncake GB/s | raw TE GB/s "
@@ -140,7 +140,7 @@ def markdown(rows: list[Row]) -> str:
     for (layout, tokens, mib, op), by in cells.items():
         kv, mc, te = (by.get(s, {}) for s in ("kvstore", "mooncake", "rawte"))
         g = [x.get("GB/s", math.nan) for x in (kv, mc, te)]
-        # max, not p99: a point has 2 - 20 runs (tools/bench_cluster_run.py: Samples.row)
+        # max, not p99: a point has 2 - 20 runs (tools/bench/cluster_run.py: Samples.row)
         lat = [f"{x.get('p50 ms', math.nan):.0f} / {x.get('max ms', math.nan):.0f}"
                for x in (kv, mc, te)]
         runs = "/".join(str(x.get("runs", "-")) for x in (kv, mc, te))

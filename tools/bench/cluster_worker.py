@@ -1,9 +1,9 @@
 """One side (producer or consumer) of one system in the two-node benchmark.
 
-    python -m tools.bench_cluster_worker '{"system": "kvstore", "role": "producer", ...}'
+    python -m tools.bench.cluster_worker '{"system": "kvstore", "role": "producer", ...}'
 
 Reads one JSON command per stdin line and answers one JSON line on stdout, so the
-parent (tools/bench_cluster.py) drives producer and consumer in lock step and
+parent (tools/bench/cluster.py) drives producer and consumer in lock step and
 times each operation *inside* the process that does it (the pipe is not timed).
 
 Commands: ``{"op": "put", "pid", "ntokens", "layout"}`` -> ``{"s", "nbytes", "digest"}``;
@@ -176,7 +176,7 @@ def make_side(cfg: dict):
     if cfg["system"] == "rawte":
         return RawTESide(cfg)
     if cfg["system"] == "mooncake":
-        from tools.bench_mooncake import MooncakeSide
+        from tools.bench.mooncake import MooncakeSide
 
         return MooncakeSide(cfg, LAYOUTS)
     raise ValueError(f"unknown system {cfg['system']!r}")

@@ -66,26 +66,26 @@ class Section(NamedTuple):
 
 # Order is the print order. Others: add your section here (one line).
 SECTIONS: list[Section] = [
-    Section("hashing", "tools.bench_store:bench_hashing",
+    Section("hashing", "tools.bench.store:bench_hashing",
             "block keys of a 128k-token prompt; checksum vs memcpy"),
-    Section("dram", "tools.bench_store:bench_dram",
+    Section("dram", "tools.bench.store:bench_dram",
             "store put/get on the DRAM tier vs numpy memcpy"),
-    Section("nvme", "tools.bench_store:bench_nvme",
+    Section("nvme", "tools.bench.store:bench_nvme",
             "NVMe tier and store demote/stage vs plain file I/O"),
-    Section("index", "tools.bench_index:bench_index",
+    Section("index", "tools.bench.index:bench_index",
             "ops/s and index size at 10k / 100k (/ 1M with --full) entries"),
-    Section("victims", "tools.bench_victims:bench_victims",
+    Section("victims", "tools.bench.victims:bench_victims",
             "single-entry insert into a full DRAM tier (victim choice) vs one with room"),
-    Section("limits", "tools.bench_cluster:bench_limits",
+    Section("limits", "tools.bench.cluster:bench_limits",
             "the machine: memcpy and plain file write/read GB/s"),
-    Section("transfer", "tools.bench_cluster:bench_transfer",
+    Section("transfer", "tools.bench.cluster:bench_transfer",
             "two nodes: kvstore vs Mooncake Store vs raw TE, prompts of growing length"),
-    Section("entries", "tools.bench_cluster:bench_entries",
+    Section("entries", "tools.bench.cluster:bench_entries",
             "two nodes: put/get latency as the stores hold more entries"),
 ]
 # Run only when asked (--gpu, or --only by name): they need a CUDA GPU.
 GPU_SECTIONS: list[Section] = [
-    Section("transfer-gpu", "tools.bench_cluster:bench_transfer_gpu",
+    Section("transfer-gpu", "tools.bench.cluster:bench_transfer_gpu",
             "--gpu: the transfer section with KV in VRAM (device tier, TE from GPU memory)"),
 ]
 
@@ -254,7 +254,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nwrote {args.json}")
     failed = [name for name, rows in results.items() if isinstance(rows, dict)]
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,7 +17,7 @@ from pathlib import Path
 from kvstore.core.config import KVStoreConfig
 from kvstore.store.facade import Store
 from tools.bench import BenchOptions, Row, measure, ratio
-from tools.bench_index import FILL_BATCH, PAGE, _reserve_commit, keys_at
+from tools.bench.index import FILL_BATCH, PAGE, _reserve_commit, keys_at
 
 
 def _store(workdir: Path, entries: int, capacity: int) -> Store:

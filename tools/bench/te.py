@@ -3,9 +3,9 @@
 ``bench_raw_te(nbytes_total, block_bytes, repeats)`` spawns a TE peer process
 (tests/integration/te_peer.py), sends ``nbytes_total`` as ``block_bytes`` blocks,
 one TE entry per block (``merge=False``: what TE itself costs per transfer), and
-returns plain numbers; the project benchmark (tools/bench.py) reuses it.
+returns plain numbers; the project benchmark (tools/bench/__init__.py) reuses it.
 
-    python -m tools.bench_te [--total 64MiB] [--blocks 4KiB,64KiB,1MiB,16MiB] [--repeats 3]
+    python -m tools.bench.te [--total 64MiB] [--blocks 4KiB,64KiB,1MiB,16MiB] [--repeats 3]
 """
 
 from __future__ import annotations

@@ -71,9 +71,9 @@ def bench_index(opts: BenchOptions) -> list[Row]:
     """Runs the measurement in a fresh interpreter: the RSS column is then the
     store's alone, not whatever earlier sections left in this process's heap."""
     args = json.dumps({"quick": opts.quick, "full": opts.full, "workdir": str(opts.workdir)})
-    out = subprocess.run([sys.executable, "-m", "tools.bench_index", args],
+    out = subprocess.run([sys.executable, "-m", "tools.bench.index", args],
                          capture_output=True, text=True, check=False,
-                         timeout=opts.pick(300, 900, 3600), cwd=Path(__file__).parents[1])
+                         timeout=opts.pick(300, 900, 3600), cwd=Path(__file__).parents[2])
     if out.returncode != 0:
         raise RuntimeError(f"index benchmark child failed: {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,7 +1,7 @@
 """Processes of the two-node benchmark: workers driven over pipes, and the per-process
 CPU time and peak memory the kernel keeps for each of them.
 
-A ``WorkerProc`` is one tools/bench_cluster_worker.py process on a node; a
+A ``WorkerProc`` is one tools/bench/cluster_worker.py process on a node; a
 ``SystemProcs`` is everything one system runs (servers, master, producer, consumer),
 so the CPU time of an operation can be summed over every process that took part.
 Each wait on a worker is bounded; a worker that dies or stalls fails the run with
@@ -18,8 +18,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = [sys.executable, "-m", "tools.bench_cluster_worker"]
+REPO = Path(__file__).resolve().parents[2]
+WORKER = [sys.executable, "-m", "tools.bench.cluster_worker"]
 _TICK = os.sysconf("SC_CLK_TCK")
 
 

@@ -1,6 +1,6 @@
 """Plots from ``python -m tools.bench --json`` output, for docs/benchmarks.md.
 
-    python -m tools.bench_plot run.json [more.json ...] --out docs/img
+    python -m tools.bench.plot run.json [more.json ...] --out docs/img
 
 Draws ``bench-ratios.png`` (every throughput-ratio column of every table: kvstore
 against its plain baseline, 1.0 = as fast) and, when the index section is present,
@@ -78,7 +78,7 @@ def plot_index(rows: list[dict[str, Any]], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench_plot", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tools.bench.plot", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("json", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, default=Path("."))

@@ -1,6 +1,6 @@
 """Two nodes, three systems, the same bytes: kvstore vs Mooncake Store vs raw TE.
 
-Sections (registered in tools/bench.py):
+Sections (registered in tools/bench/__init__.py):
 
 * ``limits``: what the machine allows -- memcpy and plain file write/read GB/s;
 * ``transfer``: prompts of growing length in two KV layouts. On node A a producer
@@ -20,7 +20,7 @@ Sections (registered in tools/bench.py):
 Every operation is timed inside the process doing it; its CPU time is summed over
 every process of the system (server and master included, from /proc); peak memory
 is each process's VmHWM. Rows go to ``bench-results/<section>.json`` and plots to
-docs/img/ (``--quick`` runs: bench-results/img/), see tools/bench_plots.py.
+docs/img/ (``--quick`` runs: bench-results/img/), see tools/bench/plots.py.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from pathlib import Path
 import numpy as np
 
 from tools.bench import BenchOptions, Row, measure
-from tools.bench_cluster_procs import REPO, WorkerError, rss_mib
-from tools.bench_cluster_run import (
+from tools.bench.cluster_procs import REPO, WorkerError, rss_mib
+from tools.bench.cluster_run import (
     SYSTEMS,
     MiB,
     Samples,
@@ -46,7 +46,7 @@ from tools.bench_cluster_run import (
     reps,
     start_systems,
 )
-from tools.bench_cluster_worker import LAYOUTS
+from tools.bench.cluster_worker import LAYOUTS
 from tools.netns import make_cluster
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def results_dir() -> Path:
 
 def save(section: str, rows: list[Row], opts: BenchOptions, extra: dict | None = None) -> None:
     """Rows as JSON (bench-results/, gitignored) and their plots."""
-    from tools import bench_plots
+    from tools.bench import plots as bench_plots
 
     out = results_dir()
     out.mkdir(parents=True, exist_ok=True)
@@ -73,7 +73,7 @@ def save(section: str, rows: list[Row], opts: BenchOptions, extra: dict | None =
 
 # ------------------------------------------------------------------ limits
 def bench_limits(opts: BenchOptions) -> list[Row]:
-    from tools.bench_store import _drop_cache
+    from tools.bench.store import _drop_cache
 
     nbytes = opts.pick(64, 256) * MiB
     src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)

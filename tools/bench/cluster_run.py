@@ -2,7 +2,7 @@
 and get prompts through all of them in rotating order, and turn the samples into
 rows (GB/s, p50/p99, blocks/s, CPU s/GB), ratios and peak-memory rows.
 
-Used by the sections in tools/bench_cluster.py and by tools/bench_profile.py.
+Used by the sections in tools/bench/cluster.py and by tools/bench/profile.py.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from tools.bench import BenchOptions, Row
-from tools.bench_cluster_procs import REPO, SystemProcs, WorkerProc, peak_rss_mib, worker_env
-from tools.bench_cluster_worker import LAYOUTS
+from tools.bench.cluster_procs import REPO, SystemProcs, WorkerProc, peak_rss_mib, worker_env
+from tools.bench.cluster_worker import LAYOUTS
 
 SYSTEMS = ("kvstore", "mooncake", "rawte")
 MiB = 1 << 20
@@ -54,7 +54,7 @@ def start_systems(stack: ExitStack, cluster, workdir: Path, layouts: list[str],
         s.consumer = worker(b, "kvstore", "consumer", same_node=cross, **common)
         out["kvstore"] = s
     if "mooncake" in systems:
-        from tools.bench_mooncake import start_master
+        from tools.bench.mooncake import start_master
 
         m = start_master(a, workdir / "mooncake_master.log")
         s = SystemProcs("mooncake", others={"master": m.proc})

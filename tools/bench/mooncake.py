@@ -2,7 +2,7 @@
 
 ``start_master(node, ...)`` runs ``mooncake_master`` (from the mooncake wheel) with
 its bundled HTTP metadata server on one node; ``MooncakeSide`` is one
-``MooncakeDistributedStore`` client over TCP, used by tools/bench_cluster_worker.py:
+``MooncakeDistributedStore`` client over TCP, used by tools/bench/cluster_worker.py:
 
 * producer (node A): mounts the global segment that holds the objects (the
   counterpart of kvstore-server's DRAM tier on A) and ``batch_put_from`` each
@@ -95,7 +95,7 @@ class MooncakeSide:
         return arr
 
     def _keys(self, name: str, pid: int, ntokens: int) -> tuple[list[str], list[int]]:
-        from tools.bench_cluster_worker import entry_sizes, prompt_tokens
+        from tools.bench.cluster_worker import entry_sizes, prompt_tokens
 
         layout = self.layouts[name]
         keys = block_keys(self._ns[name], prompt_tokens(pid, ntokens), layout.block_tokens).keys

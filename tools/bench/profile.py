@@ -1,6 +1,6 @@
 """Profile kvstore's two-node hot path next to raw TE.
 
-    python -m tools.bench_profile [--layout large] [--tokens 2048] [--reps 8] [--out DIR]
+    python -m tools.bench.profile [--layout large] [--tokens 2048] [--reps 8] [--out DIR]
 
 pyinstrument runs inside the producer and consumer workers (text and HTML per
 worker), py-spy records the kvstore-server process (raw format, one line per
@@ -19,9 +19,9 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
-from tools.bench_cluster import results_dir
-from tools.bench_cluster_run import MiB, Samples, one_prompt, start_systems
-from tools.bench_cluster_worker import LAYOUTS
+from tools.bench.cluster import results_dir
+from tools.bench.cluster_run import MiB, Samples, one_prompt, start_systems
+from tools.bench.cluster_worker import LAYOUTS
 from tools.netns import make_cluster
 
 

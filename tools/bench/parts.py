@@ -1,6 +1,6 @@
 """Where one insert / drop_select spends its time, by direct timers (one node).
 
-    python -m tools.bench_parts [--layout large] [--tokens 2048] [--path shm|te] [--reps 9]
+    python -m tools.bench.parts [--layout large] [--tokens 2048] [--path shm|te] [--reps 9]
 
 Starts one kvstore-server on loopback (DRAM only, sized to two prompts), then
 inserts and drop_selects (``into=`` a reused buffer) the same prompt size ``reps``
@@ -30,7 +30,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 import numpy as np
 
 from tests.integration.conftest import ServerFactory
-from tools.bench_cluster_worker import LAYOUTS
+from tools.bench.cluster_worker import LAYOUTS
 
 MiB = 1 << 20
 
