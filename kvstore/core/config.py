@@ -184,30 +184,34 @@ def load_config(path: str | os.PathLike | None = None,
 def describe_options() -> list[tuple[str, str, str, str]]:
     """(toml key, env var, type, default) for every option; docs are generated from it."""
     rows = []
-    for section in fields(KVStoreConfig):
-        cls = section.default_factory  # type: ignore[misc]
+    for section, cls in _section_classes().items():
         hints = get_type_hints(cls)
         for f in fields(cls):
             default = getattr(cls(), f.name)
-            rows.append((f"{section.name}.{f.name}",
-                         f"KVSTORE_{section.name.upper()}_{f.name.upper()}",
+            rows.append((f"{section}.{f.name}",
+                         f"KVSTORE_{section.upper()}_{f.name.upper()}",
                          _type_name(hints[f.name]), repr(default)))
     return rows
 
 
 # ------------------------------------------------------------------ helpers
+def _section_classes() -> dict[str, type[Any]]:
+    """Section name -> its dataclass (``"tiers"`` -> ``TiersConfig``), in field order."""
+    hints = get_type_hints(KVStoreConfig)
+    return {f.name: hints[f.name] for f in fields(KVStoreConfig)}
+
+
 def _type_name(t: Any) -> str:
     return getattr(t, "__name__", str(t))
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, dict[str, str]]:
     out: dict[str, dict[str, str]] = {}
-    for section in fields(KVStoreConfig):
-        cls = section.default_factory  # type: ignore[misc]
+    for section, cls in _section_classes().items():
         for f in fields(cls):
-            name = f"KVSTORE_{section.name.upper()}_{f.name.upper()}"
+            name = f"KVSTORE_{section.upper()}_{f.name.upper()}"
             if name in env:
-                out.setdefault(section.name, {})[f.name] = env[name]
+                out.setdefault(section, {})[f.name] = env[name]
     return out
 
 

@@ -84,15 +84,16 @@ class AuthError(KVStoreError):
     code = "auth"
 
 
-def _all_subclasses(cls: type) -> list[type]:
-    out = []
+def _all_subclasses(cls: type[KVStoreError]) -> list[type[KVStoreError]]:
+    out: list[type[KVStoreError]] = []
     for sub in cls.__subclasses__():
         out.append(sub)
         out.extend(_all_subclasses(sub))
     return out
 
 
-_BY_CODE = {c.code: c for c in [KVStoreError, *_all_subclasses(KVStoreError)]}
+_ERRORS: list[type[KVStoreError]] = [KVStoreError, *_all_subclasses(KVStoreError)]
+_BY_CODE = {c.code: c for c in _ERRORS}
 
 
 def error_from_code(code: str, message: str) -> KVStoreError:

@@ -220,6 +220,8 @@ def _check_hf(layout: KVLayout, past: Sequence[tuple[torch.Tensor, torch.Tensor]
             if tuple(t.shape) != expected:
                 raise InvalidRequestError(
                     f"layer {layer}: shape {tuple(t.shape)} differs from {expected}")
+    # KVLayout keeps num_layers > 0 and _check_layers matched it: past had a layer.
+    assert expected is not None
     return expected[2]
 
 

@@ -367,9 +367,10 @@ def decode_request(frame: bytes, max_bytes: int) -> tuple[int, Request]:
         raise InvalidRequestError(f"protocol version {_show(msg.get('v'))} not supported "
                                   f"(this server speaks {VERSION})")
     rid = _int("id", msg.get("id"))
-    cls = REQUESTS.get(msg.get("op")) if type(msg.get("op")) is str else None
+    op = msg.get("op")
+    cls = REQUESTS.get(op) if type(op) is str else None
     if cls is None:
-        raise InvalidRequestError(f"unknown op {_show(msg.get('op'))}; one of {sorted(REQUESTS)}")
+        raise InvalidRequestError(f"unknown op {_show(op)}; one of {sorted(REQUESTS)}")
     values = {}
     for name, value in msg.items():
         if name in ("v", "op", "id"):
