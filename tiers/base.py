@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from tiers.errors import InvalidRequestError
@@ -102,7 +103,7 @@ class Tier(ABC):
         """Zero-copy view of an extent for memory tiers; None for block tiers."""
         return None
 
-    def views(self, extents: list[Extent]) -> list[memoryview | None]:
+    def views(self, extents: list[Extent]) -> Sequence[memoryview | None]:
         """``view`` of each extent (a tier may do the checks in one pass)."""
         return [self.view(e) for e in extents]
 

@@ -162,7 +162,7 @@ class DramTier(ArenaTier):
     def view(self, extent: Extent) -> memoryview:
         self._own(extent)
         self._require_live(extent)
-        return memoryview(self._arena()[extent.offset:extent.end])
+        return self._arena()[extent.offset:extent.end].data
 
     def views(self, extents: list[Extent]) -> list[memoryview]:
         """``view`` of each extent, the checks inlined (commit verifies a batch)."""
@@ -172,7 +172,7 @@ class DramTier(ArenaTier):
             if ext.tier != self.name or not live(ext.offset, ext.nbytes):
                 self._own(ext)
                 self._require_live(ext)
-            out.append(memoryview(arena[ext.offset:ext.offset + ext.nbytes]))
+            out.append(arena[ext.offset:ext.offset + ext.nbytes].data)
         return out
 
     def address(self, extent: Extent) -> int:

@@ -85,7 +85,7 @@ class GpuTier(ArenaTier):
     def view(self, extent: Extent) -> memoryview | None:
         if self._cuda:
             return None
-        return memoryview(self.tensor(extent).numpy())
+        return self.tensor(extent).numpy().data
 
     def address(self, extent: Extent) -> int:
         self._own(extent)

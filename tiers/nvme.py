@@ -108,7 +108,8 @@ class NvmeTier(ArenaTier):
         self.path, self.fsync_mode = path, fsync
         self._bounce = mmap.mmap(-1, BOUNCE_BYTES, mmap.MAP_PRIVATE)  # page-aligned
         self._bounce_view = memoryview(self._bounce)
-        self._fd, self.direct = self._open(direct)
+        fd, self.direct = self._open(direct)
+        self._fd: int | None = fd
         self._dirty = False
         self.calls = 0  # vectored calls made by write_many / read_many (tests, bench)
         log.info("nvme tier: %s, %s bytes, O_DIRECT=%s, fsync=%s", path, usable,

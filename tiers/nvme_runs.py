@@ -105,5 +105,6 @@ class RunIO:
         if not write:
             for p in parts:
                 if p.tail is not None:
+                    assert p.bounce is not None  # run() gives every tail a bounce slice
                     p.tail[:] = p.bounce[:p.tail.nbytes]
         return 1
