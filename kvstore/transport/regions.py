@@ -13,8 +13,9 @@ from __future__ import annotations
 import itertools
 import logging
 import mmap
+import threading
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -40,12 +41,27 @@ class StagingBuffer(NamedTuple):
 
 
 class RegionsMixin:
-    def register(self, address: int | tuple, nbytes: int | None = None,
-                 location: str = "cpu:0") -> Region:
+    # Transport.__init__ sets these; declared here so this mixin's use of them is checked.
+    _lock: threading.RLock
+    _te: Any  # mooncake's TransferEngine (untyped); None once a metadata-mode one closed
+    _regions: dict[int, Region]
+    _starts: np.ndarray
+    _ends: np.ndarray
+    _buffers: dict[int, mmap.mmap]
+    _closed: bool
+
+    def _check_open(self) -> None:
+        raise NotImplementedError  # Transport's
+
+    def register(self, address: int | tuple[int, int, str] | tuple[int, int],
+                 nbytes: int | None = None, location: str = "cpu:0") -> Region:
         """Register ``[address, address + nbytes)``; ``register(region)`` also takes an
         ``(address, nbytes, location)`` tuple such as ``tiers.base.MemoryRegion``."""
-        if nbytes is None:
-            return self.register_many([address])[0]  # type: ignore[list-item]
+        if isinstance(address, tuple) and nbytes is None:
+            return self.register_many([address])[0]
+        if isinstance(address, tuple) or nbytes is None:
+            raise InvalidRequestError(
+                "register takes (address, nbytes[, location]) or one region tuple")
         return self.register_many([(address, nbytes, location)])[0]
     def register_many(self, regions: Iterable[tuple[int, int, str] | tuple[int, int]]
                       ) -> list[Region]:
