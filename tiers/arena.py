@@ -7,16 +7,18 @@ copies; the bookkeeping lives here once.
 
 from __future__ import annotations
 
+from typing import Any
+
 from tiers.errors import IntegrityError, InvalidRequestError
 from tiers.allocator import ExtentAllocator
 from tiers.base import Extent, Tier, TierStats
 
 
-def byte_view(data: object) -> memoryview:
+def byte_view(data: Any) -> memoryview:
     """A flat, byte-format view of any C-contiguous buffer (bytes, bytearray,
     memoryview, numpy array). Raises ``InvalidRequestError`` for anything else."""
     try:
-        view = memoryview(data)  # type: ignore[arg-type]
+        view = memoryview(data)
     except TypeError as exc:
         raise InvalidRequestError(f"not a buffer: {type(data).__name__}") from exc
     if not view.c_contiguous:
