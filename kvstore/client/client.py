@@ -13,6 +13,7 @@ Failures raise ``kvstore.core.errors`` classes within a bounded time: a miss
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any, Callable, NamedTuple, Sequence
@@ -93,10 +94,10 @@ class KVStoreClient:
         self.server = server or cfg.server
         self.layout = layout
         self.timeout_s = timeout_s or cfg.timeout_s
-        self._ns_args = dict(model_id=model_id, tp_rank=tp_rank, tp_size=tp_size, salt=salt,
-                             pp_rank=pp_rank, pp_size=pp_size)
-        self.namespace = None if layout is None else namespace_of(layout=layout,
-                                                                  **self._ns_args)
+        self._namespace_of = functools.partial(
+            namespace_of, model_id=model_id, tp_rank=tp_rank, tp_size=tp_size, salt=salt,
+            pp_rank=pp_rank, pp_size=pp_size)
+        self.namespace = None if layout is None else self._namespace_of(layout=layout)
         self._scoped: dict[bytes | str, bytes] = {}
         self._token_nbytes = 0 if layout is None else layout.token_nbytes
         secret = curve_secret_key if curve_secret_key is not None else cfg.curve_secret_key
@@ -124,7 +125,9 @@ class KVStoreClient:
         if current is not None and self._hello is not None and current != self._hello["segment"]:
             self._hello = None
         self.hello()
-        return self._data.segment
+        segment = self._data.segment
+        assert segment is not None  # hello() connected the data path
+        return segment
 
     def _call(self, req: p.Request, timeout_s: float | None = None) -> dict[str, Any]:
         try:
@@ -148,8 +151,7 @@ class KVStoreClient:
         if ns is None:
             if len(self._scoped) >= _SCOPES_KEPT:
                 self._scoped.clear()  # a bound, not a policy: rebuilding one is a hash
-            ns = self._scoped[scope] = namespace_of(layout=self.layout, scope=scope,
-                                                    **self._ns_args)
+            ns = self._scoped[scope] = self._namespace_of(layout=self.layout, scope=scope)
         return ns
 
     def _prompt(self, tokens: Sequence[int] | np.ndarray, scope: bytes | str = b"") -> _Prompt:
@@ -175,7 +177,8 @@ class KVStoreClient:
         # token_nbytes once: layout.entry_sizes costs a torch call per block.
         token_nbytes = self._token_nbytes
         sizes = [token_nbytes * n for n in prompt.counts]
-        keys, toks, metas = list(prompt.keys), list(prompt.tokens), [None] * len(sizes)
+        keys, toks = list(prompt.keys), list(prompt.tokens)
+        metas: list[bytes | None] = [None] * len(sizes)
         buffers = _split(data, sizes)
         if hidden is not None:
             hbuf, hmeta = _hidden_bytes(hidden)
@@ -218,6 +221,7 @@ class KVStoreClient:
 
     def _entry_bytes(self, kv: Any, ntokens: int) -> np.ndarray:
         if isinstance(kv, (list, tuple)):
+            assert self.layout is not None  # _prompt checked it
             kv = pack_hf(self.layout, kv, ntokens)
         if isinstance(kv, torch.Tensor):
             kv = kv.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
@@ -320,7 +324,7 @@ class KVStoreClient:
             moved = time.perf_counter() - start
         except ChecksumError as exc:
             # The server re-checks the lease's entries and drops the ones bad at rest.
-            where = getattr(exc, "position", None)
+            where = exc.position
             self._release(aid, drop=False, timeout=_left(deadline),
                           corrupt=(where,) if where is not None else (0,))
             raise

@@ -28,14 +28,17 @@ import os
 import secrets
 import threading
 import time
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
 
 import numpy as np
-import xxhash
 
 from kvstore.client.shm import copy_in, copy_out
 from kvstore.core.errors import ChecksumError, ConfigError, InvalidRequestError
+from kvstore.core.hashing import checksum
 from kvstore.core.nodeid import host_id
+
+if TYPE_CHECKING:
+    from kvstore.transport.te import Transport
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +67,7 @@ class TeEngine:
         self.staging_bytes = staging_bytes
         self.timeout_s = timeout_s  # bounds a TE transfer to a stalled peer (TE minimum 5 s)
         self.lock = threading.Lock()
-        self.transport = None  # kvstore.transport.te.Transport once started
+        self.transport: Transport | None = None  # once started
         self._stage: np.ndarray | None = None
         self._stage_address = 0
         self.metadata: str | None = None  # fixed by the first server's hello
@@ -83,7 +86,7 @@ class TeEngine:
                     f"but this process's TE engine uses {self.metadata!r} (one engine per "
                     "process): give every server the same server.te_metadata")
 
-    def te(self):
+    def te(self) -> Transport:
         """The Transport, started now if need be. Callers hold ``lock``."""
         if self.transport is None:
             from kvstore.transport.te import P2P, Transport
@@ -145,13 +148,11 @@ class DataPath:
         self.engine.adopt_metadata(hello.get("te_metadata") or "P2PHANDSHAKE",
                                    hello["segment"])
         shm = None
-        dram = hello.get("dram")
-        local = hello.get("host_id") == host_id() and dram is not None \
-            and os.path.exists(dram["path"])
-        if self.same_node is True and not local:
+        dram = _local_arena(hello)
+        if self.same_node is True and dram is None:
             raise ConfigError("same_node=True but the server's DRAM arena is not shared "
                               "with this process (other node, or no shared arena)")
-        if self.same_node and local:
+        if self.same_node and dram is not None:
             from kvstore.client.shm import map_shared
 
             shm = map_shared(dram["path"], int(dram["nbytes"]))
@@ -200,6 +201,7 @@ class DataPath:
         (``kvstore.client.shm``: measured faster than copy-all-then-hash for 64 KiB
         and for 2 MiB entries)."""
         sums: list[int] = [0] * len(buffers)
+        shm = seg.shm
         local, remote, where = [], [], []
         if len(buffers) != len(placements):
             raise InvalidRequestError(f"{len(buffers)} buffers for {len(placements)} placements")
@@ -207,13 +209,13 @@ class DataPath:
             if buf.nbytes != pl[_NBYTES]:  # numpy would broadcast a 1-byte buffer
                 raise InvalidRequestError(
                     f"buffer {i} has {buf.nbytes} bytes, its placement {pl[_NBYTES]}")
-            if seg.shm is not None and pl[_TIER] == "dram":
+            if shm is not None and pl[_TIER] == "dram":
                 local.append(i)
             else:
                 remote.append((buf, pl))
                 where.append(i)
-        if local:
-            local_sums = copy_in(seg.shm, [buffers[i] for i in local],
+        if shm is not None and local:
+            local_sums = copy_in(shm, [buffers[i] for i in local],
                                  [placements[i] for i in local])
             for i, value in zip(local, local_sums):
                 sums[i] = value
@@ -223,7 +225,7 @@ class DataPath:
                     for group in self._groups([pl[_NBYTES] for _, pl in remote]):
                         self._te_write(seg.name, [remote[i] for i in group])
             for i, (buf, _) in zip(where, remote):
-                sums[i] = xxhash.xxh3_64_intdigest(buf)
+                sums[i] = checksum(buf)
         return sums
 
     def read(self, seg: Segment, entries: list[list], into: Any = None,
@@ -242,14 +244,15 @@ class DataPath:
         sizes = [e[_NBYTES] for e in entries]
         out = _output(into, sum(sizes))
         starts = np.cumsum([0, *sizes[:-1]]).tolist()
+        shm = seg.shm
         local, remote = [], []
         for e, start in zip(entries, starts):
-            if seg.shm is not None and e[_TIER] == "dram":
+            if shm is not None and e[_TIER] == "dram":
                 local.append((start, e))
             else:
                 remote.append((start, e))
-        if local:
-            bad = copy_out(seg.shm, out, local, verify)
+        if shm is not None and local:
+            bad = copy_out(shm, out, local, verify)
             if bad is not None:
                 raise _corrupt(local[bad][1], entries)
         if remote:
@@ -259,7 +262,7 @@ class DataPath:
                         self._te_read(seg.name, out, [remote[i] for i in group])
             if verify:
                 for start, e in remote:
-                    if xxhash.xxh3_64_intdigest(out[start:start + e[_NBYTES]]) != e[_CHECKSUM]:
+                    if checksum(out[start:start + e[_NBYTES]]) != e[_CHECKSUM]:
                         raise _corrupt(e, entries)
         return out
 
@@ -406,6 +409,14 @@ def _mirror(items: list[list], writing: bool) -> tuple[list[int], list[int], lis
         pos = offsets[i] + n
         prev_end, prev_tier = addr + n, tier
     return offsets, local, remote, lengths
+
+
+def _local_arena(hello: dict[str, Any]) -> dict[str, Any] | None:
+    """The hello's DRAM arena when it is on this node: same host id, file there."""
+    dram = hello.get("dram")
+    if hello.get("host_id") == host_id() and dram is not None and os.path.exists(dram["path"]):
+        return dram
+    return None
 
 
 def _corrupt(entry: list, entries: list | None = None) -> ChecksumError:

@@ -53,6 +53,18 @@ class CurveKeys(NamedTuple):
         return cls(public, secret, server_public)
 
 
+class _Socket(NamedTuple):
+    """The DEALER and the monitor watching it: opened, used and closed together."""
+
+    dealer: zmq.Socket
+    monitor: zmq.Socket
+
+    def close(self) -> None:
+        self.dealer.disable_monitor()
+        self.dealer.close(0)
+        self.monitor.close(0)
+
+
 class Channel:
     """Request/reply over one DEALER. Thread-safe (one call at a time)."""
 
@@ -65,8 +77,7 @@ class Channel:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._ctx = zmq.Context()
-        self._sock: zmq.Socket | None = None
-        self._monitor: zmq.Socket | None = None
+        self._sock: _Socket | None = None  # None once closed
         self._handshake_error: Exception | None = None
         self._open()
 
@@ -83,23 +94,21 @@ class Channel:
             sock.curve_publickey = self.curve.public
             sock.curve_secretkey = self.curve.secret
             sock.curve_serverkey = self.curve.server_public
-        self._monitor = sock.get_monitor_socket(_EVENTS)
+        monitor = sock.get_monitor_socket(_EVENTS)
         self._handshake_error = None
         try:
             sock.connect(self.address)
         except zmq.ZMQError as exc:
             sock.disable_monitor()
-            self._monitor.close(0)
+            monitor.close(0)
             sock.close(0)
             raise ConfigError(f"bad server address {self.address!r}: {exc}") from None
-        self._sock = sock
+        self._sock = _Socket(sock, monitor)
 
     def _reset(self) -> None:
         if self._sock is not None:
-            self._sock.disable_monitor()
-            self._sock.close(0)
-            self._monitor.close(0)
-            self._sock = self._monitor = None
+            self._sock.close()
+            self._sock = None
         self._open()
 
     def call(self, req: p.Request, timeout_s: float | None = None) -> dict[str, Any]:
@@ -111,13 +120,14 @@ class Channel:
                                       f"server's limit of {self.max_bytes}")
         timeout = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
-            if self._sock is None:
+            sock = self._sock
+            if sock is None:
                 raise PeerUnavailableError("client is closed")
             deadline = time.monotonic() + timeout
             try:
-                self._wait(zmq.POLLOUT, deadline, req.OP, sent=False, timeout=timeout)
-                self._sock.send(frame, zmq.NOBLOCK)
-                result = self._receive(frame_id, deadline, req.OP)
+                self._wait(sock, zmq.POLLOUT, deadline, req.OP, sent=False, timeout=timeout)
+                sock.dealer.send(frame, zmq.NOBLOCK)
+                result = self._receive(sock, frame_id, deadline, req.OP)
             except (KVTimeoutError, PeerUnavailableError, AuthError):
                 self._reset()
                 raise
@@ -125,34 +135,35 @@ class Channel:
             raise result["error"]
         return result
 
-    def _receive(self, frame_id: int, deadline: float, op: str) -> dict[str, Any]:
+    def _receive(self, sock: _Socket, frame_id: int, deadline: float,
+                 op: str) -> dict[str, Any]:
         while True:
-            self._wait(zmq.POLLIN, deadline, op, sent=True)
-            rid, result = p.decode_reply(self._sock.recv(zmq.NOBLOCK), _REPLY_CAP)
+            self._wait(sock, zmq.POLLIN, deadline, op, sent=True)
+            rid, result = p.decode_reply(sock.dealer.recv(zmq.NOBLOCK), _REPLY_CAP)
             if rid == frame_id:
                 return result
             log.debug("dropping stale reply %s (waiting for %s)", rid, frame_id)
 
-    def _wait(self, event: int, deadline: float, op: str, sent: bool,
+    def _wait(self, sock: _Socket, event: int, deadline: float, op: str, sent: bool,
               timeout: float | None = None) -> None:
         poller = zmq.Poller()
-        poller.register(self._sock, event)
-        poller.register(self._monitor, zmq.POLLIN)
+        poller.register(sock.dealer, event)
+        poller.register(sock.monitor, zmq.POLLIN)
         while True:
             self._check_handshake()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise self._timeout(op, sent, timeout)
             ready = dict(poller.poll(max(1, int(left * 1000))))
-            if self._monitor in ready:
-                self._drain_monitor()
-            if self._sock in ready:
+            if sock.monitor in ready:
+                self._drain_monitor(sock.monitor)
+            if sock.dealer in ready:
                 return
 
-    def _drain_monitor(self) -> None:
+    def _drain_monitor(self, monitor: zmq.Socket) -> None:
         while True:
             try:
-                msg = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+                msg = recv_monitor_message(monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
             event = msg["event"]
@@ -182,8 +193,6 @@ class Channel:
     def close(self) -> None:
         with self._lock:
             if self._sock is not None:
-                self._sock.disable_monitor()
-                self._sock.close(0)
-                self._monitor.close(0)
-                self._sock = self._monitor = None
+                self._sock.close()
+                self._sock = None
             self._ctx.term()

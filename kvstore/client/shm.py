@@ -20,9 +20,9 @@ import os
 from collections.abc import Callable
 
 import numpy as np
-import xxhash
 
 from kvstore.core.errors import ConfigError
+from kvstore.core.hashing import checksum
 
 # Small enough that a run is still in a core's L2 (1 MiB here) when its entries are hashed.
 RUN_BYTES = 1 << 20
@@ -55,7 +55,7 @@ def copy_in(shm: np.ndarray, bufs: list[np.ndarray], placements: list[list]) -> 
     sums: list[int] = []
     for buf, pl in zip(bufs, placements):
         shm[pl[_OFFSET]:pl[_OFFSET] + pl[_NBYTES]] = buf
-        sums.append(xxhash.xxh3_64_intdigest(buf))
+        sums.append(checksum(buf))
     return sums
 
 
@@ -72,7 +72,7 @@ def copy_out(shm: np.ndarray, out: np.ndarray, items: list[tuple[int, list]],
         if verify:
             for i in range(lo, hi):
                 start, e = items[i]
-                if xxhash.xxh3_64_intdigest(out[start:start + e[_NBYTES]]) != e[4]:
+                if checksum(out[start:start + e[_NBYTES]]) != e[4]:
                     return i
     return None
 

@@ -41,6 +41,8 @@ class ChecksumError(MissError):
     """
 
     code = "checksum"
+    # On a client read: the bad entry's index in the lease, reported with the release.
+    position: int | None = None
 
 
 class LeaseExpiredError(MissError):
