@@ -27,6 +27,7 @@ back, and its surviving entries are found again. Nothing is replicated.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -75,9 +76,10 @@ class ClusterClient:
         self.layout = layout
         self.placement_blocks = placement_blocks
         self.timeout_s = timeout_s
-        self._ns_args = dict(model_id=model_id, tp_rank=tp_rank, tp_size=tp_size, salt=salt,
-                             pp_rank=pp_rank, pp_size=pp_size)
-        self.namespace = namespace_of(layout=layout, **self._ns_args)
+        self._namespace_of = functools.partial(
+            namespace_of, model_id=model_id, tp_rank=tp_rank, tp_size=tp_size, salt=salt,
+            pp_rank=pp_rank, pp_size=pp_size)
+        self.namespace = self._namespace_of(layout=layout)
         cfg = client_opts.get("config") or ClientConfig()
         te_host = client_opts.pop("te_host", None) or cfg.te_host
         staging_bytes = client_opts.pop("staging_bytes", None) or cfg.staging_bytes
@@ -97,7 +99,7 @@ class ClusterClient:
     def _namespace(self, scope: bytes | str) -> bytes:
         if not scope:
             return self.namespace
-        return namespace_of(layout=self.layout, scope=scope, **self._ns_args)
+        return self._namespace_of(layout=self.layout, scope=scope)
 
     def placement_key(self, tokens: Sequence[int] | np.ndarray,
                       scope: bytes | str = b"") -> bytes:
@@ -230,7 +232,9 @@ def connect(address: str, layout: KVLayout, prefix: str | None = None,
     caller can pass its configured prefix whichever address it got). ``opts`` go to
     the chosen class."""
     if address.startswith("etcd://"):
-        return ClusterClient(address, layout, **({"prefix": prefix} if prefix else {}), **opts)
+        if prefix:  # a parameter of its own, so never also in opts
+            opts["prefix"] = prefix
+        return ClusterClient(address, layout, **opts)
     if not address.startswith("tcp://"):
         raise InvalidRequestError(f"server address must be tcp://host:port or "
                                   f"etcd://host:port, got {address!r}")
