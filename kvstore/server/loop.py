@@ -23,7 +23,7 @@ from __future__ import annotations
 import errno
 import logging
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import zmq
 
@@ -32,6 +32,9 @@ from kvstore.core.config import KVStoreConfig
 from kvstore.core.errors import ConfigError, InvalidRequestError, KVStoreError
 from kvstore.server.handlers import HANDLERS
 from kvstore.core.nodeid import host_id
+
+if TYPE_CHECKING:
+    from zmq.auth.thread import ThreadAuthenticator
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +59,7 @@ class Server:
         self._started = time.time()
         self.counters = {"requests": 0, "errors": 0}
         self._ctx = zmq.Context()
-        self._auth = None
+        self._auth: ThreadAuthenticator | None = None
         try:
             self._sock = self._bind()
         except BaseException:
@@ -97,9 +100,9 @@ class Server:
             raise ConfigError(f"cannot load CURVE key {srv.curve_secret_key}: {exc}") from None
         if secret is None:
             raise ConfigError(f"{srv.curve_secret_key} holds no secret key")
-        self._auth = ThreadAuthenticator(self._ctx)
-        self._auth.start()
-        self._auth.configure_curve(domain="*", location=srv.curve_authorized_keys)
+        self._auth = auth = ThreadAuthenticator(self._ctx)
+        auth.start()
+        auth.configure_curve(domain="*", location=srv.curve_authorized_keys)
         sock.curve_secretkey = secret
         sock.curve_publickey = public
         sock.curve_server = True
@@ -243,9 +246,9 @@ class Server:
         self._close_zmq()
 
     def _close_zmq(self) -> None:
-        if getattr(self, "_sock", None) is not None:
-            self._sock.close(0)
-            self._sock = None
+        sock: zmq.Socket | None = getattr(self, "_sock", None)  # unset if _bind failed
+        if sock is not None:
+            sock.close(0)  # a second close does nothing
         if self._auth is not None:
             self._auth.stop()
             self._auth = None

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from typing import Any, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -34,6 +34,9 @@ from prometheus_client.registry import Collector
 
 from kvstore.core.errors import ConfigError
 from kvstore.server.transfer_metrics import TransferMetrics
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +104,7 @@ class StoreCollector(Collector):
             yield GaugeMetricFamily(f"{PREFIX}_up", "1 if the store answered stats()", 0)
             return
         yield GaugeMetricFamily(f"{PREFIX}_up", "1 if the store answered stats()", 1)
-        families: dict[str, Metric] = {}
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
         for name, labels, value in flatten_stats(stats):
             if name in OWN_FAMILIES:
                 continue
@@ -141,7 +144,7 @@ def _is_number(value: Any) -> bool:
 _BAD_CHARS = re.compile(r"[^a-zA-Z0-9_]")
 
 
-def _family(name: str, label_names: list[str]) -> Metric:
+def _family(name: str, label_names: list[str]) -> CounterMetricFamily | GaugeMetricFamily:
     name = _BAD_CHARS.sub("_", name)
     leaf = name.removeprefix("tier_")
     if leaf in COUNTER_KEYS:
@@ -174,7 +177,7 @@ class Metrics:
         self.on_result = self._sessions.on_result
         self._ops: set[str] = set(OP_KINDS)
         self._ops_lock = threading.Lock()
-        self._http = None
+        self._http: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
     def observe(self, op: str, seconds: float, ok: bool) -> None:
