@@ -65,8 +65,8 @@ def prompt_keys(opts: dict[str, Any]) -> PromptKeys | None:
     from kvstore.core.hashing import block_keys, hidden_key  # imported late, as in _namespace
 
     ns = _namespace_settings(opts)
-    if prompt_file is not None:
-        tokens = _read_prompt(prompt_file, ns["model_id"])
+    # opts["tokens"] is set when there is no prompt file: checked above.
+    tokens = opts["tokens"] if prompt_file is None else _read_prompt(prompt_file, ns["model_id"])
     layout, namespace = _namespace(ns)
     chain = block_keys(namespace, tokens, layout.block_tokens)
     if not chain.keys:
