@@ -7,10 +7,14 @@ No business logic lives here: dedup, leases, staging, eviction are the store's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, is_dataclass
-from typing import Any, Callable
+from typing import Any
 
 from kvstore.core import protocol as p
+from kvstore.store import Store
+from kvstore.store.types import EntryInfo, EntryPlacement
+
 MAX_EVICT_KEYS_REPLY = 1000  # an evict reply lists at most this many keys (count is exact)
 
 
@@ -29,15 +33,15 @@ def plain(value: Any) -> Any:
     return str(value)
 
 
-def _placement(pl: Any) -> list | None:
+def _placement(pl: EntryPlacement | None) -> list | None:
     return None if pl is None else [pl.tier, pl.offset, pl.nbytes, pl.address]
 
 
-def _entry(e: Any) -> list:
+def _entry(e: EntryInfo) -> list:
     return [e.tier, e.offset, e.nbytes, e.address, e.checksum, e.ntokens, e.meta]
 
 
-def reserve(store: Any, req: p.Reserve) -> dict:
+def reserve(store: Store, req: p.Reserve) -> dict:
     res = store.reserve(list(req.keys), list(req.sizes), list(req.tokens),
                         meta=None if req.meta is None else list(req.meta), lease_s=req.lease_s,
                         namespace=req.namespace or b"")
@@ -45,23 +49,23 @@ def reserve(store: Any, req: p.Reserve) -> dict:
             "placements": [_placement(pl) for pl in res.placements]}
 
 
-def commit(store: Any, req: p.Commit) -> dict:
+def commit(store: Store, req: p.Commit) -> dict:
     res = store.commit(req.rid, list(req.checksums), pin=req.pin)
     return {"new": res.new, "deduped": res.deduped, "lost": res.lost}
 
 
-def abort(store: Any, req: p.Abort) -> dict:
+def abort(store: Store, req: p.Abort) -> dict:
     store.abort(req.rid)
     return {}
 
 
-def lookup(store: Any, req: p.Lookup) -> dict:
+def lookup(store: Store, req: p.Lookup) -> dict:
     res = store.lookup(list(req.keys), list(req.tokens))
     return {"matched_blocks": res.matched_blocks, "matched_tokens": res.matched_tokens,
             "tiers": list(res.tiers)}
 
 
-def acquire(store: Any, req: p.Acquire) -> dict:
+def acquire(store: Store, req: p.Acquire) -> dict:
     acq = store.acquire(list(req.keys), list(req.tokens), lease_s=req.lease_s, claim=req.claim,
                         optional_tail=req.optional_tail,
                         spend_rest=req.spend_rest and req.claim)
@@ -70,19 +74,19 @@ def acquire(store: Any, req: p.Acquire) -> dict:
             "spent": acq.spent}
 
 
-def release(store: Any, req: p.Release) -> dict:
+def release(store: Store, req: p.Release) -> dict:
     return {"released": store.release(req.aid, drop=req.drop, corrupt=req.corrupt or ())}
 
 
-def pin(store: Any, req: p.Pin) -> dict:
+def pin(store: Store, req: p.Pin) -> dict:
     return {"count": store.pin(list(req.keys))}
 
 
-def unpin(store: Any, req: p.Unpin) -> dict:
+def unpin(store: Store, req: p.Unpin) -> dict:
     return {"count": store.unpin(list(req.keys))}
 
 
-def evict(store: Any, req: p.Evict) -> dict:
+def evict(store: Store, req: p.Evict) -> dict:
     res = store.evict(tier=req.tier, nbytes=req.nbytes, fraction=req.fraction,
                       keys=None if req.keys is None else list(req.keys),
                       everything=req.everything, dry_run=req.dry_run)
@@ -91,7 +95,7 @@ def evict(store: Any, req: p.Evict) -> dict:
             "skipped": len(res.skipped)}
 
 
-def demote(store: Any, req: p.Demote) -> dict:
+def demote(store: Store, req: p.Demote) -> dict:
     res = store.demote_entries(tier=req.tier, nbytes=req.nbytes, fraction=req.fraction,
                                keys=None if req.keys is None else list(req.keys),
                                everything=req.everything, dry_run=req.dry_run)
@@ -100,16 +104,16 @@ def demote(store: Any, req: p.Demote) -> dict:
             "skipped": len(res.skipped), "demoted": res.demoted, "evicted": res.evicted}
 
 
-def clear(store: Any, req: p.Clear) -> dict:
+def clear(store: Store, req: p.Clear) -> dict:
     res = store.clear()
     return {"count": len(res.keys), "nbytes": res.nbytes, "skipped": len(res.skipped)}
 
 
-def verify(store: Any, req: p.Verify) -> dict:
+def verify(store: Store, req: p.Verify) -> dict:
     return plain(store.verify(keys=None if req.keys is None else list(req.keys)))
 
 
-def ls(store: Any, req: p.Ls) -> dict:
+def ls(store: Store, req: p.Ls) -> dict:
     # The store's listing is O(entries) per page; ls is an admin tool, not a hot path.
     page = []
     cursor = req.cursor
@@ -122,7 +126,7 @@ def ls(store: Any, req: p.Ls) -> dict:
     return {"entries": page, "next": None}
 
 
-Handler = Callable[[Any, p.Request], dict]
+Handler = Callable[[Store, Any], dict]  # each takes its own p.Request subclass
 
 # hello, stats and health need the server's own state; the server handles those.
 HANDLERS: dict[str, Handler] = {

@@ -1,7 +1,8 @@
 """What an operator does to stored entries: pin, evict, demote, clear, verify, list.
 
-A mixin of ``kvstore.store.facade.Store`` (the admin CLI reaches it through the server):
-every method here takes the store's lock and uses its state.
+Operations over the store's parts (parts.py; the admin CLI reaches them through
+the server): every method takes the store's lock and changes records only
+through the catalog.
 
 Invariant kept here: a leased entry is never removed by any of these (``clear``
 and ``evict`` skip it, ``verify`` drops a bad one only once it is released), and
@@ -15,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from kvstore.core.errors import InvalidRequestError, NotFoundError
 from kvstore.core.hashing import checksum
 from kvstore.store.index import Record
+from kvstore.store.parts import Operations
 from kvstore.store.policy import Candidate, Selection
 from kvstore.store.types import (
     TIER_ORDER,
@@ -26,7 +28,7 @@ from kvstore.store.types import (
 )
 
 
-class AdminMixin:
+class Admin(Operations):
     def pin(self, keys: Sequence[bytes]) -> int:
         """Pin stored entries (they never move or go until unpinned)."""
         return self._change_pins(check_keys(keys), +1)
@@ -35,18 +37,18 @@ class AdminMixin:
         return self._change_pins(check_keys(keys), -1)
 
     def _change_pins(self, keys: list[bytes], delta: int) -> int:
-        with self._lock:
-            missing = [k.hex() for k in keys if k not in self._records]
+        with self.lock:
+            missing = [k.hex() for k in keys if k not in self.catalog.records]
             if missing:
                 raise NotFoundError(f"not stored: {', '.join(missing[:4])}")
-            pins = {k: self._records[k].pins for k in keys}
+            pins = {k: self.catalog.records[k].pins for k in keys}
             for key in keys:
                 pins[key] += delta
             if any(p < 0 for p in pins.values()):
                 raise InvalidRequestError("unpin of an entry that is not pinned")
-            put = [self._records[k]._replace(pins=p) for k, p in pins.items()]
-            gone = [r.key for r in put if self._idle_at_zero(r)]
-            self._apply(put=[r for r in put if r.key not in gone], drop=gone)
+            put = [self.catalog.records[k]._replace(pins=p) for k, p in pins.items()]
+            gone = [r.key for r in put if self.holds.idle_at_zero(r)]
+            self.catalog.apply(put=[r for r in put if r.key not in gone], drop=gone)
             return len(pins)
 
     def evict(self, tier: str | None = None, nbytes: int | None = None,
@@ -56,14 +58,14 @@ class AdminMixin:
         reported in ``skipped``). Exactly one of nbytes / fraction / keys / everything."""
         _check_evict_args(tier, nbytes, fraction, keys, everything)
         wanted = check_keys(keys) if keys is not None else None
-        with self._lock:
-            names = [tier] if tier else list(self._tiers)
-            cands = [c for name in names if name in self._tiers for c in self._candidates(name)]
+        with self.lock:
+            names = [tier] if tier else list(self.place.tiers)
+            cands = [c for name in names if name in self.place.tiers for c in self.place.candidates(name)]
             sel = self._select_evictions(cands, nbytes, fraction, wanted, everything)
-            size = sum(self._records[k].nbytes for k in sel.keys)
+            size = sum(self.catalog.records[k].nbytes for k in sel.keys)
             if not dry_run:
-                self._apply(drop=sel.keys)
-                self._stats["evictions"] += len(sel.keys)
+                self.catalog.apply(drop=sel.keys)
+                self.counts["evictions"] += len(sel.keys)
             return EvictResult(sel.keys, size, sel.skipped)
 
     def demote_entries(self, tier: str | None = None, nbytes: int | None = None,
@@ -77,36 +79,36 @@ class AdminMixin:
         ``InvalidRequestError``."""
         _check_evict_args(tier, nbytes, fraction, keys, everything)
         wanted = check_keys(keys) if keys is not None else None
-        with self._lock:
-            last = [n for n in TIER_ORDER if n in self._tiers][-1]
+        with self.lock:
+            last = [n for n in TIER_ORDER if n in self.place.tiers][-1]
             if tier == last:
                 raise InvalidRequestError(f"{tier} is the last tier: nothing below it "
                                           f"(evict removes entries)")
-            names = [tier] if tier else [n for n in self._tiers if n != last]
-            cands = [c for name in names if name in self._tiers for c in self._candidates(name)]
+            names = [tier] if tier else [n for n in self.place.tiers if n != last]
+            cands = [c for name in names if name in self.place.tiers for c in self.place.candidates(name)]
             sel = self._select_evictions(cands, nbytes, fraction, wanted, everything)
-            size = sum(self._records[k].nbytes for k in sel.keys)
+            size = sum(self.catalog.records[k].nbytes for k in sel.keys)
             if dry_run:
                 return DemoteResult(sel.keys, size, sel.skipped, 0, 0)
-            before = self._stats["demotions"], self._stats["evictions"]
+            before = self.counts["demotions"], self.counts["evictions"]
             for name in names:  # fastest first: a gpu entry lands in dram, stays there
-                group = [k for k in sel.keys if k in self._records
-                         and self._records[k].tier == name]
+                group = [k for k in sel.keys if k in self.catalog.records
+                         and self.catalog.records[k].tier == name]
                 if group:
-                    self._move_down(name, group)
+                    self.place.move_down(name, group)
             return DemoteResult(sel.keys, size, sel.skipped,
-                                self._stats["demotions"] - before[0],
-                                self._stats["evictions"] - before[1])
+                                self.counts["demotions"] - before[0],
+                                self.counts["evictions"] - before[1])
 
     def _select_evictions(self, cands: list[Candidate], nbytes: int | None,
                           fraction: float | None, wanted: list[bytes] | None,
                           everything: bool) -> Selection:
         if wanted is not None:
             want = set(wanted)
-            return self._policy.select([c for c in cands if c.key in want], None)
+            return self.place.policy.select([c for c in cands if c.key in want], None)
         if fraction is not None:
-            return self._policy.select_fraction(cands, fraction)
-        return self._policy.select(cands, None if everything else nbytes)
+            return self.place.policy.select_fraction(cands, fraction)
+        return self.place.policy.select(cands, None if everything else nbytes)
 
     def demote(self, keys: Sequence[bytes]) -> int:
         """Move entries one tier down now (e.g. DRAM -> NVMe so they survive a
@@ -114,34 +116,34 @@ class AdminMixin:
         demotion, an entry no lower tier can take is evicted. Returns how many moved
         or went."""
         keys = check_keys(keys)
-        with self._lock:
+        with self.lock:
             moved = 0
             for name, group in self._demotable_by_tier(keys).items():
                 # an earlier group's move may have pushed some of these down already
-                group = [k for k in group if k in self._records
-                         and self._records[k].tier == name]
+                group = [k for k in group if k in self.catalog.records
+                         and self.catalog.records[k].tier == name]
                 if group:
-                    self._move_down(name, group)
+                    self.place.move_down(name, group)
                 moved += len(group)
             return moved
 
     def _demotable_by_tier(self, keys: list[bytes]) -> dict[str, list[bytes]]:
-        last = [n for n in TIER_ORDER if n in self._tiers][-1]
+        last = [n for n in TIER_ORDER if n in self.place.tiers][-1]
         by_tier: dict[str, list[bytes]] = {}
         for key in dict.fromkeys(keys):
-            rec = self._records.get(key)
-            if rec and rec.tier != last and not rec.pins and not self._leased.get(key):
+            rec = self.catalog.records.get(key)
+            if rec and rec.tier != last and not rec.pins and not self.holds.leased.get(key):
                 by_tier.setdefault(rec.tier, []).append(key)
         return by_tier
 
     def clear(self) -> EvictResult:
         """Remove every entry that no reader holds, pinned ones included."""
-        with self._lock:
-            gone = [k for k in self._records if not self._leased.get(k)]
-            size = sum(self._records[k].nbytes for k in gone)
-            skipped = [k for k in self._records if self._leased.get(k)]
-            self._apply(drop=gone)
-            self._stats["evictions"] += len(gone)
+        with self.lock:
+            gone = [k for k in self.catalog.records if not self.holds.leased.get(k)]
+            size = sum(self.catalog.records[k].nbytes for k in gone)
+            skipped = [k for k in self.catalog.records if self.holds.leased.get(k)]
+            self.catalog.apply(drop=gone)
+            self.counts["evictions"] += len(gone)
             return EvictResult(gone, size, skipped)
 
     def verify(self, keys: Sequence[bytes] | None = None) -> VerifyResult:
@@ -149,20 +151,20 @@ class AdminMixin:
         skipped); drop bad ones (leased ones when released). ``kvstore verify`` passes
         batches of keys so the lock is never held for a whole NVMe tier's read."""
         wanted = None if keys is None else check_keys(keys)
-        with self._lock:
-            recs = (list(self._records.items()) if wanted is None else
-                    [(k, self._records[k]) for k in wanted if k in self._records])
+        with self.lock:
+            recs = (list(self.catalog.records.items()) if wanted is None else
+                    [(k, self.catalog.records[k]) for k in wanted if k in self.catalog.records])
             checked = len(recs)
-            bad = [k for k, r in recs if checksum(self._read_bytes(r)) != r.checksum]
-            self._stats["checksum_failures"] += len(bad)
-            self._apply(drop=[k for k in bad if not self._leased.get(k)])
+            bad = [k for k, r in recs if checksum(self.io.read_bytes(r)) != r.checksum]
+            self.counts["checksum_failures"] += len(bad)
+            self.catalog.apply(drop=[k for k in bad if not self.holds.leased.get(k)])
             return VerifyResult(checked, bad)
 
     def entries(self, tier: str | None = None) -> Iterator[Record]:
         """A snapshot of the committed records (of one tier), for ``kvstore ls``."""
         check_tier(tier)
-        with self._lock:
-            snap = [r for r in self._records.values() if tier is None or r.tier == tier]
+        with self.lock:
+            snap = [r for r in self.catalog.records.values() if tier is None or r.tier == tier]
         return iter(snap)
 
 

@@ -1,4 +1,4 @@
-"""``Store.check_integrity``: do the store's books balance? (a mixin of Store)
+"""``Store.check_integrity``: do the books of the store's parts balance?
 
 Checked, each raising ``IntegrityError`` with what is wrong:
 * each tier's own allocator books (``tier.check_integrity``);
@@ -20,56 +20,57 @@ import collections
 
 from kvstore.core.errors import IntegrityError
 from kvstore.store.index import Record
-from kvstore.store.records import durable
+from kvstore.store.catalog import durable
+from kvstore.store.parts import Operations
 
 
-class AuditMixin:
+class Audit(Operations):
     def check_integrity(self) -> None:
-        with self._lock:
+        with self.lock:
             self._audit_tiers()
             self._audit_holds()
             self._audit_index()
 
     def _audit_tiers(self) -> None:
         used = self._owned_bytes()
-        for name, tier in self._tiers.items():
+        for name, tier in self.place.tiers.items():
             tier.check_integrity()
             if used[name] != tier.used:
                 raise IntegrityError(f"{name}: owners account for {used[name]} bytes, "
                                      f"tier says {tier.used} used")
-            members = set(self._by_tier[name])
-            expected = {k for k, r in self._records.items() if r.tier == name}
+            members = set(self.catalog.by_tier[name])
+            expected = {k for k, r in self.catalog.records.items() if r.tier == name}
             if members != expected:
                 raise IntegrityError(f"{name}: membership list differs from records by "
                                      f"{len(members ^ expected)} keys")
 
-        copies = {k for k, r in self._records.items() if r.nvme_copy is not None}
-        if copies != set(self._copies):
+        copies = {k for k, r in self.catalog.records.items() if r.nvme_copy is not None}
+        if copies != set(self.catalog.copies):
             raise IntegrityError("NVMe copy list differs from the records")
 
     def _owned_bytes(self) -> collections.Counter:
         """Page-rounded bytes per tier of every record, NVMe copy and open reservation;
         raises if two of them claim one offset."""
-        owned: dict[str, dict[int, str]] = {name: {} for name in self._tiers}
+        owned: dict[str, dict[int, str]] = {name: {} for name in self.place.tiers}
         used = collections.Counter()
 
         def own(tier: str, offset: int, nbytes: int, owner: str) -> None:
-            if tier not in self._tiers:
+            if tier not in self.place.tiers:
                 raise IntegrityError(f"{owner} lives in absent tier {tier!r}")
             if offset in owned[tier]:
                 raise IntegrityError(f"{tier}@{offset} owned by {owned[tier][offset]} and {owner}")
             owned[tier][offset] = owner
-            page = self._tiers[tier].page_size
+            page = self.place.tiers[tier].page_size
             used[tier] += -(-nbytes // page) * page
 
-        for key, rec in self._records.items():
+        for key, rec in self.catalog.records.items():
             _audit_record(key, rec)
             own(rec.tier, rec.offset, rec.nbytes, f"record {key.hex()}")
             if rec.nvme_copy is not None:
                 if rec.tier == "nvme":
                     raise IntegrityError(f"{key.hex()} on NVMe has an NVMe copy")
                 own("nvme", rec.nvme_copy, rec.nbytes, f"copy of {key.hex()}")
-        for op in self._res.values():
+        for op in self.holds.reservations.values():
             for ext in op.extents:
                 if ext is not None:
                     own(ext.tier, ext.offset, ext.nbytes, f"reservation {op.id}")
@@ -77,30 +78,30 @@ class AuditMixin:
 
     def _audit_holds(self) -> None:
         holds = collections.Counter()
-        for lease in self._acqs.values():
+        for lease in self.holds.leases.values():
             holds.update(lease.keys)
         inflight = {}
-        for op in self._res.values():
+        for op in self.holds.reservations.values():
             holds.update(op.held)
             for key, ext in zip(op.keys, op.extents):
                 if ext is not None:
                     inflight[key] = op.id
-        if dict(holds) != self._leased:
-            raise IntegrityError(f"hold counts out of step: {len(self._leased)} held keys, "
+        if dict(holds) != self.holds.leased:
+            raise IntegrityError(f"hold counts out of step: {len(self.holds.leased)} held keys, "
                                  f"{len(holds)} expected")
-        missing = [k for k in holds if k not in self._records]
+        missing = [k for k in holds if k not in self.catalog.records]
         if missing:
             raise IntegrityError(f"{len(missing)} held keys are not stored "
                                  f"(first {missing[0].hex()})")
-        if inflight != self._inflight:
+        if inflight != self.holds.inflight:
             raise IntegrityError("in-flight key map out of step with open reservations")
-        stored = [k for k in inflight if k in self._records]
+        stored = [k for k in inflight if k in self.catalog.records]
         if stored:
             raise IntegrityError(f"key {stored[0].hex()} is both committed and being written")
 
     def _audit_index(self) -> None:
-        memory = {k: r._replace(last_access=0.0) for k, r in self._records.items()}
-        for index, wanted in ((self._index, True), (self._vindex, False)):
+        memory = {k: r._replace(last_access=0.0) for k, r in self.catalog.records.items()}
+        for index, wanted in ((self.catalog.index, True), (self.catalog.vindex, False)):
             stored = {r.key: r._replace(last_access=0.0) for r in index.records()}
             expected = {k: r for k, r in memory.items() if durable(r) == wanted}
             if stored != expected:

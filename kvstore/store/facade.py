@@ -1,4 +1,5 @@
-"""The store: the single owner of one node's entries (index + tiers + policy).
+"""The store: one node's entries, behind a thin facade over parts that each own
+their state (parts.py says who owns what).
 
 Who calls it: the server's handlers and its reaper thread, the admin CLI through
 the server, and tests. Every public method takes the store's one lock, so calls
@@ -8,7 +9,14 @@ Life of an entry (docs/architecture.md, "Store"):
   reserved (memory only) -> committed (index + tier) -> leased / pinned
   -> demoted (gpu -> dram -> nvme) -> dropped (pending reached 0, evicted, corrupt)
 
-Invariants (``check_integrity`` checks them):
+Parts: ``Catalog`` (records, indexes, victim orders: the one place records
+change), ``Holds`` (reservations, leases, hold counts), ``Placement`` (tiers,
+policy: allocation, demotion, staging), ``ByteIO`` (bytes and checksums); the
+operations over them in groups: ``Writes``, ``Reads``, ``Admin``, ``Audit``.
+This class builds and wires them, reaps, counts, and is the typed interface
+the server's handlers call.
+
+Invariants across the parts (``check_integrity`` checks them):
 * every live extent of every tier is owned by exactly one committed record or one
   open reservation; per tier their page-rounded sizes sum to ``tier.used``;
 * a leased or pinned entry never moves and never goes;
@@ -20,50 +28,53 @@ Invariants (``check_integrity`` checks them):
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from kvstore.core.config import KVStoreConfig
-from kvstore.core.errors import ConfigError, LeaseExpiredError, NotFoundError, StorageError
-from kvstore.store.index import Index, Record, open_volatile
-from kvstore.store.policy import Candidate, make_policy
-from kvstore.store.admin import AdminMixin
-from kvstore.store.audit import AuditMixin
-from kvstore.store.moves import MovesMixin
-from kvstore.store.order import GroupOrder
-from kvstore.store.reads import ReadsMixin
-from kvstore.store.records import Lease, Open
+from kvstore.core.errors import ConfigError, StorageError
+from kvstore.store.admin import Admin
+from kvstore.store.audit import Audit
+from kvstore.store.bytes_io import ByteIO
+from kvstore.store.catalog import Catalog
+from kvstore.store.holds import Holds
+from kvstore.store.index import Record
+from kvstore.store.parts import Counters, Parts
+from kvstore.store.placement import Placement
+from kvstore.store.policy import make_policy
+from kvstore.store.reads import Reads
 from kvstore.store.setup import DataDirLock, build_tiers, recover
 from kvstore.store.types import (  # the result types are re-exported: callers import them here
     TIER_ORDER,
     Acquisition,
     CommitResult,
+    DemoteResult,
     EntryInfo,
     EvictResult,
     LookupResult,
-    Placement,
+    EntryPlacement,
     Reservation,
     VerifyResult,
 )
-from kvstore.store.writes import WritesMixin
+from kvstore.store.writes import Writes
 from tiers.base import MemoryRegion, Tier
 
-__all__ = ["Acquisition", "CommitResult", "EntryInfo", "EvictResult", "LookupResult",
-           "Placement", "Reservation", "Store", "VerifyResult"]
+__all__ = ["Acquisition", "CommitResult", "DemoteResult", "EntryInfo", "EntryPlacement",
+           "EvictResult", "LookupResult", "Reservation", "Store", "VerifyResult"]
 
 log = logging.getLogger(__name__)
 
-_EXPIRED_MEMORY = 4096  # ids of reaped reservations/leases remembered for a clear error
+_COUNTED = ("misses", "bytes_in", "bytes_out", "evictions", "demotions", "stagings",
+            "checksum_failures", "commit_checksum_failures", "collisions", "commits",
+            "aborts", "dropped", "reservations_expired", "leases_expired", "storage_errors",
+            "staging_shortfalls", "staging_spent", "transfer_checksum_failures")
 
-# The public methods live in one mixin per concern: store_writes.py (reserve / write /
-# commit / abort), store_reads.py (lookup / acquire / read / release), store_admin.py
-# (pin / evict / demote / clear / verify / entries), store_moves.py (how entries
-# change place), store_records.py (``_apply``, holds), store_audit.py
-# (check_integrity). This class owns the state.
-class Store(WritesMixin, ReadsMixin, AdminMixin, MovesMixin, AuditMixin):
+
+class Store:
     def __init__(self, config: KVStoreConfig, tiers: dict[str, Tier] | None = None,
                  policy: str = "lru") -> None:
         """Open (or recover) the store in ``config.store.data_dir``.
@@ -82,6 +93,7 @@ class Store(WritesMixin, ReadsMixin, AdminMixin, MovesMixin, AuditMixin):
             raise ConfigError(f"cannot create data dir {self.data_dir}: "
                               f"{exc.strerror or exc}") from None
         self._lock = threading.RLock()
+        self._closed = False
         self._dir_lock = DataDirLock(self.data_dir)
         try:
             self._open(tiers, policy)
@@ -91,139 +103,185 @@ class Store(WritesMixin, ReadsMixin, AdminMixin, MovesMixin, AuditMixin):
 
     def _open(self, tiers: dict[str, Tier] | None, policy: str) -> None:
         built = tiers if tiers is not None else build_tiers(self.config, self.data_dir)
-        self._tiers = {name: built[name] for name in TIER_ORDER if name in built}
+        ordered = {name: built[name] for name in TIER_ORDER if name in built}
         try:
-            if not any(name in self._tiers for name in ("gpu", "dram")):
+            if not any(name in ordered for name in ("gpu", "dram")):
                 raise ConfigError("kvstore needs a memory tier (gpu_bytes or dram_bytes > 0): "
                                   "writers and readers reach entries through it")
-            self._policy = make_policy(policy)
-            self._open_indexes()
+            rules = make_policy(policy)
+            self._counters = Counters()
+            self.catalog = Catalog(self.data_dir, self.config.store.index_map_bytes,
+                                   self.config.tiers.nvme_fsync != "never", ordered,
+                                   rules.sort_key, self._counters.events)
         except BaseException:
-            self._close_tiers()
+            for tier in built.values():
+                tier.close()
             raise
-        self._init_state()
+        self.holds = Holds(self.catalog.records)
+        io = ByteIO(ordered)
+        self.place = Placement(self.config, ordered, rules, self.catalog, self.holds, io,
+                               self._counters.events)
         try:
-            recovered = recover(self._index, self._tiers).records
+            recovered = recover(self.catalog.index, ordered).records
         except BaseException:
-            self._index.close()
-            self._vindex.close()
-            self._close_tiers()
+            self.catalog.close()
+            self.place.close()
             raise
-        self._load(recovered)
+        self.catalog.load(recovered)
+        parts = Parts(self.config, self._lock, self.catalog, self.holds, self.place, io,
+                      self._counters, self._maybe_reap)
+        self._writes, self._reads = Writes(parts), Reads(parts)
+        self._admin, self._audit = Admin(parts), Audit(parts)
 
-    def _open_indexes(self) -> None:
-        # Two LMDB environments: ``index`` holds the records that name NVMe bytes
-        # (synced per nvme_fsync), ``index-volatile`` those of memory tiers only
-        # (never synced, recreated on start). A DRAM/GPU-only commit so costs no
-        # fsync; docs/architecture.md "Departures from DESIGN.md".
-        self._index = Index(self.data_dir / "index", self.config.store.index_map_bytes,
-                            sync=self.config.tiers.nvme_fsync != "never")
-        try:
-            self._vindex = open_volatile(self.data_dir / "index-volatile",
-                                         self.config.store.index_map_bytes)
-        except BaseException:
-            self._index.close()
-            raise
+    # ------------------------------------------------------------ writes
+    def reserve(self, keys: Sequence[bytes], sizes: Sequence[int], tokens: Sequence[bytes],
+                meta: Sequence[bytes | None] | None = None,
+                lease_s: float | None = None, namespace: bytes = b"") -> Reservation:
+        """Space for the keys not yet stored (writes.py, ``Writes.reserve``)."""
+        return self._writes.reserve(keys, sizes, tokens, meta, lease_s, namespace)
 
-    def _init_state(self) -> None:
-        self._records: dict[bytes, Record] = {}
-        self._by_tier: dict[str, dict[bytes, None]] = {name: {} for name in self._tiers}
-        self._copies: dict[bytes, None] = {}  # keys served from memory with an NVMe copy
-        self._leased: dict[bytes, int] = {}  # key -> number of holders (acquisitions, dedup)
-        self._claims: dict[bytes, int] = {}  # key -> pending consumers claimed by open leases
-        self._end_claims: dict[bytes, int] = {}  # key -> its ``ends`` claimed by open leases
-        self._acqs: dict[int, Lease] = {}
-        self._res: dict[int, Open] = {}
-        self._inflight: dict[bytes, int] = {}  # key being written -> reservation id
-        self._expired: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self._next_reap = float("inf")
-        self._stats = collections.Counter()
-        self._hits = collections.Counter()
-        self._tier_bytes: collections.Counter = collections.Counter()  # (tier, in/out)
-        self._closed = False
+    def write(self, reservation_id: int, index: int, data: Any) -> None:
+        """Copy one new entry's bytes into its reserved extent (local writers)."""
+        self._writes.write(reservation_id, index, data)
 
-    def _load(self, recovered: list[Record]) -> None:
-        for rec in sorted(recovered, key=lambda r: r.last_access):
-            self._records[rec.key] = rec
-            self._by_tier[rec.tier][rec.key] = None
-        # victim order per tier, and of the NVMe copies of staged entries
-        self._orders = {name: GroupOrder(self._policy.sort_key, self._member_of(name),
-                                         lambda name=name: self._by_tier[name])
-                        for name in self._tiers}
-        self._copy_order = GroupOrder(self._policy.sort_key, self._copy_of,
-                                      lambda: self._copies)
-        for order in self._orders.values():
-            order.rebuild()
+    def commit(self, reservation_id: int, checksums: Sequence[int],
+               pin: bool = False) -> CommitResult:
+        """Verify the written bytes and make the entries visible (``Writes.commit``)."""
+        return self._writes.commit(reservation_id, checksums, pin)
 
-    def _close_tiers(self) -> None:
-        for tier in self._tiers.values():
-            tier.close()
+    def abort(self, reservation_id: int) -> None:
+        """Forget a reservation; its space is free at once."""
+        self._writes.abort(reservation_id)
 
-    # ------------------------------------------------------------ properties
+    # ------------------------------------------------------------ reads
+    def lookup(self, keys: Sequence[bytes], tokens: Sequence[bytes]) -> LookupResult:
+        """Longest stored prefix; binds nothing."""
+        return self._reads.lookup(keys, tokens)
+
+    def acquire(self, keys: Sequence[bytes], tokens: Sequence[bytes],
+                lease_s: float | None = None, claim: bool = False,
+                optional_tail: bool = False, spend_rest: bool = False) -> Acquisition:
+        """Longest stored prefix, leased until ``release`` (reads.py, ``Reads.acquire``)."""
+        return self._reads.acquire(keys, tokens, lease_s, claim, optional_tail, spend_rest)
+
+    def read(self, acquisition_id: int, index: int) -> bytes:
+        """The bytes of one acquired entry (local readers)."""
+        return self._reads.read(acquisition_id, index)
+
+    def release(self, acquisition_id: int, drop: bool = False,
+                corrupt: Sequence[int] = ()) -> int:
+        """End a lease; with ``drop`` spend one pending consumer (``Reads.release``)."""
+        return self._reads.release(acquisition_id, drop, corrupt)
+
+    # ------------------------------------------------------------ admin
+    def pin(self, keys: Sequence[bytes]) -> int:
+        """Pin stored entries (they never move or go until unpinned)."""
+        return self._admin.pin(keys)
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        return self._admin.unpin(keys)
+
+    def evict(self, tier: str | None = None, nbytes: int | None = None,
+              fraction: float | None = None, keys: Sequence[bytes] | None = None,
+              everything: bool = False, dry_run: bool = False) -> EvictResult:
+        """Remove entries for good, LRU first (admin.py, ``Admin.evict``)."""
+        return self._admin.evict(tier, nbytes, fraction, keys, everything, dry_run)
+
+    def demote_entries(self, tier: str | None = None, nbytes: int | None = None,
+                       fraction: float | None = None, keys: Sequence[bytes] | None = None,
+                       everything: bool = False, dry_run: bool = False) -> DemoteResult:
+        """Move entries one tier down now, chosen as ``evict`` chooses."""
+        return self._admin.demote_entries(tier, nbytes, fraction, keys, everything, dry_run)
+
+    def demote(self, keys: Sequence[bytes]) -> int:
+        """Move these entries one tier down now; returns how many moved or went."""
+        return self._admin.demote(keys)
+
+    def clear(self) -> EvictResult:
+        """Remove every entry that no reader holds, pinned ones included."""
+        return self._admin.clear()
+
+    def verify(self, keys: Sequence[bytes] | None = None) -> VerifyResult:
+        """Re-check checksums (of ``keys``, or all); drop bad entries."""
+        return self._admin.verify(keys)
+
+    def entries(self, tier: str | None = None) -> Iterator[Record]:
+        """A snapshot of the committed records (of one tier), for ``kvstore ls``."""
+        return self._admin.entries(tier)
+
+    def check_integrity(self) -> None:
+        """Raise ``IntegrityError`` unless the parts' books balance (audit.py)."""
+        self._audit.check_integrity()
+
+    # ------------------------------------------------------------ the node
     @property
     def dram_shared_path(self) -> str | None:
         """The shared-memory file same-node clients map to write into DRAM extents."""
-        dram = self._tiers.get("dram")
+        dram = self.place.tiers.get("dram")
         return getattr(dram, "shared_path", None)
 
     @property
     def tier_names(self) -> list[str]:
-        return list(self._tiers)
+        return list(self.place.tiers)
 
     def regions(self) -> dict[str, list[MemoryRegion]]:
         """Address ranges of each memory tier, to register with TE once."""
-        return {name: tier.regions() for name, tier in self._tiers.items()}
+        return {name: tier.regions() for name, tier in self.place.tiers.items()}
 
     def reap(self) -> int:
         """Reclaim expired reservations and read leases, then restore watermarks.
         Called periodically by the server; returns how many were reclaimed."""
         with self._lock:
             now = time.time()
+            holds, counts = self.holds, self._counters.events
             done = 0
-            for op in [o for o in self._res.values() if o.expires_at <= now]:
-                self._close_reservation(op)
-                self._remember_expired(op.id)
-                self._stats["reservations_expired"] += 1
+            for op in [o for o in holds.reservations.values() if o.expires_at <= now]:
+                self._writes.close_reservation(op)
+                holds.remember_expired(op.id)
+                counts["reservations_expired"] += 1
                 done += 1
-            for aid, lease in [(a, l) for a, l in self._acqs.items() if l.expires_at <= now]:
+            for aid, lease in [(a, le) for a, le in holds.leases.items() if le.expires_at <= now]:
                 try:
-                    self._end_lease(lease, drop=False)
+                    self._reads.end_lease(lease, drop=False)
                 except StorageError:  # counted and logged; the lease is reaped next tick
                     continue
-                del self._acqs[aid]
-                self._remember_expired(aid)
-                self._stats["leases_expired"] += 1
+                holds.close_lease(aid)
+                holds.remember_expired(aid)
+                counts["leases_expired"] += 1
                 done += 1
-            self._next_reap = min([o.expires_at for o in self._res.values()]
-                                  + [l.expires_at for l in self._acqs.values()],
+            holds.next_reap = min([o.expires_at for o in holds.reservations.values()]
+                                  + [le.expires_at for le in holds.leases.values()],
                                   default=float("inf"))
-            if self._next_reap <= now:  # a lease the index refused to end: retry soon
-                self._next_reap = now + 1.0
+            if holds.next_reap <= now:  # a lease the index refused to end: retry soon
+                holds.next_reap = now + 1.0
             try:
-                self._restore_watermarks()
+                self.place.restore_watermarks()
             except StorageError:  # counted and logged; demotion resumes when space does
                 pass
             return done
 
-    def stats(self) -> dict:
+    def _maybe_reap(self) -> None:
+        if time.time() >= self.holds.next_reap:
+            self.reap()
+
+    def stats(self) -> dict[str, Any]:
         with self._lock:
+            c = self._counters
+            records = self.catalog.records
             tiers = {}
-            for name, tier in self._tiers.items():
+            for name, tier in self.place.tiers.items():
                 tiers[name] = {"capacity": tier.capacity, "used": tier.used,
-                               "entries": len(self._by_tier[name]), "hits": self._hits[name],
-                               "bytes_in": self._tier_bytes[name, "bytes_in"],
-                               "bytes_out": self._tier_bytes[name, "bytes_out"]}
-            out = {"tiers": tiers, "entries": len(self._records),
-                   "hits": sum(self._hits.values()), "reservations": len(self._res),
-                   "leases": len(self._acqs), "leased_entries": len(self._leased),
-                   "pinned_entries": sum(1 for r in self._records.values() if r.pins),
-                   "nvme_copies": len(self._copies)}
-            for name in ("misses", "bytes_in", "bytes_out", "evictions", "demotions",
-                         "stagings", "checksum_failures", "commit_checksum_failures",
-                         "collisions", "commits", "aborts", "dropped",
-                         "reservations_expired", "leases_expired", "storage_errors",
-                         "staging_shortfalls", "staging_spent", "transfer_checksum_failures"):
-                out[name] = self._stats[name]
+                               "entries": len(self.catalog.by_tier[name]), "hits": c.hits[name],
+                               "bytes_in": c.tier_bytes[name, "bytes_in"],
+                               "bytes_out": c.tier_bytes[name, "bytes_out"]}
+            out: dict[str, Any] = {
+                "tiers": tiers, "entries": len(records), "hits": sum(c.hits.values()),
+                "reservations": len(self.holds.reservations), "leases": len(self.holds.leases),
+                "leased_entries": len(self.holds.leased),
+                "pinned_entries": sum(1 for r in records.values() if r.pins),
+                "nvme_copies": len(self.catalog.copies)}
+            for name in _COUNTED:
+                out[name] = c.events[name]
             return out
 
     def close(self) -> None:
@@ -231,45 +289,12 @@ class Store(WritesMixin, ReadsMixin, AdminMixin, MovesMixin, AuditMixin):
             if self._closed:
                 return
             self._closed = True
-            self._index.close()
-            self._vindex.close()
-            self._close_tiers()
+            self.catalog.close()
+            self.place.close()
             self._dir_lock.release()
 
     def __enter__(self) -> Store:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # ------------------------------------------------------------ helpers
-    def _candidates(self, name: str) -> list[Candidate]:
-        ps = self._tiers[name].page_size
-        recs = self._records
-        return [Candidate(k, -(-recs[k].nbytes // ps) * ps, recs[k].last_access,
-                          recs[k].created, recs[k].pins, self._leased.get(k, 0))
-                for k in self._by_tier[name]]
-
-    def _member_of(self, name: str):
-        def member(key: bytes) -> Record | None:
-            rec = self._records.get(key)
-            return rec if rec is not None and rec.tier == name else None
-        return member
-
-    def _copy_of(self, key: bytes) -> Record | None:
-        rec = self._records.get(key)
-        return rec if rec is not None and rec.nvme_copy is not None else None
-
-    def _gone(self, what: str, ident: int) -> Exception:
-        if ident in self._expired:
-            return LeaseExpiredError(f"{what} {ident} expired and was reclaimed")
-        return NotFoundError(f"no open {what} {ident}")
-
-    def _remember_expired(self, ident: int) -> None:
-        self._expired[ident] = None
-        while len(self._expired) > _EXPIRED_MEMORY:
-            self._expired.popitem(last=False)
-
-    def _maybe_reap(self) -> None:
-        if time.time() >= self._next_reap:
-            self.reap()

@@ -236,7 +236,7 @@ def open_volatile(path: str | os.PathLike, map_size: int) -> Index:
     environment is deleted and recreated on every start, which also makes a torn
     (unsynced) environment after a power loss harmless. It never fsyncs, so a
     commit that touches only memory tiers costs no disk flush. Records that name
-    NVMe bytes never go here (see ``Store._apply``).
+    NVMe bytes never go here (see ``Catalog.apply``).
     """
     shutil.rmtree(path, ignore_errors=True)
     return Index(path, map_size, sync=False, lock=False)  # the store's lock serializes it

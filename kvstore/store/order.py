@@ -39,6 +39,11 @@ class GroupOrder:
         self._heap: list[tuple] = []
         self._limit = _SLACK  # heap size at which the stale items are counted again
 
+    def set_sort_key(self, sort_key: Callable[[Record], tuple]) -> None:
+        """Order by another key from now on (a rebuild)."""
+        self._sort_key = sort_key
+        self.rebuild()
+
     def push(self, rec: Record) -> None:
         heapq.heappush(self._heap, self._sort_key(rec))
         if len(self._heap) > self._limit:

@@ -1,14 +1,14 @@
 """The read path of the store: lookup, acquire -> read -> release.
 
-A mixin of ``kvstore.store.facade.Store``: every method here takes the store's lock (or
-runs under it) and uses its state (``_records``, ``_acqs``, ``_claims``, ...).
+Operations over the store's parts (parts.py): every method takes the store's lock
+and changes records only through the catalog, holds only through ``Holds``.
 
 Invariants kept here:
 * a prefix ends at the first missing key or the first key whose stored tokens
   differ (a hash collision): a reader never gets another block's KV;
-* every key of an open acquisition is held (``_leased``) until its release or
+* every key of an open acquisition is held (``holds.leased``) until its release or
   expiry, so it cannot move or go while a reader may be reading it;
-* ``_claims[key]`` is the number of open claiming leases on ``key`` and never
+* ``holds.claims[key]`` is the number of open claiming leases on ``key`` and never
   exceeds its pending consumers: drop_select hands each insert out once.
 """
 
@@ -22,7 +22,8 @@ from collections.abc import Sequence
 from kvstore.core.errors import ChecksumError, InvalidRequestError
 from kvstore.core.hashing import checksum
 from kvstore.store.index import Record
-from kvstore.store.records import Lease, uncount
+from kvstore.store.holds import Lease
+from kvstore.store.parts import Operations
 from kvstore.store.types import (
     NO_ROOM_TO_STAGE,
     Acquisition,
@@ -38,12 +39,13 @@ from tiers.base import Extent
 log = logging.getLogger(__name__)
 
 
-class ReadsMixin:
+class Reads(Operations):
+    _short_logged_at = -10.0  # when a staging shortfall was last logged
     def lookup(self, keys: Sequence[bytes], tokens: Sequence[bytes]) -> LookupResult:
         """Longest stored prefix; binds nothing (it may be gone by the next call)."""
         keys = check_keys(keys)
         tokens = check_tokens(tokens, len(keys))
-        with self._lock:
+        with self.lock:
             recs = self._walk(keys, tokens)
             return LookupResult(len(recs), sum(r.ntokens for r in recs), [r.tier for r in recs])
 
@@ -74,8 +76,8 @@ class ReadsMixin:
         keys = check_keys(keys)
         tokens = check_tokens(tokens, len(keys))
         lease_s = check_lease(lease_s, self.config.store.read_lease_s)
-        with self._lock:
-            self._maybe_reap()
+        with self.lock:
+            self.reap_due()
             recs = self._walk(keys, tokens)
             take, end = True, None
             if claim:
@@ -84,11 +86,11 @@ class ReadsMixin:
             found_in = [r.tier for r in recs]
             held = [r.key for r in recs]
             wanted = held if claim else []
-            self._hold(held)
+            self.holds.hold(held)
             try:
-                recs, short = self._stage_prefix(recs)
+                recs, short = self.place.stage_prefix(recs)
             except BaseException:  # NVMe I/O error: nothing served, no hold stays
-                self._drop_now(self._unhold(held))
+                self.catalog.drop_idle(self.holds.unhold(held))
                 raise
             # Entries cut for want of staging room are found, not missed: the
             # caller may take them in another round.
@@ -115,7 +117,7 @@ class ReadsMixin:
         claimable = self._claimable_prefix(recs)
         blocks = claimable[:nblocks]
         for i in range(len(blocks) - 1, -1, -1):
-            if blocks[i].ends - self._end_claims.get(blocks[i].key, 0) > 0:
+            if self.holds.unclaimed_ends(blocks[i]) > 0:
                 # the hidden entry (after the last block) comes along only then
                 upto = i + 1 + (i + 1 == nblocks and len(claimable) > nblocks)
                 return claimable[:upto], True, blocks[i].key
@@ -127,36 +129,38 @@ class ReadsMixin:
         """Spend one pending consumer of each of ``keys`` (and the prompt end
         ``end``) as a drop_select's release would, without reading them. Returns
         how many entries that freed."""
-        keys = [k for k in keys if k in self._records]
+        keys = [k for k in keys if k in self.catalog.records]
         if not keys:
             return 0
         end = end if end in keys else None
-        self._hold(keys)  # _end_lease gives back a lease's holds and its end claim
-        if end is not None:
-            self._end_claims[end] = self._end_claims.get(end, 0) + 1
-        lease = Lease(keys, 0.0, claim=False, take=True, end=end)
-        freed = self._end_lease(lease, drop=True)
+        # An unread lease, opened and ended at once, as a drop_select's would be.
+        lease = Lease(keys, float("inf"), claim=False, take=True, end=end)
+        self.holds.hold(keys)
+        aid = new_id()
+        self.holds.add_lease(aid, lease)
+        self.holds.close_lease(aid)
+        freed = self.end_lease(lease, drop=True)
         log.warning("a drop_select took the first blocks of a prompt and no memory room "
                     "was left to stage the rest: spent %d stranded entries (%d freed)",
                     len(keys), freed)
-        self._stats["staging_spent"] += len(keys)
+        self.counts["staging_spent"] += len(keys)
         return len(keys)
 
     def _staging_short(self, cut: int, found: int) -> None:
-        self._stats["staging_shortfalls"] += 1
+        self.counts["staging_shortfalls"] += 1
         now = time.monotonic()
-        if now - getattr(self, "_short_logged_at", -10.0) >= 10.0:  # once per 10 s
+        if now - self._short_logged_at >= 10.0:  # once per 10 s
             self._short_logged_at = now
             log.warning("no memory room to stage %d of %d NVMe-backed entries of a read "
                         "(pinned/leased entries fill it, or the prompt is bigger than it): "
                         "served the first %d (%d shortfalls so far)", cut, found,
-                        found - cut, self._stats["staging_shortfalls"])
+                        found - cut, self.counts["staging_shortfalls"])
 
     def _count_hits(self, found_in: list[str], served: int, blocks: int) -> None:
         served = min(served, blocks)
         for tier in found_in[:served]:
-            self._hits[tier] += 1
-        self._stats["misses"] += blocks - served
+            self.hits[tier] += 1
+        self.counts["misses"] += blocks - served
 
     def _lease_prefix(self, recs: list[Record], found_in: list[str], lease_s: float,
                       claim: bool, take: bool = True,
@@ -165,35 +169,27 @@ class ReadsMixin:
         now = time.time()
         # Re-read: room-making while staging may have dropped NVMe copies of
         # these (held) entries; nothing else about them can have changed.
-        recs = [self._records[r.key]._replace(last_access=now) for r in recs]
-        for rec in recs:  # victim orders catch up lazily (store_order.py)
-            self._records[rec.key] = rec
+        recs = self.catalog.touch(recs, now)
         aid = new_id()
-        if end is not None and any(r.key == end for r in recs):
-            self._end_claims[end] = self._end_claims.get(end, 0) + 1
-        else:
+        if end is not None and not any(r.key == end for r in recs):
             end = None  # staging cut the lease before the prompt's end: a later round
-        self._acqs[aid] = Lease([r.key for r in recs], now + lease_s, claim, take, end)
-        if claim:
-            for rec in recs:
-                self._claims[rec.key] = self._claims.get(rec.key, 0) + 1
-        self._next_reap = min(self._next_reap, now + lease_s)
-        self._stats["bytes_out"] += sum(r.nbytes for r in recs)
+        self.holds.add_lease(aid, Lease([r.key for r in recs], now + lease_s, claim, take, end))
+        self.counts["bytes_out"] += sum(r.nbytes for r in recs)
         for tier, rec in zip(found_in, recs):  # counted where it was found
-            self._tier_bytes[tier, "bytes_out"] += rec.nbytes
+            self.tier_bytes[tier, "bytes_out"] += rec.nbytes
         return Acquisition(aid, [self._info(r) for r in recs],
                            sum(r.ntokens for r in recs), now + lease_s)
 
     def read(self, acquisition_id: int, index: int) -> bytes:
         """The bytes of one acquired entry (local readers)."""
-        with self._lock:
-            lease = self._open_lease(acquisition_id)
+        with self.lock:
+            lease = self.holds.open_lease(acquisition_id)
             if not 0 <= index < len(lease.keys):
                 raise InvalidRequestError(f"acquisition has no entry {index}")
-            rec = self._records[lease.keys[index]]
-            data = bytes(self._read_bytes(rec))
+            rec = self.catalog.records[lease.keys[index]]
+            data = bytes(self.io.read_bytes(rec))
             if rec.tier == "nvme" and checksum(data) != rec.checksum:
-                self._stats["checksum_failures"] += 1
+                self.counts["checksum_failures"] += 1
                 raise ChecksumError(f"entry {rec.key.hex()} failed its checksum on read")
             return data
 
@@ -209,15 +205,15 @@ class ReadsMixin:
         (it could never be served again); a reported one that is fine at rest was
         damaged in transit (``transfer_checksum_failures``) and stays. The reader's
         word alone drops nothing."""
-        with self._lock:
+        with self.lock:
             if acquisition_id == 0:
                 return 0  # the empty acquisition of a full miss
-            lease = self._open_lease(acquisition_id)
+            lease = self.holds.open_lease(acquisition_id)
             bad = self._bad_at_rest(lease, corrupt)
-            freed = self._end_lease(lease, drop)  # raises with nothing changed
-            del self._acqs[acquisition_id]
-            bad = [k for k in bad if k in self._records and not self._leased.get(k)]
-            self._apply(drop=bad)
+            freed = self.end_lease(lease, drop)  # raises with nothing changed
+            self.holds.close_lease(acquisition_id)
+            bad = [k for k in bad if k in self.catalog.records and not self.holds.leased.get(k)]
+            self.catalog.apply(drop=bad)
             return freed + len(bad)
 
     def _bad_at_rest(self, lease: Lease, corrupt: Sequence[int]) -> list[bytes]:
@@ -230,12 +226,12 @@ class ReadsMixin:
         # one. So every entry of the lease is checked (memory speed), not only those.
         bad = []
         for key in dict.fromkeys(lease.keys):
-            rec = self._records.get(key)
-            if rec is not None and checksum(self._read_bytes(rec)) != rec.checksum:
+            rec = self.catalog.records.get(key)
+            if rec is not None and checksum(self.io.read_bytes(rec)) != rec.checksum:
                 bad.append(rec.key)
-        self._stats["checksum_failures"] += len(bad)
+        self.counts["checksum_failures"] += len(bad)
         reported = {lease.keys[i] for i in positions}
-        self._stats["transfer_checksum_failures"] += len(reported - set(bad))
+        self.counts["transfer_checksum_failures"] += len(reported - set(bad))
         if bad:
             log.error("%d entries reported corrupt by a reader are bad at rest: dropped "
                       "(first %s)", len(bad), bad[0].hex())
@@ -243,16 +239,16 @@ class ReadsMixin:
 
     def _claimable_prefix(self, recs: list[Record]) -> list[Record]:
         for i, rec in enumerate(recs):
-            if rec.pending - self._claims.get(rec.key, 0) <= 0:
+            if self.holds.unclaimed(rec) <= 0:
                 return recs[:i]
         return recs
 
-    def _end_lease(self, lease: Lease, drop: bool) -> int:
+    def end_lease(self, lease: Lease, drop: bool) -> int:
         """Give back the lease's holds (and claims); with ``drop``, one pending
         consumer per key. The index write comes first: if it fails, the lease,
         its holds, claims and records are exactly as they were."""
         times = Counter(lease.keys)
-        recs = {k: self._records[k] for k in times if k in self._records}
+        recs = {k: self.catalog.records[k] for k in times if k in self.catalog.records}
         drop = drop and lease.take
         if drop:
             recs = {k: r._replace(pending=max(0, r.pending - times[k])) for k, r in recs.items()}
@@ -260,36 +256,26 @@ class ReadsMixin:
                 end = recs[lease.end]
                 recs[lease.end] = end._replace(ends=max(0, end.ends - 1))
         gone = [k for k, r in recs.items() if r.pending == 0 and r.pins == 0
-                and self._leased.get(k, 0) <= times[k]]
-        self._apply(put=[r for k, r in recs.items() if drop and k not in gone], drop=gone)
-        uncount(self._leased, lease.keys)
-        if lease.claim:
-            uncount(self._claims, lease.keys)
-        if lease.end is not None:
-            uncount(self._end_claims, [lease.end])
-        self._stats["dropped"] += len(gone)
+                and self.holds.leased.get(k, 0) <= times[k]]
+        self.catalog.apply(put=[r for k, r in recs.items() if drop and k not in gone], drop=gone)
+        self.holds.end_lease(lease)
+        self.counts["dropped"] += len(gone)
         return len(gone)
-
-    def _open_lease(self, aid: int) -> Lease:
-        lease = self._acqs.get(aid)
-        if lease is None:
-            raise self._gone("acquisition", aid)
-        return lease
 
     def _walk(self, keys: list[bytes], tokens: list[bytes]) -> list[Record]:
         out = []
         for key, tok in zip(keys, tokens):
-            rec = self._records.get(key)
+            rec = self.catalog.records.get(key)
             if rec is None:
                 break
             if rec.tokens != tok:  # a hash collision: a miss, never someone else's KV
-                self._stats["collisions"] += 1
+                self.counts["collisions"] += 1
                 break
             out.append(rec)
         return out
 
     def _info(self, rec: Record) -> EntryInfo:
-        tier = self._tiers[rec.tier]
+        tier = self.place.tiers[rec.tier]
         address = tier.address(Extent(rec.tier, rec.offset, rec.nbytes))
         return EntryInfo(rec.key, rec.tier, rec.offset, rec.nbytes, address, rec.checksum,
                          rec.ntokens, rec.meta)

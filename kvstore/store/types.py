@@ -18,7 +18,7 @@ from kvstore.store.index import MAX_META_BYTES
 MEMORY_TIERS = ("gpu", "dram")  # where new writes land (TE-addressable)
 
 
-class Placement(NamedTuple):
+class EntryPlacement(NamedTuple):
     """Where a writer puts one new entry's bytes."""
 
     key: bytes
@@ -30,7 +30,7 @@ class Placement(NamedTuple):
 
 class Reservation(NamedTuple):
     id: int
-    placements: list[Placement | None]  # None: already stored or being written (dedup)
+    placements: list[EntryPlacement | None]  # None: already stored or being written (dedup)
     expires_at: float  # wall time after which an uncommitted reservation is reaped
 
 

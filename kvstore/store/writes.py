@@ -1,11 +1,11 @@
 """The write path of the store: reserve -> write -> commit (or abort).
 
-A mixin of ``kvstore.store.facade.Store``: every method here takes the store's lock (or
-runs under it) and uses its state (``_records``, ``_res``, ``_inflight``, ...).
+Operations over the store's parts (parts.py): every method takes the store's lock
+and changes records only through the catalog, holds only through ``Holds``.
 
 Invariants kept here:
-* a key is in ``_inflight`` exactly while one open reservation holds an extent
-  for it, so two writers never store the same key twice;
+* a key is in ``holds.inflight`` exactly while one open reservation holds an
+  extent for it, so two writers never store the same key twice;
 * a reservation's dedups onto committed keys are held (leased) until it commits
   or aborts, so the entries it counted on cannot go meanwhile;
 * nothing becomes visible unless every new entry matches its checksum.
@@ -18,10 +18,12 @@ from collections.abc import Sequence
 
 from kvstore.core.errors import ChecksumError, InvalidRequestError
 from kvstore.store.index import Record
-from kvstore.store.records import Open, prompt_end
+from kvstore.core.hashing import hidden_key
+from kvstore.store.holds import Open
+from kvstore.store.parts import Operations
 from kvstore.store.types import (
     CommitResult,
-    Placement,
+    EntryPlacement,
     Reservation,
     check_keys,
     check_lease,
@@ -33,7 +35,7 @@ from kvstore.store.types import (
 )
 
 
-class WritesMixin:
+class Writes(Operations):
     def reserve(self, keys: Sequence[bytes], sizes: Sequence[int], tokens: Sequence[bytes],
                 meta: Sequence[bytes | None] | None = None,
                 lease_s: float | None = None, namespace: bytes = b"") -> Reservation:
@@ -47,22 +49,20 @@ class WritesMixin:
         tokens = check_tokens(tokens, len(keys))
         metas = check_meta(meta, len(keys))
         lease = check_lease(lease_s, self.config.store.reservation_lease_s)
-        with self._lock:
-            self._maybe_reap()
+        with self.lock:
+            self.reap_due()
             new, held = self._split_new(keys)
-            self._hold(held)
+            self.holds.hold(held)
             try:
-                extents = self._allocate_memory([sizes[i] for i in new]) if new else []
+                extents = self.place.allocate_memory([sizes[i] for i in new]) if new else []
             except BaseException:
-                self._drop_now(self._unhold(held))
+                self.catalog.drop_idle(self.holds.unhold(held))
                 raise
             op = Open(new_id(), keys, tokens, metas, [None] * len(keys), held,
                       time.time() + lease, {}, ns_tag)
             for i, ext in zip(new, extents):
                 op.extents[i] = ext
-                self._inflight[keys[i]] = op.id
-            self._res[op.id] = op
-            self._next_reap = min(self._next_reap, op.expires_at)
+            self.holds.add_reservation(op)
             return Reservation(op.id, self._placements(op), op.expires_at)
 
     def _split_new(self, keys: list[bytes]) -> tuple[list[int], list[bytes]]:
@@ -70,26 +70,26 @@ class WritesMixin:
         in flight), and the stored keys it dedups onto (to hold until commit)."""
         new, held, seen = [], [], set()
         for i, key in enumerate(keys):
-            if key in self._records:
+            if key in self.catalog.records:
                 held.append(key)
-            elif key not in seen and key not in self._inflight:
+            elif key not in seen and key not in self.holds.inflight:
                 new.append(i)
                 seen.add(key)
         return new, held
 
-    def _placements(self, op: Open) -> list[Placement | None]:
-        return [None if e is None else Placement(k, e.tier, e.offset, e.nbytes,
-                                                 self._tiers[e.tier].address(e))
+    def _placements(self, op: Open) -> list[EntryPlacement | None]:
+        return [None if e is None else EntryPlacement(k, e.tier, e.offset, e.nbytes,
+                                                 self.place.tiers[e.tier].address(e))
                 for k, e in zip(op.keys, op.extents)]
 
     def write(self, reservation_id: int, index: int, data) -> None:
         """Copy one new entry's bytes into its reserved extent (local writers)."""
-        with self._lock:
-            op = self._open_reservation(reservation_id)
+        with self.lock:
+            op = self.holds.open_reservation(reservation_id)
             if not 0 <= index < len(op.extents) or op.extents[index] is None:
                 raise InvalidRequestError(f"reservation has no placement {index} to write")
             ext = op.extents[index]
-            self._tiers[ext.tier].write(ext, memoryview(data))
+            self.place.tiers[ext.tier].write(ext, memoryview(data))
 
     def commit(self, reservation_id: int, checksums: Sequence[int],
                pin: bool = False) -> CommitResult:
@@ -98,15 +98,15 @@ class WritesMixin:
         ``pin``: pin every entry this commit stores or dedups onto, in the same
         locked step, so no eviction can come between the entry appearing and its
         pin (a separate ``pin`` call races room-making by other writers)."""
-        with self._lock:
-            op = self._open_reservation(reservation_id)
+        with self.lock:
+            op = self.holds.open_reservation(reservation_id)
             new = [i for i, e in enumerate(op.extents) if e is not None]
             sums = _match_checksums(checksums, len(op.keys), new)
-            got = self._checksums([op.extents[i] for i in new])
+            got = self.io.checksums([op.extents[i] for i in new])
             bad = [op.keys[i] for i, s, g in zip(new, sums, got) if g != s]
             if bad:
-                self._close_reservation(op)
-                self._stats["commit_checksum_failures"] += len(bad)
+                self.close_reservation(op)
+                self.counts["commit_checksum_failures"] += len(bad)
                 raise ChecksumError(f"{len(bad)} of {len(new)} written entries do not match "
                                     f"their checksum (first {bad[0].hex()}); nothing stored")
             return self._commit_verified(op, new, sums, pin)
@@ -117,15 +117,12 @@ class WritesMixin:
         deduped, lost = self._count_dedups(op, put, pin)
         if pin:
             put = {k: r._replace(pins=r.pins + 1) for k, r in put.items()}
-        self._apply(put=list(put.values()))  # first: if the index refuses, nothing changed
+        self.catalog.apply(put=list(put.values()))  # first: if the index refuses, nothing changed
+        self.catalog.drop_idle(self.holds.end_reservation(op))
+        self.counts["bytes_in"] += sum(op.extents[i].nbytes for i in new)
         for i in new:
-            del self._inflight[op.keys[i]]
-        del self._res[op.id]
-        self._drop_now(self._unhold(op.held))
-        self._stats["bytes_in"] += sum(op.extents[i].nbytes for i in new)
-        for i in new:
-            self._tier_bytes[op.extents[i].tier, "bytes_in"] += op.extents[i].nbytes
-        self._stats["commits"] += 1
+            self.tier_bytes[op.extents[i].tier, "bytes_in"] += op.extents[i].nbytes
+        self.counts["commits"] += 1
         return CommitResult(len(new), deduped, lost)
 
     def _count_dedups(self, op: Open, put: dict[bytes, Record],
@@ -137,13 +134,13 @@ class WritesMixin:
         end = prompt_end(op.keys)
         for i in (i for i, e in enumerate(op.extents) if e is None):
             key = op.keys[i]
-            rec = put.get(key) or self._records.get(key)
+            rec = put.get(key) or self.catalog.records.get(key)
             if rec is not None and rec.tokens == op.tokens[i]:
                 put[key] = rec._replace(pending=rec.pending + 1,
                                         ends=rec.ends + (key == end))
                 deduped += 1
-            elif rec is None and key in self._inflight and self._inflight[key] != op.id:
-                other = self._res[self._inflight[key]]
+            elif rec is None and (other := self.holds.writer_of(key)) is not None \
+                    and other is not op:
                 other.extra[key] = other.extra.get(key, 0) + 1
                 if key == end:
                     other.extra_ends[key] = other.extra_ends.get(key, 0) + 1
@@ -157,23 +154,17 @@ class WritesMixin:
 
     def abort(self, reservation_id: int) -> None:
         """Forget a reservation; its space is free at once, nothing becomes visible."""
-        with self._lock:
-            self._close_reservation(self._open_reservation(reservation_id))
-            self._stats["aborts"] += 1
+        with self.lock:
+            self.close_reservation(self.holds.open_reservation(reservation_id))
+            self.counts["aborts"] += 1
 
-    def _open_reservation(self, rid: int) -> Open:
-        op = self._res.get(rid)
-        if op is None:
-            raise self._gone("reservation", rid)
-        return op
-
-    def _close_reservation(self, op: Open) -> None:
-        for key, ext in zip(op.keys, op.extents):
+    def close_reservation(self, op: Open) -> None:
+        """Give a reservation up (abort, expiry, bad checksum): its extents are free
+        at once, nothing of it becomes visible."""
+        for ext in op.extents:
             if ext is not None:
-                self._tiers[ext.tier].free(ext)
-                del self._inflight[key]
-        del self._res[op.id]
-        self._drop_now(self._unhold(op.held))
+                self.place.tiers[ext.tier].free(ext)
+        self.catalog.drop_idle(self.holds.end_reservation(op))
 
 
 def _new_records(op: Open, new: list[int], sums: list[int], now: float) -> dict[bytes, Record]:
@@ -205,3 +196,11 @@ def _match_checksums(checksums: Sequence[int], nkeys: int, new: list[int]) -> li
         if not isinstance(s, int) or isinstance(s, bool) or not 0 <= s < 2**64:
             raise InvalidRequestError(f"checksum must be a uint64, got {s!r}")
     return picked
+
+
+def prompt_end(keys: Sequence[bytes]) -> bytes:
+    """The key of a reservation's last block: its last key, or the one before when
+    the last is that block's hidden-state entry (``hashing.hidden_key``)."""
+    if len(keys) >= 2 and keys[-1] == hidden_key(keys[-2]):
+        return keys[-2]
+    return keys[-1]

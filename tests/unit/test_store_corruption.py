@@ -116,7 +116,7 @@ def test_a_reader_report_drops_every_entry_bad_at_rest(make_store):
     put(store, [1, 2, 3])
     for i in (2, 3):  # a stray writer overwrote two entries in the arena
         rec = next(r for r in store.entries() if r.key == key(i))
-        store._tiers["dram"].view(store._extent(rec))[0] ^= 0xFF
+        store.place.tiers["dram"].view(store.place.io.extent(rec))[0] ^= 0xFF
     acq = store.acquire([key(1), key(2), key(3)], [toks(1), toks(2), toks(3)], claim=True)
     with pytest.raises(InvalidRequestError):
         store.release(acq.id, drop=False, corrupt=[7])  # not a position of the lease

@@ -20,13 +20,13 @@ def _walked(order):
 
 
 def _check_orders(store):
-    sort_key = store._policy.sort_key
+    sort_key = store.place.policy.sort_key
     for name in store.tier_names:
-        members = [store._records[k] for k in store._by_tier[name]]
-        assert _walked(store._orders[name]) == [r.key for r in sorted(members, key=sort_key)]
-        assert _walked(store._orders[name]) == _walked(store._orders[name])  # walk keeps items
-    copies = sorted((store._records[k] for k in store._copies), key=sort_key)
-    assert _walked(store._copy_order) == [r.key for r in copies]
+        members = [store.catalog.records[k] for k in store.catalog.by_tier[name]]
+        assert _walked(store.catalog.orders[name]) == [r.key for r in sorted(members, key=sort_key)]
+        assert _walked(store.catalog.orders[name]) == _walked(store.catalog.orders[name])  # walk keeps items
+    copies = sorted((store.catalog.records[k] for k in store.catalog.copies), key=sort_key)
+    assert _walked(store.catalog.copy_order) == [r.key for r in copies]
 
 
 @pytest.mark.parametrize("policy,seed", [("lru", 1), ("lru", 2), ("fifo", 3)])
@@ -36,10 +36,8 @@ def test_walk_matches_the_policy_sort(make_store, monkeypatch, policy, seed):
     monkeypatch.setattr(so, "_SLACK", 4)  # rebuilds happen within the test
     rng = random.Random(seed)
     store = make_store(dram=6, nvme=10, high=0.8, low=0.5)
-    store._policy = make_policy(policy)
-    for order in [*store._orders.values(), store._copy_order]:
-        order._sort_key = store._policy.sort_key
-        order.rebuild()
+    store.place.policy = make_policy(policy)
+    store.catalog.set_sort_key(store.place.policy.sort_key)
     for step in range(200):
         ids = rng.sample(range(24), rng.randint(1, 3))
         op = rng.choice(["put", "put", "hit", "hit", "demote", "evict", "pin"])
@@ -54,7 +52,7 @@ def test_walk_matches_the_policy_sort(make_store, monkeypatch, policy, seed):
             elif op == "evict":
                 store.evict(nbytes=rng.randint(0, 3) * 4096)
             else:
-                stored = [key(i) for i in ids if key(i) in store._records]
+                stored = [key(i) for i in ids if key(i) in store.catalog.records]
                 store.pin(stored) if rng.random() < 0.5 else store.unpin(stored)
         except KVStoreError:
             pass

@@ -20,18 +20,18 @@ def test_nvme_read_error_while_staging_is_a_clean_miss(make_store, monkeypatch):
     put(store, [1, 2])
     store.demote([key(1), key(2)])
     assert {r.tier for r in store.entries()} == {"nvme"}
-    nvme = store._tiers["nvme"]
+    nvme = store.place.tiers["nvme"]
     real_read = nvme.read_many
 
     def failing_read(*args, **kw):
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(nvme, "read_many", failing_read)
-    dram_used = store._tiers["dram"].used
+    dram_used = store.place.tiers["dram"].used
     with pytest.raises(MissError, match="NVMe read failed"):
         store.acquire([key(1), key(2)], [toks(1), toks(2)])
-    assert store._tiers["dram"].used == dram_used
-    assert not store._leased
+    assert store.place.tiers["dram"].used == dram_used
+    assert not store.holds.leased
     store.check_integrity()
 
     monkeypatch.setattr(nvme, "read_many", real_read)
@@ -60,17 +60,17 @@ def test_release_whose_index_write_fails_changes_nothing(make_store, monkeypatch
     store = make_store(dram=4)
     put(store, [1])
     got = store.acquire([key(1)], [toks(1)], claim=True)
-    real_write = store._write_index
+    real_write = store.catalog._write_index
 
     def failing_write(*args, **kw):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(store, "_write_index", failing_write)
+    monkeypatch.setattr(store.catalog, "_write_index", failing_write)
     with pytest.raises(OSError):
         store.release(got.id, drop=True)
-    assert store._leased == {key(1): 1} and store._claims == {key(1): 1}
+    assert store.holds.leased == {key(1): 1} and store.holds.claims == {key(1): 1}
     assert {r.key: r.pending for r in store.entries()} == {key(1): 1}
     store.check_integrity()
-    monkeypatch.setattr(store, "_write_index", real_write)
+    monkeypatch.setattr(store.catalog, "_write_index", real_write)
     assert store.release(got.id, drop=True) == 1
-    assert list(store.entries()) == [] and not store._leased and not store._claims
+    assert list(store.entries()) == [] and not store.holds.leased and not store.holds.claims

@@ -1,9 +1,9 @@
 """How entries change place: allocation with room-making, demotion down the tiers,
 and staging of NVMe hits into memory.
 
-A mixin of ``kvstore.store.facade.Store``: every method here runs under the store's lock
-and uses its state (``_records``, ``_by_tier``, ``_leased``, ``_tiers``, ...); every
-record change goes through ``_apply`` (store_records.py).
+Owner of: the tiers (``tiers``, fastest first; it closes them) and the victim
+policy (``policy``). Runs under the store's lock; every record change goes
+through ``Catalog.apply``, every hold through ``Holds``.
 
 Invariants kept here:
 * Room is made by policy victims only; leased and pinned entries are never
@@ -19,81 +19,112 @@ import logging
 
 from kvstore.core.errors import MissError, TierFullError
 from kvstore.core.hashing import checksum
-from kvstore.store.index import Record
-from kvstore.store.policy import Candidate, Selection, bytes_to_free, over_watermark
-from kvstore.store.order import GroupOrder
-from kvstore.store.records import Lease, Open, RecordsMixin, durable
-from kvstore.store.types import MEMORY_TIERS, NO_ROOM_TO_STAGE, TIER_ORDER
-from tiers.base import Extent
+from collections import Counter
 
-__all__ = ["Lease", "MovesMixin", "Open", "durable"]  # the books' names, re-exported
+from kvstore.core.config import KVStoreConfig
+from kvstore.store.bytes_io import ByteIO
+from kvstore.store.catalog import Catalog
+from kvstore.store.holds import Holds
+from kvstore.store.index import Record
+from kvstore.store.order import GroupOrder
+from kvstore.store.policy import (
+    Candidate,
+    EvictionPolicy,
+    Selection,
+    bytes_to_free,
+    over_watermark,
+)
+from kvstore.store.types import MEMORY_TIERS, NO_ROOM_TO_STAGE, TIER_ORDER
+from tiers.base import Extent, Tier
 
 log = logging.getLogger(__name__)
 
 
-class MovesMixin(RecordsMixin):
+class Placement:
+    def __init__(self, config: KVStoreConfig, tiers: dict[str, Tier], policy: EvictionPolicy,
+                 catalog: Catalog, holds: Holds, io: ByteIO, counts: Counter) -> None:
+        self.config = config
+        self.tiers = tiers
+        self.policy = policy
+        self.catalog = catalog
+        self.holds = holds
+        self.io = io
+        self.counts = counts
+
+    def candidates(self, name: str) -> list[Candidate]:
+        """Every entry of tier ``name`` as the policy sees it (for evict / demote)."""
+        ps = self.tiers[name].page_size
+        recs = self.catalog.records
+        return [Candidate(k, -(-recs[k].nbytes // ps) * ps, recs[k].last_access,
+                          recs[k].created, recs[k].pins, self.holds.leased.get(k, 0))
+                for k in self.catalog.by_tier[name]]
+
+    def close(self) -> None:
+        for tier in self.tiers.values():
+            tier.close()
+
     # ------------------------------------------------------------ room
-    def _allocate_memory(self, sizes: list[int]) -> list[Extent]:
+    def allocate_memory(self, sizes: list[int]) -> list[Extent]:
         """Extents in the fastest memory tier that has (or can make) room."""
         errors = []
         for name in MEMORY_TIERS:
-            if name in self._tiers:
+            if name in self.tiers:
                 try:
-                    return self._allocate_in(name, sizes)
+                    return self.allocate_in(name, sizes)
                 except TierFullError as exc:
                     errors.append(f"{name}: {exc}")
         raise TierFullError(f"no room for {len(sizes)} entries ({sum(sizes)} bytes); "
                             f"pinned and leased entries are never evicted ({'; '.join(errors)})")
 
-    def _allocate_in(self, name: str, sizes: list[int]) -> list[Extent]:
+    def allocate_in(self, name: str, sizes: list[int]) -> list[Extent]:
         """Extents in tier ``name``; above the high watermark, LRU entries move down
         first until the tier would sit at the low watermark."""
-        tier = self._tiers[name]
+        tier = self.tiers[name]
         page = tier.page_size
         need = sum(-(-n // page) * page for n in sizes)
         if need > tier.capacity:
             raise TierFullError(f"{need} bytes exceed the tier's capacity {tier.capacity}")
         pol = self.config.policy
         if over_watermark(tier.used, need, tier.capacity, pol.high_watermark):
-            self._shed(name, bytes_to_free(tier.used, need, tier.capacity, pol.low_watermark))
+            self.shed(name, bytes_to_free(tier.used, need, tier.capacity, pol.low_watermark))
         while True:
             try:
                 return tier.allocate_many(list(sizes))
             except TierFullError:
                 # Not enough free, or too fragmented: move more out, give up when
                 # nothing movable is left.
-                if not self._shed(name, need):
+                if not self.shed(name, need):
                     raise
 
-    def _allocate_each(self, name: str, recs: list[Record]) -> list[Extent | None]:
+    def allocate_each(self, name: str, recs: list[Record]) -> list[Extent | None]:
         """One extent per record (a batch when possible); None where none fits."""
         try:
-            return list(self._allocate_in(name, [r.nbytes for r in recs]))
+            return list(self.allocate_in(name, [r.nbytes for r in recs]))
         except TierFullError:
             pass
         out: list[Extent | None] = []
         for rec in recs:
             try:
-                out.append(self._allocate_in(name, [rec.nbytes])[0])
+                out.append(self.allocate_in(name, [rec.nbytes])[0])
             except TierFullError:
                 out.append(None)
         return out
 
-    def _shed(self, name: str, nbytes: int) -> int:
+    def shed(self, name: str, nbytes: int) -> int:
         """Move policy victims out of tier ``name`` (down, or gone from the last
         tier); returns the bytes chosen. On NVMe, copies of entries that are served
         from memory go first: dropping one loses no entry."""
         if nbytes <= 0:
             return 0
         freed = 0
-        if name == "nvme" and self._copies:
-            sel = self._victims(self._copy_order, "nvme", nbytes, copies=True)
-            self._apply(put=[self._records[k]._replace(nvme_copy=None) for k in sel.keys])
+        if name == "nvme" and self.catalog.copies:
+            sel = self._victims(self.catalog.copy_order, "nvme", nbytes, copies=True)
+            self.catalog.apply(put=[self.catalog.records[k]._replace(nvme_copy=None) for k in sel.keys])
             freed = sel.nbytes
         if freed < nbytes:
-            sel = self._victims(self._orders[name], name, nbytes - freed)
+            sel = self._victims(self.catalog.orders[name], name, nbytes - freed)
             if sel.keys:
-                self._move_down(name, sel.keys)
+                self.move_down(name, sel.keys)
             freed += sel.nbytes
         return freed
 
@@ -102,23 +133,23 @@ class MovesMixin(RecordsMixin):
         """Policy victims worth ``nbytes`` of tier ``name``, walking its kept order
         (O(victims + skipped), not a sort of the tier). A copy is never leased:
         dropping it leaves the entry where it is served from."""
-        page = self._tiers[name].page_size
+        page = self.tiers[name].page_size
         walk = order.walk()
         try:
-            return self._policy.take(
+            return self.policy.take(
                 (Candidate(r.key, -(-r.nbytes // page) * page, r.last_access, r.created,
-                           r.pins, 0 if copies else self._leased.get(r.key, 0))
+                           r.pins, 0 if copies else self.holds.leased.get(r.key, 0))
                  for r in walk), nbytes)
         finally:
             walk.close()
 
-    def _move_down(self, name: str, keys: list[bytes]) -> None:
-        recs = self._back_to_copies([self._records[k] for k in keys])
-        below = [n for n in TIER_ORDER[TIER_ORDER.index(name) + 1:] if n in self._tiers]
+    def move_down(self, name: str, keys: list[bytes]) -> None:
+        recs = self._back_to_copies([self.catalog.records[k] for k in keys])
+        below = [n for n in TIER_ORDER[TIER_ORDER.index(name) + 1:] if n in self.tiers]
         moved, left = self._write_below(recs, below)
-        self._apply_or_free(put=moved, drop=[r.key for r in left])
-        self._stats["demotions"] += len(moved)
-        self._stats["evictions"] += len(left)
+        self.catalog.apply_or_free(put=moved, drop=[r.key for r in left])
+        self.counts["demotions"] += len(moved)
+        self.counts["evictions"] += len(left)
 
     def _back_to_copies(self, recs: list[Record]) -> list[Record]:
         """Demote the entries that have an NVMe copy straight back to it (no write
@@ -126,8 +157,8 @@ class MovesMixin(RecordsMixin):
         drop those very copies."""
         back = [r._replace(tier="nvme", offset=r.nvme_copy, nvme_copy=None)
                 for r in recs if r.nvme_copy is not None]
-        self._apply(put=back)
-        self._stats["demotions"] += len(back)
+        self.catalog.apply(put=back)
+        self.counts["demotions"] += len(back)
         return [r for r in recs if r.nvme_copy is None]
 
     def _write_below(self, recs: list[Record],
@@ -140,29 +171,29 @@ class MovesMixin(RecordsMixin):
             for dst in below:
                 if not recs:
                     break
-                exts = self._allocate_each(dst, recs)
+                exts = self.allocate_each(dst, recs)
                 pairs = [(r, e) for r, e in zip(recs, exts) if e is not None]
                 moved += [r._replace(tier=dst, offset=e.offset) for r, e in pairs]
                 # one call per run of adjacent extents on NVMe (tiers/nvme_runs.py)
-                self._tiers[dst].write_many([e for _, e in pairs],
-                                            [self._read_bytes(r) for r, _ in pairs])
+                self.tiers[dst].write_many([e for _, e in pairs],
+                                            [self.io.read_bytes(r) for r, _ in pairs])
                 if dst == "nvme" and self.config.tiers.nvme_fsync != "never":
-                    self._tiers[dst].flush()  # durable before the index points at it
+                    self.tiers[dst].flush()  # durable before the index points at it
                 recs = [r for r, e in zip(recs, exts) if e is None]
         except BaseException:
             for rec in moved:
-                self._tiers[rec.tier].free(self._extent(rec))
+                self.tiers[rec.tier].free(self.io.extent(rec))
             raise
         return moved, recs
 
-    def _restore_watermarks(self) -> None:
+    def restore_watermarks(self) -> None:
         pol = self.config.policy
-        for name, tier in self._tiers.items():
+        for name, tier in self.tiers.items():
             if over_watermark(tier.used, 0, tier.capacity, pol.high_watermark):
-                self._shed(name, bytes_to_free(tier.used, 0, tier.capacity, pol.low_watermark))
+                self.shed(name, bytes_to_free(tier.used, 0, tier.capacity, pol.low_watermark))
 
     # ------------------------------------------------------------ staging
-    def _stage_prefix(self, recs: list[Record]) -> tuple[list[Record], str]:
+    def stage_prefix(self, recs: list[Record]) -> tuple[list[Record], str]:
         """Stage the NVMe entries of a leased prefix into a memory tier, verifying
         each checksum. Returns the prefix that can be served, and why it is shorter
         than ``recs`` when the reason is room (``NO_ROOM_TO_STAGE``; "" otherwise);
@@ -171,8 +202,8 @@ class MovesMixin(RecordsMixin):
         if not nv:
             return recs, ""
         stage = self.config.policy.stage_nvme_hits
-        target = "dram" if "dram" in self._tiers else "gpu"
-        exts = self._allocate_each(target, [recs[i] for i in nv]) if stage else [None] * len(nv)
+        target = "dram" if "dram" in self.tiers else "gpu"
+        exts = self.allocate_each(target, [recs[i] for i in nv]) if stage else [None] * len(nv)
         # the prefix ends before the first entry that should stage but found no room
         upto = next((i for i, e in zip(nv, exts) if stage and e is None), len(recs))
         try:
@@ -180,15 +211,15 @@ class MovesMixin(RecordsMixin):
         except OSError as exc:  # the staging extents have no owner yet: give them back
             for ext in exts:
                 if ext is not None:
-                    self._tiers[ext.tier].free(ext)
+                    self.tiers[ext.tier].free(ext)
             raise MissError(f"NVMe read failed staging {len(nv)} entries: {exc}") from exc
         cut, moved, bad = self._settle_staged(recs, list(zip(nv, exts)), bufs, upto, target)
-        gone = self._unhold([r.key for r in recs[cut:]])
+        gone = self.holds.unhold([r.key for r in recs[cut:]])
         # A bad entry someone else still holds stays until then (its reads verify).
-        bad = [k for k in bad if not self._leased.get(k)]
-        self._apply_or_free(put=moved, drop=bad + gone)
-        self._stats["stagings"] += len(moved)
-        self._stats["checksum_failures"] += len(bad)
+        bad = [k for k in bad if not self.holds.leased.get(k)]
+        self.catalog.apply_or_free(put=moved, drop=bad + gone)
+        self.counts["stagings"] += len(moved)
+        self.counts["checksum_failures"] += len(bad)
         staged = {r.key: r for r in moved}
         short = NO_ROOM_TO_STAGE if upto < len(recs) and cut == upto else ""
         return [staged.get(r.key, r) for r in recs[:cut]], short
@@ -208,14 +239,14 @@ class MovesMixin(RecordsMixin):
                 bad.append(recs[i].key)  # only the bytes of ext (if any) changed
                 cut = i
             elif ext is not None:
-                if self._tiers[target].view(ext) is None:  # read into a scratch buffer
-                    self._tiers[target].write(ext, bufs[i])
+                if self.tiers[target].view(ext) is None:  # read into a scratch buffer
+                    self.tiers[target].write(ext, bufs[i])
                 # the NVMe bytes stay as the entry's copy (restart, cheap re-demotion)
                 moved.append(recs[i]._replace(tier=target, offset=ext.offset,
                                               nvme_copy=recs[i].offset))
                 continue
             if ext is not None:
-                self._tiers[target].free(ext)
+                self.tiers[target].free(ext)
         return cut, moved, bad
 
     def _read_nvme(self, recs: list[Record], which: list[int],
@@ -226,9 +257,9 @@ class MovesMixin(RecordsMixin):
         bufs: dict[int, memoryview] = {}
         for i in which:
             ext = exts[i]
-            view = self._tiers[ext.tier].view(ext) if ext is not None else None
+            view = self.tiers[ext.tier].view(ext) if ext is not None else None
             bufs[i] = view if view is not None else memoryview(bytearray(recs[i].nbytes))
-        self._tiers["nvme"].read_many([self._extent(recs[i]) for i in which],
+        self.tiers["nvme"].read_many([self.io.extent(recs[i]) for i in which],
                                       [bufs[i] for i in which])
         return bufs
 

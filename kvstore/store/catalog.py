@@ -1,0 +1,252 @@
+"""The catalog: every committed record, its two LMDB indexes, and the per-tier
+membership and victim orders kept in step with them. The one place records change.
+
+Owner of: ``records`` (key -> Record), ``by_tier`` (tier -> its keys, in insertion
+order), ``copies`` (keys served from memory that keep an NVMe copy), the durable
+``index`` and the ``vindex`` (volatile), ``orders`` (one ``GroupOrder`` per tier)
+and ``copy_order`` (the NVMe copies). Others read these; only ``apply`` (and
+``touch``, for access times) writes them.
+
+Invariants kept here:
+* ``apply`` is the only place records change: the index transactions first (the
+  volatile environment's, then the durable one's), then memory, then the freeing
+  of every extent no record points at any more. Freeing after the transaction
+  means a crash can never leave two records on one extent. If the index refuses
+  (``StorageError``: full, read-only, failing disk), nothing changed.
+* ``by_tier`` and ``copies`` list exactly the records of that tier / with a copy;
+  every member has an item in its order whose key is at most its sort key
+  (kvstore/store/order.py).
+* records naming NVMe bytes live in the durable index, the rest in the volatile one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from kvstore.core.errors import StorageError
+from kvstore.store.index import Index, Record, open_volatile
+from kvstore.store.order import GroupOrder
+from tiers.base import Extent, Tier
+
+log = logging.getLogger(__name__)
+
+_STORAGE_LOG_EVERY_S = 10.0  # a full disk fails every write: one log line per this long
+
+
+class Catalog:
+    def __init__(self, data_dir: Path, map_bytes: int, sync: bool,
+                 tiers: Mapping[str, Tier], sort_key: Callable[[Record], tuple],
+                 counts: Counter) -> None:
+        """Open both indexes (``index`` synced unless ``sync`` is False, ``index-
+        volatile`` recreated). ``tiers`` are only freed into here, never allocated;
+        ``counts`` is the store's event counter (``storage_errors``, ``dropped``)."""
+        # Two LMDB environments: ``index`` holds the records that name NVMe bytes
+        # (synced per nvme_fsync), ``index-volatile`` those of memory tiers only
+        # (never synced, recreated on start). A DRAM/GPU-only commit so costs no
+        # fsync; docs/architecture.md "Departures from DESIGN.md".
+        self.index = Index(data_dir / "index", map_bytes, sync=sync)
+        try:
+            self.vindex = open_volatile(data_dir / "index-volatile", map_bytes)
+        except BaseException:
+            self.index.close()
+            raise
+        self._tiers = tiers
+        self._sort_key = sort_key
+        self._counts = counts
+        self._storage_logged_at = -_STORAGE_LOG_EVERY_S
+        self.records: dict[bytes, Record] = {}
+        self.by_tier: dict[str, dict[bytes, None]] = {name: {} for name in tiers}
+        self.copies: dict[bytes, None] = {}
+        self.orders = {name: GroupOrder(sort_key, self._member_of(name),
+                                        lambda name=name: self.by_tier[name])
+                       for name in tiers}
+        self.copy_order = GroupOrder(sort_key, self._copy_of, lambda: self.copies)
+
+    def load(self, recovered: list[Record]) -> None:
+        """Fill memory with the records recovery kept (they are in the index)."""
+        for rec in sorted(recovered, key=lambda r: r.last_access):
+            self.records[rec.key] = rec
+            self.by_tier[rec.tier][rec.key] = None
+            if rec.nvme_copy is not None:
+                self.copies[rec.key] = None
+        for order in self.orders.values():
+            order.rebuild()
+        self.copy_order.rebuild()
+
+    def close(self) -> None:
+        self.index.close()
+        self.vindex.close()
+
+    def set_sort_key(self, sort_key: Callable[[Record], tuple]) -> None:
+        """Order victims by another policy from now on (the orders are rebuilt)."""
+        self._sort_key = sort_key
+        for order in [*self.orders.values(), self.copy_order]:
+            order.set_sort_key(sort_key)
+
+    # ------------------------------------------------------------ changes
+    def apply(self, put: Sequence[Record] = (), drop: Sequence[bytes] = ()) -> None:
+        """Write ``put`` and delete ``drop`` (keys not stored are ignored): index
+        first, then memory, then the extents nobody owns any more are freed."""
+        gone = [k for k in dict.fromkeys(drop) if k in self.records]
+        if not put and not gone:
+            return
+        try:
+            self._write_index(put, gone)
+        except StorageError as exc:  # full / read-only / failing disk: nothing changed
+            self._storage_failed(exc)
+            raise
+        self._put_records(put)
+        self._drop_records(gone)
+
+    def apply_or_free(self, put: list[Record], drop: list[bytes]) -> None:
+        """``apply`` for records moved into freshly allocated extents: if the index
+        refuses the change, those extents go back and the records stay where they were."""
+        try:
+            self.apply(put=put, drop=drop)
+        except BaseException:
+            for rec in put:
+                old = self.records[rec.key]
+                if (rec.tier, rec.offset) != (old.tier, old.offset) and not (
+                        rec.tier == "nvme" and rec.offset == old.nvme_copy):
+                    self._tiers[rec.tier].free(Extent(rec.tier, rec.offset, rec.nbytes))
+            raise
+
+    def drop_idle(self, keys: list[bytes]) -> None:
+        """Free entries that nothing needs any more. Runs after the change that made
+        them due (a commit, a release) has been applied: if the index cannot be
+        written now, they stay stored (idle, evictable) rather than failing it."""
+        if not keys:
+            return
+        try:
+            self.apply(drop=keys)
+        except StorageError:
+            return  # counted and logged by apply
+        self._counts["dropped"] += len(keys)
+
+    def touch(self, recs: Sequence[Record], now: float) -> list[Record]:
+        """Set the access time of ``recs`` (stored) in memory only: it is persisted
+        with the entry's next change. Returns the current records. Their victim
+        orders catch up lazily (order.py)."""
+        out = [self.records[r.key]._replace(last_access=now) for r in recs]
+        for rec in out:
+            self.records[rec.key] = rec
+        return out
+
+    # ------------------------------------------------------------ inside apply
+    def _put_records(self, put: Sequence[Record]) -> None:
+        """Memory catches up with ``put`` (already in the index); extents the old
+        records owned and the new ones do not are freed."""
+        records, by_tier, orders = self.records, self.by_tier, self.orders
+        for rec in put:
+            old = records.get(rec.key)
+            records[rec.key] = rec
+            if old is None and rec.nvme_copy is None:  # a new entry (commit): the short way
+                by_tier[rec.tier][rec.key] = None
+                orders[rec.tier].push(rec)
+                continue
+            if old is not None and old.tier != rec.tier:
+                del by_tier[old.tier][rec.key]
+            by_tier[rec.tier][rec.key] = None
+            if rec.nvme_copy is None:
+                self.copies.pop(rec.key, None)
+            else:
+                self.copies[rec.key] = None
+            self._reordered(rec, old)
+            if old is not None:
+                for ext in set(owned(old)) - set(owned(rec)):
+                    self._tiers[ext.tier].free(ext)
+
+    def _drop_records(self, drop: list[bytes]) -> None:
+        for key in drop:
+            rec = self.records.pop(key)
+            del self.by_tier[rec.tier][key]
+            self.copies.pop(key, None)
+            for ext in owned(rec):
+                self._tiers[ext.tier].free(ext)
+
+    def _write_index(self, put: Sequence[Record], drop: list[bytes]) -> None:
+        """Each change into its environment: records naming NVMe bytes into the
+        durable index, the rest into the volatile one (no fsync). Volatile first:
+        if the durable transaction then fails, the volatile one is undone, so the
+        change is still all or nothing. A record that crosses over is deleted from
+        the other environment; a crash between the two transactions is harmless
+        because the volatile one is discarded on start anyway."""
+        vput, vdel, dput, ddel = [], [], [], []
+        for rec in put:
+            old = self.records.get(rec.key)
+            if durable(rec):
+                dput.append(rec)
+                if old is not None and not durable(old):
+                    vdel.append(rec.key)
+            else:
+                vput.append(rec)
+                if old is not None and durable(old):
+                    ddel.append(rec.key)
+        for key in drop:
+            (ddel if durable(self.records[key]) else vdel).append(key)
+        if vput or vdel:
+            self.vindex.apply(put=vput, delete=vdel)
+        if dput or ddel:
+            try:
+                self.index.apply(put=dput, delete=ddel)
+            except BaseException:
+                if vput or vdel:
+                    self._undo_volatile([r.key for r in vput] + vdel)
+                raise
+
+    def _undo_volatile(self, keys: list[bytes]) -> None:
+        """Put the volatile index back as memory still has it for ``keys``."""
+        back = [r for r in (self.records.get(k) for k in keys)
+                if r is not None and not durable(r)]
+        try:
+            self.vindex.apply(put=back, delete=[k for k in keys if k not in
+                                                {r.key for r in back}])
+        except Exception:  # the first error (the durable one) is the one to report
+            log.exception("volatile index out of step after a failed index write")
+
+    def _reordered(self, rec: Record, old: Record | None = None) -> None:
+        """Keep the victim orders in step with ``rec``, which just replaced ``old``:
+        a new item where it joined a group or moved in it."""
+        key = self._sort_key
+        moved = old is None or key(old) != key(rec)
+        if moved or old is None or old.tier != rec.tier:
+            self.orders[rec.tier].push(rec)
+        if rec.nvme_copy is not None and (moved or old is None or old.nvme_copy is None):
+            self.copy_order.push(rec)
+
+    def _storage_failed(self, exc: StorageError) -> None:
+        """Count an index write the file system refused; log it, once per
+        ``_STORAGE_LOG_EVERY_S`` (a full disk fails every write until it is freed)."""
+        self._counts["storage_errors"] += 1
+        now = time.monotonic()
+        if now - self._storage_logged_at >= _STORAGE_LOG_EVERY_S:
+            self._storage_logged_at = now
+            log.error("%s (%d index writes failed so far; writes that need space fail, "
+                      "reads go on)", exc, self._counts["storage_errors"])
+
+    def _member_of(self, name: str) -> Callable[[bytes], Record | None]:
+        def member(key: bytes) -> Record | None:
+            rec = self.records.get(key)
+            return rec if rec is not None and rec.tier == name else None
+        return member
+
+    def _copy_of(self, key: bytes) -> Record | None:
+        rec = self.records.get(key)
+        return rec if rec is not None and rec.nvme_copy is not None else None
+
+
+def durable(rec: Record) -> bool:
+    """Does the record name NVMe bytes (then it lives in the synced index)?"""
+    return rec.tier == "nvme" or rec.nvme_copy is not None
+
+
+def owned(rec: Record) -> list[Extent]:
+    """Extents a record owns: where it is served from, and its NVMe copy if any."""
+    out = [Extent(rec.tier, rec.offset, rec.nbytes)]
+    if rec.nvme_copy is not None:
+        out.append(Extent("nvme", rec.nvme_copy, rec.nbytes))
+    return out

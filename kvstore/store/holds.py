@@ -1,0 +1,181 @@
+"""Holds: what keeps entries in place while someone works on them, and the open
+reservations and read leases that make them.
+
+Owner of: ``reservations`` (id -> Open), ``inflight`` (key being written -> its
+reservation), ``leases`` (id -> Lease), ``leased`` (key -> number of holds),
+``claims`` (key -> pending consumers claimed by open leases), ``end_claims`` (key
+-> its prompt ends claimed by open leases), the ids recently reaped (for a clear
+"expired" error) and when the next lease runs out (``next_reap``).
+
+Invariants kept here (``check_integrity`` checks them):
+* ``leased[key]`` is the number of holds on ``key``: one per open lease that lists
+  it, one per open reservation that dedups onto it. A held entry never moves and
+  never goes;
+* a key is in ``inflight`` exactly while one open reservation holds an extent for
+  it, so two writers never store the same key twice;
+* every count is positive: a key whose count reaches zero leaves its map.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from kvstore.core.errors import LeaseExpiredError, NotFoundError
+from kvstore.store.index import Record
+from tiers.base import Extent
+
+_EXPIRED_MEMORY = 4096  # ids of reaped reservations/leases remembered for a clear error
+
+
+@dataclass
+class Open:
+    """An open (uncommitted) reservation; lives only in memory."""
+
+    id: int
+    keys: list[bytes]
+    tokens: list[bytes]
+    meta: list[bytes]
+    extents: list[Extent | None]  # None: deduped onto an existing or in-flight entry
+    held: list[bytes]  # committed keys deduped onto, leased until commit/abort
+    expires_at: float
+    extra: dict[bytes, int]  # consumers that deduped onto our in-flight keys
+    namespace: bytes = b""  # the writer's namespace tag, kept in each new record
+    # pins that pinning commits deduped onto our in-flight keys; applied at our commit
+    extra_pins: dict[bytes, int] = field(default_factory=dict)
+    # prompt ends that deduping reservations put on our in-flight keys
+    extra_ends: dict[bytes, int] = field(default_factory=dict)
+
+
+class Lease(NamedTuple):
+    keys: list[bytes]
+    expires_at: float
+    claim: bool = False  # holds one pending consumer of each key (drop_select)
+    take: bool = True  # release(drop=True) may take: False for a drop_select that
+    # matched only a prefix other prompts share (it reads, it takes nothing)
+    end: bytes | None = None  # the prompt end this lease claimed (one ``ends``)
+
+
+class Holds:
+    def __init__(self, records: Mapping[bytes, Record]) -> None:
+        """``records``: the catalog's records (read only), to tell which released
+        keys are due to go."""
+        self._records = records
+        self.reservations: dict[int, Open] = {}
+        self.inflight: dict[bytes, int] = {}
+        self.leases: dict[int, Lease] = {}
+        self.leased: dict[bytes, int] = {}
+        self.claims: dict[bytes, int] = {}
+        self.end_claims: dict[bytes, int] = {}
+        self.next_reap = float("inf")
+        self._expired: collections.OrderedDict[int, None] = collections.OrderedDict()
+
+    def hold(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self.leased[key] = self.leased.get(key, 0) + 1
+
+    def unhold(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Drop one hold per key; returns the keys now due to be freed (pending 0,
+        unpinned, unheld)."""
+        uncount(self.leased, keys)
+        return [k for k in dict.fromkeys(keys)
+                if k in self._records and self.idle_at_zero(self._records[k])]
+
+    def idle_at_zero(self, rec: Record) -> bool:
+        """Nothing needs ``rec`` any more: no consumer pending, no pin, no hold."""
+        return rec.pending == 0 and rec.pins == 0 and not self.leased.get(rec.key)
+
+    # ------------------------------------------------------------ reservations
+    def add_reservation(self, op: Open) -> None:
+        """Open ``op``: its written keys go in flight (its deduped keys are
+        already held by the caller)."""
+        for key, ext in zip(op.keys, op.extents):
+            if ext is not None:
+                self.inflight[key] = op.id
+        self.reservations[op.id] = op
+        self.due(op.expires_at)
+
+    def end_reservation(self, op: Open) -> list[bytes]:
+        """Close ``op`` (committed or given up): its keys leave flight, its dedup
+        holds are given back. Returns the held keys now due to be freed."""
+        for key, ext in zip(op.keys, op.extents):
+            if ext is not None:
+                del self.inflight[key]
+        del self.reservations[op.id]
+        return self.unhold(op.held)
+
+    def writer_of(self, key: bytes) -> Open | None:
+        """The open reservation writing ``key``, if any."""
+        rid = self.inflight.get(key)
+        return None if rid is None else self.reservations[rid]
+
+    # ------------------------------------------------------------ leases
+    def add_lease(self, aid: int, lease: Lease) -> None:
+        """Open ``lease`` on keys the caller already holds: its claims (one pending
+        consumer per key, and its prompt end) are counted here."""
+        self.leases[aid] = lease
+        if lease.claim:
+            for key in lease.keys:
+                self.claims[key] = self.claims.get(key, 0) + 1
+        if lease.end is not None:
+            self.end_claims[lease.end] = self.end_claims.get(lease.end, 0) + 1
+        self.due(lease.expires_at)
+
+    def end_lease(self, lease: Lease) -> None:
+        """Give back what ``lease`` holds and claims (it may be open or not)."""
+        uncount(self.leased, lease.keys)
+        if lease.claim:
+            uncount(self.claims, lease.keys)
+        if lease.end is not None:
+            uncount(self.end_claims, [lease.end])
+
+    def close_lease(self, aid: int) -> None:
+        """Forget open lease ``aid`` once ``end_lease`` has given its holds back."""
+        del self.leases[aid]
+
+    def unclaimed(self, rec: Record) -> int:
+        """Pending consumers of ``rec`` no open lease has claimed."""
+        return rec.pending - self.claims.get(rec.key, 0)
+
+    def unclaimed_ends(self, rec: Record) -> int:
+        """Prompt ends at ``rec`` no open lease has claimed."""
+        return rec.ends - self.end_claims.get(rec.key, 0)
+
+    def due(self, expires_at: float) -> None:
+        """A reservation or lease runs out at ``expires_at``: reap no later."""
+        self.next_reap = min(self.next_reap, expires_at)
+
+    def open_reservation(self, rid: int) -> Open:
+        op = self.reservations.get(rid)
+        if op is None:
+            raise self._gone("reservation", rid)
+        return op
+
+    def open_lease(self, aid: int) -> Lease:
+        lease = self.leases.get(aid)
+        if lease is None:
+            raise self._gone("acquisition", aid)
+        return lease
+
+    def remember_expired(self, ident: int) -> None:
+        self._expired[ident] = None
+        while len(self._expired) > _EXPIRED_MEMORY:
+            self._expired.popitem(last=False)
+
+    def _gone(self, what: str, ident: int) -> Exception:
+        if ident in self._expired:
+            return LeaseExpiredError(f"{what} {ident} expired and was reclaimed")
+        return NotFoundError(f"no open {what} {ident}")
+
+
+def uncount(counts: dict[bytes, int], keys: Sequence[bytes]) -> None:
+    """One less of each key in ``counts``; a key at zero leaves it (so ``counts``
+    only ever holds positive counts). Each key must be there."""
+    for key in keys:
+        left = counts[key] - 1
+        if left:
+            counts[key] = left
+        else:
+            del counts[key]
