@@ -124,40 +124,6 @@ def unpack_hf(layout: KVLayout, data: torch.Tensor, ntokens: int,
             for l in range(layout.num_layers)]
 
 
-# ---------------------------------------------------------------- vLLM paged
-def pack_paged(layout: KVLayout, caches: Sequence[torch.Tensor], block_ids: Sequence[int],
-               ntokens: int) -> torch.Tensor:
-    """vLLM paged caches (one ``[2, num_blocks, block_size, H, D]`` per layer) -> entry bytes.
-
-    ``block_ids`` are the engine blocks holding the prompt's tokens in order; only
-    the first ``ntokens`` tokens are taken (the last block may be partial).
-    """
-    ids = _check_paged(layout, caches, block_ids, ntokens)
-    # [L, 2, n, bs, H, D] -> [L, 2, n*bs, H, D]
-    kv = torch.stack([c.index_select(1, ids) for c in caches])
-    kv = kv.flatten(2, 3)[:, :, :ntokens]
-    return _pack_token_major(layout, kv)
-
-
-def unpack_paged(layout: KVLayout, data: torch.Tensor, caches: Sequence[torch.Tensor],
-                 block_ids: Sequence[int], ntokens: int) -> None:
-    """Scatter entry bytes of ``ntokens`` tokens into vLLM paged caches, in place."""
-    ids = _check_paged(layout, caches, block_ids, ntokens)
-    kv = _unpack_token_major(layout, data, ntokens).to(caches[0].device)  # [L, 2, T, H, D]
-    # Copy bytes, not values: index_copy_ has no CPU kernel for float8, and a byte
-    # copy is exact for every dtype. The last dim (D) is contiguous on both sides.
-    kv = kv.contiguous().view(torch.uint8)
-    full, rest = divmod(ntokens, layout.block_tokens)
-    bt = layout.block_tokens
-    for layer, cache in enumerate(caches):
-        dst = cache.view(torch.uint8)
-        if full:
-            src = kv[layer, :, : full * bt].unflatten(1, (full, bt))
-            dst.index_copy_(1, ids[:full], src)
-        if rest:
-            dst[:, int(ids[full]), :rest] = kv[layer, :, full * bt:]
-
-
 # ------------------------------------------------------------------ helpers
 def _pack_token_major(layout: KVLayout, kv: torch.Tensor) -> torch.Tensor:
     """``[L, 2, T, H, D]`` -> flat uint8 bytes of all entries in token order."""
@@ -223,31 +189,6 @@ def _check_hf(layout: KVLayout, past: Sequence[tuple[torch.Tensor, torch.Tensor]
     # KVLayout keeps num_layers > 0 and _check_layers matched it: past had a layer.
     assert expected is not None
     return expected[2]
-
-
-def _check_paged(layout: KVLayout, caches: Sequence[torch.Tensor], block_ids: Sequence[int],
-                 ntokens: int) -> torch.Tensor:
-    """Every cache is ``[2, num_blocks, block_tokens, H, D]`` of the layout's dtype on
-    one device, and the first ``ceil(ntokens / block_tokens)`` block ids are distinct
-    and in range. Returns those ids as a long tensor on the caches' device."""
-    _check_layers(layout, len(caches))
-    if ntokens <= 0:
-        raise InvalidRequestError(f"ntokens must be > 0, got {ntokens}")
-    shape, device = tuple(caches[0].shape), caches[0].device
-    for cache in caches:
-        if (tuple(cache.shape) != shape or cache.device != device or len(shape) != 5
-                or shape[0] != 2 or shape[2] != layout.block_tokens):
-            raise InvalidRequestError(
-                f"paged cache {tuple(cache.shape)} on {cache.device} does not match {layout} "
-                f"(all layers [2, num_blocks, {layout.block_tokens}, heads, dim] on one device)")
-        _check_tensor(layout, shape[3], shape[4], cache.dtype, heads_dim=True)
-    nblocks = -(-ntokens // layout.block_tokens)
-    if len(block_ids) < nblocks:
-        raise InvalidRequestError(f"{ntokens} tokens need {nblocks} blocks, got {len(block_ids)}")
-    ids = [int(b) for b in block_ids[:nblocks]]
-    if min(ids) < 0 or max(ids) >= shape[1] or len(set(ids)) != len(ids):
-        raise InvalidRequestError(f"block ids must be distinct and in 0..{shape[1] - 1}")
-    return torch.as_tensor(ids, dtype=torch.long, device=device)
 
 
 def _check_tensor(layout: KVLayout, heads: int, dim: int, dtype: torch.dtype,

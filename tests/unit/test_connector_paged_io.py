@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kvstore.connector.block_format import truthful
 from kvstore.connector.paged_io import gather_blocks, scatter_blocks
-from kvstore.core.layout import KVLayout, pack_paged
+from kvstore.core.layout import KVLayout, pack_hf
 
 LAYOUT = KVLayout(num_layers=3, kv_heads=2, head_dim=4, dtype="float16", block_tokens=4)
 
@@ -29,9 +29,12 @@ def test_gather_matches_layout_and_scatter_inverts_it(ntokens, extra, seed, perm
     src_ids, dst_ids = list(perm[:4]), list(perm[4:8])
     src = _caches(seed)
     data = gather_blocks(LAYOUT, FMT, src, src_ids, held)
-    # Same bytes as layout.pack_paged over the equivalent [2, B, N, H, D] caches.
-    legacy = [c.unflatten(-1, (2, 4)).permute(3, 0, 2, 1, 4) for c in src]
-    assert torch.equal(data, pack_paged(LAYOUT, legacy, src_ids, held))
+    # Same bytes as the HF layout of the same KV: per layer K and V [1, H, T, D].
+    past = []
+    for c in src:  # [B, H, N, K|V] -> the prompt's tokens [T, H, 2, D] -> K, V [1, H, T, D]
+        kv = c[src_ids].transpose(1, 2).flatten(0, 1)[:held].unflatten(-1, (2, 4))
+        past.append((kv[:, :, 0].transpose(0, 1)[None], kv[:, :, 1].transpose(0, 1)[None]))
+    assert torch.equal(data, pack_hf(LAYOUT, past))
     dst = [torch.zeros_like(c) for c in src]
     scatter_blocks(LAYOUT, FMT, data, dst, dst_ids, ntokens, data_tokens=held)
     full, rest = divmod(ntokens, 4)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.core.errors import ConfigError, InvalidRequestError
-from kvstore.core.layout import KVLayout, pack_hf, pack_paged, unpack_hf, unpack_paged
+from kvstore.core.layout import KVLayout, pack_hf, unpack_hf
 
 DTYPES = ["float32", "float16", "bfloat16", "float8_e4m3fn", "int8", "uint8"]
 
@@ -42,11 +42,6 @@ def hf_past(layout: KVLayout, seq: int, seed: int = 0):
     return [(random_tensor(shape, layout.torch_dtype, seed + 2 * i),
              random_tensor(shape, layout.torch_dtype, seed + 2 * i + 1))
             for i in range(layout.num_layers)]
-
-
-def paged_caches(layout: KVLayout, nblocks: int, seed: int = 0):
-    shape = (2, nblocks, layout.block_tokens, layout.kv_heads, layout.head_dim)
-    return [random_tensor(shape, layout.torch_dtype, seed + i) for i in range(layout.num_layers)]
 
 
 # ------------------------------------------------------------------ sizes
@@ -127,44 +122,6 @@ def test_entry_byte_order_is_layers_kv_tokens_heads_dim():
     assert flat[index] == 7.0 and int(torch.count_nonzero(flat)) == 1
 
 
-# ------------------------------------------------------------------ paged round trip
-@settings(max_examples=60, deadline=None)
-@given(layouts(), st.integers(1, 40), st.data())
-def test_paged_pack_then_scatter_into_a_fresh_cache(layout, ntokens, data):
-    nblocks_needed = -(-ntokens // layout.block_tokens)
-    total = nblocks_needed + data.draw(st.integers(0, 4))
-    ids = data.draw(st.permutations(range(total)))[:nblocks_needed]
-    src = paged_caches(layout, total, seed=ntokens)
-    packed = pack_paged(layout, src, ids, ntokens)
-    assert packed.numel() == layout.nbytes(ntokens)
-
-    dst = paged_caches(layout, total, seed=1000 + ntokens)
-    before = [as_bytes(c).clone() for c in dst]
-    unpack_paged(layout, packed, dst, ids, ntokens)
-    bt = layout.block_tokens
-    for s, d, b in zip(src, dst, before):
-        for i, block in enumerate(ids):
-            n = min(bt, ntokens - i * bt)
-            assert torch.equal(as_bytes(d[:, block, :n]), as_bytes(s[:, block, :n]))
-            # Slots past the prompt's last token keep what the engine had there.
-            assert torch.equal(as_bytes(d[:, block, n:]), b.view_as(as_bytes(d))[:, block, n:])
-        for block in set(range(total)) - set(ids):
-            assert torch.equal(as_bytes(d[:, block]), b.view_as(as_bytes(d))[:, block])
-
-
-@settings(max_examples=30, deadline=None)
-@given(layouts(), st.integers(1, 30))
-def test_paged_and_hf_agree_on_the_same_kv(layout, ntokens):
-    """The same KV held HF-style or paged packs to the same entry bytes."""
-    past = hf_past(layout, ntokens, seed=3)
-    nblocks = -(-ntokens // layout.block_tokens)
-    caches = [torch.zeros((2, nblocks, layout.block_tokens, layout.kv_heads, layout.head_dim),
-                          dtype=layout.torch_dtype) for _ in range(layout.num_layers)]
-    ids = list(reversed(range(nblocks)))
-    unpack_paged(layout, pack_hf(layout, past), caches, ids, ntokens)
-    assert torch.equal(pack_paged(layout, caches, ids, ntokens), pack_hf(layout, past))
-
-
 # ------------------------------------------------------------------ bad input
 LAY = KVLayout(num_layers=2, kv_heads=3, head_dim=4, dtype="float32", block_tokens=4)
 
@@ -198,57 +155,3 @@ def test_pack_hf_rejects_bad_input(past, ntokens):
 def test_unpack_hf_rejects_wrong_sizes(nbytes, ntokens):
     with pytest.raises(InvalidRequestError):
         unpack_hf(LAY, torch.zeros(nbytes, dtype=torch.uint8), ntokens)
-
-
-def _cache(nblocks=5, bt=4, heads=3, dim=4, dtype=torch.float32):
-    return torch.zeros((2, nblocks, bt, heads, dim), dtype=dtype)
-
-
-@pytest.mark.parametrize("caches,ids,ntokens", [
-    ([_cache()] * 2, [7], 3),  # block id out of range
-    ([_cache()] * 2, [-1], 3),
-    ([_cache()] * 2, [1, 1], 8),  # duplicate block
-    ([_cache()] * 2, [1], 5),  # too few blocks for 5 tokens
-    ([_cache()] * 2, [1], 0),
-    ([_cache()] * 3, [1], 3),  # 3 layers
-    ([_cache(dtype=torch.float16)] * 2, [1], 3),
-    ([_cache(), _cache(dtype=torch.float16)], [1], 3),  # one layer's dtype differs
-    ([_cache(bt=8)] * 2, [1], 3),  # engine block size != layout block_tokens
-    ([_cache(heads=2)] * 2, [1], 3),
-    ([_cache(), _cache(nblocks=6)], [1], 3),  # layers disagree
-    ([torch.zeros((2, 5, 4, 12))] * 2, [1], 3),  # 4-D
-])
-def test_paged_rejects_bad_input(caches, ids, ntokens):
-    before = [c.clone() for c in caches]
-    with pytest.raises(InvalidRequestError):
-        pack_paged(LAY, caches, ids, ntokens)
-    data = torch.ones(LAY.nbytes(max(ntokens, 1)), dtype=torch.uint8)
-    with pytest.raises(InvalidRequestError):
-        unpack_paged(LAY, data, caches, ids, ntokens)
-    assert all(torch.equal(a, b) for a, b in zip(caches, before))  # nothing half-written
-
-
-def test_unpack_paged_rejects_wrong_byte_count():
-    caches = [_cache(), _cache()]
-    with pytest.raises(InvalidRequestError):
-        unpack_paged(LAY, torch.zeros(LAY.nbytes(3) + 1, dtype=torch.uint8), caches, [0], 3)
-    assert all(int(c.count_nonzero()) == 0 for c in caches)
-
-
-# ------------------------------------------------------------------ CUDA
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
-def test_paged_round_trip_on_cuda(dtype):
-    layout = KVLayout(num_layers=2, kv_heads=2, head_dim=8, dtype=dtype, block_tokens=4)
-    src = [c.cuda() for c in paged_caches(layout, 6, seed=5)]
-    ids, ntokens = [4, 1, 3], 10
-    packed = pack_paged(layout, src, ids, ntokens)
-    assert packed.is_cuda and packed.numel() == layout.nbytes(ntokens)
-    dst = [torch.zeros_like(c) for c in src]
-    unpack_paged(layout, packed.cpu(), dst, ids, ntokens)  # entry bytes from host memory
-    for s, d in zip(src, dst):
-        assert torch.equal(as_bytes(d[:, [4, 1]]), as_bytes(s[:, [4, 1]]))
-        assert torch.equal(as_bytes(d[:, 3, :2]), as_bytes(s[:, 3, :2]))
-        assert int(as_bytes(d[:, [0, 2, 5]]).count_nonzero()) == 0
-    with pytest.raises(InvalidRequestError):  # layers on different devices
-        pack_paged(layout, [src[0], src[1].cpu()], ids, ntokens)
