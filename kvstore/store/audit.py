@@ -48,11 +48,11 @@ class Audit(Operations):
         if copies != set(self.catalog.copies):
             raise IntegrityError("NVMe copy list differs from the records")
 
-    def _owned_bytes(self) -> collections.Counter:
+    def _owned_bytes(self) -> collections.Counter[str]:
         """Page-rounded bytes per tier of every record, NVMe copy and open reservation;
         raises if two of them claim one offset."""
         owned: dict[str, dict[int, str]] = {name: {} for name in self.place.tiers}
-        used = collections.Counter()
+        used: collections.Counter[str] = collections.Counter()
 
         def own(tier: str, offset: int, nbytes: int, owner: str) -> None:
             if tier not in self.place.tiers:
@@ -77,7 +77,7 @@ class Audit(Operations):
         return used
 
     def _audit_holds(self) -> None:
-        holds = collections.Counter()
+        holds: collections.Counter[bytes] = collections.Counter()
         for lease in self.holds.leases.values():
             holds.update(lease.keys)
         inflight = {}

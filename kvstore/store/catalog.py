@@ -62,7 +62,7 @@ class Catalog:
         self.by_tier: dict[str, dict[bytes, None]] = {name: {} for name in tiers}
         self.copies: dict[bytes, None] = {}
         self.orders = {name: GroupOrder(sort_key, self._member_of(name),
-                                        lambda name=name: self.by_tier[name])
+                                        self._members_of(name))
                        for name in tiers}
         self.copy_order = GroupOrder(sort_key, self._copy_of, lambda: self.copies)
 
@@ -233,6 +233,9 @@ class Catalog:
             rec = self.records.get(key)
             return rec if rec is not None and rec.tier == name else None
         return member
+
+    def _members_of(self, name: str) -> Callable[[], dict[bytes, None]]:
+        return lambda: self.by_tier[name]
 
     def _copy_of(self, key: bytes) -> Record | None:
         rec = self.records.get(key)

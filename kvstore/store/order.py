@@ -20,7 +20,7 @@ then yielded late, as soon as its stale item comes up.)
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Generator
 
 from kvstore.store.index import Record
 
@@ -64,7 +64,7 @@ class GroupOrder:
         heapq.heapify(self._heap)
         self._limit = 2 * len(self._heap) + _SLACK
 
-    def walk(self) -> Iterator[Record]:
+    def walk(self) -> Generator[Record, None, None]:
         """Members in policy order, lazily. Close the generator when done: every
         live item it popped goes back then (the caller may not act on them)."""
         popped: list[tuple] = []

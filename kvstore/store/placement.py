@@ -176,7 +176,7 @@ class Placement:
                 moved += [r._replace(tier=dst, offset=e.offset) for r, e in pairs]
                 # one call per run of adjacent extents on NVMe (tiers/nvme_runs.py)
                 self.tiers[dst].write_many([e for _, e in pairs],
-                                            [self.io.read_bytes(r) for r, _ in pairs])
+                                            [memoryview(self.io.read_bytes(r)) for r, _ in pairs])
                 if dst == "nvme" and self.config.tiers.nvme_fsync != "never":
                     self.tiers[dst].flush()  # durable before the index points at it
                 recs = [r for r, e in zip(recs, exts) if e is None]

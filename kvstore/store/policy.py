@@ -13,9 +13,20 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from kvstore.core.errors import ConfigError
+
+
+class Sortable(Protocol):
+    """What a policy orders by: a ``Candidate`` or an index ``Record``."""
+
+    @property
+    def key(self) -> bytes: ...
+    @property
+    def last_access(self) -> float: ...
+    @property
+    def created(self) -> float: ...
 
 
 class Candidate(NamedTuple):
@@ -44,7 +55,7 @@ class EvictionPolicy(ABC):
 
     @staticmethod
     @abstractmethod
-    def sort_key(entry: Candidate) -> tuple:
+    def sort_key(entry: Sortable) -> tuple:
         """Where an entry goes in the order (smallest first), ending with its key so
         no two entries tie. Takes anything with the fields used (a ``Candidate`` or
         an index ``Record``): the store keeps its tiers in this order."""
@@ -90,7 +101,7 @@ class LRUPolicy(EvictionPolicy):
     name = "lru"
 
     @staticmethod
-    def sort_key(entry: Candidate) -> tuple:
+    def sort_key(entry: Sortable) -> tuple:
         return (entry.last_access, entry.created, entry.key)
 
 
@@ -100,7 +111,7 @@ class FIFOPolicy(EvictionPolicy):
     name = "fifo"
 
     @staticmethod
-    def sort_key(entry: Candidate) -> tuple:
+    def sort_key(entry: Sortable) -> tuple:
         return (entry.created, entry.key)
 
 

@@ -86,9 +86,9 @@ class Writes(Operations):
         """Copy one new entry's bytes into its reserved extent (local writers)."""
         with self.lock:
             op = self.holds.open_reservation(reservation_id)
-            if not 0 <= index < len(op.extents) or op.extents[index] is None:
+            ext = op.extents[index] if 0 <= index < len(op.extents) else None
+            if ext is None:
                 raise InvalidRequestError(f"reservation has no placement {index} to write")
-            ext = op.extents[index]
             self.place.tiers[ext.tier].write(ext, memoryview(data))
 
     def commit(self, reservation_id: int, checksums: Sequence[int],
@@ -102,7 +102,7 @@ class Writes(Operations):
             op = self.holds.open_reservation(reservation_id)
             new = [i for i, e in enumerate(op.extents) if e is not None]
             sums = _match_checksums(checksums, len(op.keys), new)
-            got = self.io.checksums([op.extents[i] for i in new])
+            got = self.io.checksums([e for e in op.extents if e is not None])
             bad = [op.keys[i] for i, s, g in zip(new, sums, got) if g != s]
             if bad:
                 self.close_reservation(op)
@@ -119,9 +119,10 @@ class Writes(Operations):
             put = {k: r._replace(pins=r.pins + 1) for k, r in put.items()}
         self.catalog.apply(put=list(put.values()))  # first: if the index refuses, nothing changed
         self.catalog.drop_idle(self.holds.end_reservation(op))
-        self.counts["bytes_in"] += sum(op.extents[i].nbytes for i in new)
-        for i in new:
-            self.tier_bytes[op.extents[i].tier, "bytes_in"] += op.extents[i].nbytes
+        written = [e for e in op.extents if e is not None]
+        self.counts["bytes_in"] += sum(e.nbytes for e in written)
+        for ext in written:
+            self.tier_bytes[ext.tier, "bytes_in"] += ext.nbytes
         self.counts["commits"] += 1
         return CommitResult(len(new), deduped, lost)
 
@@ -174,6 +175,7 @@ def _new_records(op: Open, new: list[int], sums: list[int], now: float) -> dict[
     end = prompt_end(op.keys)
     for i, s in zip(new, sums):
         key, ext = op.keys[i], op.extents[i]
+        assert ext is not None  # ``new`` lists the written placements only
         put[key] = Record(key, ext.tier, ext.offset, ext.nbytes, len(op.tokens[i]) // 4,
                           op.tokens[i], s, now, now, op.extra_pins.get(key, 0),
                           1 + op.extra.get(key, 0),
