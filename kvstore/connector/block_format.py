@@ -164,6 +164,7 @@ def _truthful_positions(view_shape: tuple[int, ...], n: int, h: int, d: int,
                         device: torch.device) -> torch.Tensor:
     """View positions of logical elements when the view means what it says."""
     kv, t, hh, dd = _logical_grid(n, h, d, device)
+    idx: tuple[torch.Tensor, ...]
     if len(view_shape) == 2:  # MLA [N, C]: halves side by side
         idx = (t, kv * d + dd)
     else:  # [H, N, 2D]: K then V along the channels

@@ -143,7 +143,8 @@ class KVStoreLookupBuffer:
         # Half the staging buffer: a part and its prompt's few small entries always
         # fit one staged move, whatever slack the data path keeps between entries.
         self.record_part_bytes = self._engine.staging_bytes // 2
-        self._connect_args = dict(server=server, layout=token_id_layout(block_tokens),
+        self._layout = token_id_layout(block_tokens)
+        self._connect_args = dict(server=server, layout=self._layout,
                                   prefix=cluster_prefix, salt=salt, timeout_s=timeout_s,
                                   te_engine=self._engine, **client_opts)
         self._model_id = model_id
@@ -238,7 +239,7 @@ class KVStoreLookupBuffer:
             log.info("lookup buffer miss for %d tokens: %s", masked.ids.size, exc)
             return [None] * 5
 
-    def _select_any(self) -> list[None]:
+    def _select_any(self) -> list[torch.Tensor | None]:
         self.select_any_calls += 1
         if not self._warned_select_any:
             self._warned_select_any = True
@@ -262,7 +263,7 @@ class KVStoreLookupBuffer:
     def _take(self, masked: _Masked, device: torch.device | str) -> list[torch.Tensor | None]:
         got = self._client.drop_select(masked.ids)
         try:
-            if got.matched_tokens != masked.ids.size or got.hidden is None:
+            if got.matched_tokens != masked.ids.size or got.kv is None or got.hidden is None:
                 # Another consumer of the same tokens took part of it first.
                 return [None] * 5
             if not np.array_equal(got.kv.numpy().view("<i4"), masked.ids):
@@ -304,7 +305,7 @@ class KVStoreLookupBuffer:
             log.warning("lookup buffer: a record part of %d bytes cannot be read here (%s); "
                         "give producer and consumer the same staging_bytes", size, exc)
             raise NotFoundError(f"record part of {size} bytes does not fit: {exc}") from None
-        if got.matched_tokens != ids.size or got.hidden is None:
+        if got.matched_tokens != ids.size or got.kv is None or got.hidden is None:
             return None
         if got.hidden.numel() != size or not np.array_equal(got.kv.numpy().view("<i4"), ids):
             raise ChecksumError("a record part differs from its manifest")
@@ -314,7 +315,7 @@ class KVStoreLookupBuffer:
                        hidden: torch.Tensor | None) -> list[bytes]:
         """The keys whose pending count this drop_select took: their writer's pin is ours
         to release. Keys nobody dropped keep their pins (another consumer's)."""
-        nblocks = -(-matched_tokens // self._client.layout.block_tokens)
+        nblocks = -(-matched_tokens // self._layout.block_tokens)
         return [*masked.keys[:nblocks], *([masked.keys[-1]] if hidden is not None else [])]
 
     def _unpin_parts(self, tokens: list[np.ndarray]) -> None:

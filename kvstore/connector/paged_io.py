@@ -83,10 +83,11 @@ def gather_layer(layout: KVLayout, fmt: BlockFormat, cache: torch.Tensor, layer:
     full, rest = check(layout, fmt, cache, block_ids, 0, ntokens)
     blocks, tail = _host_views(layout, host, ntokens, ntokens)
     dev = cache.device
+    every_block: tuple[slice | torch.Tensor, ...] = (slice(None), *fmt.coords)
     for start in range(0, full, CHUNK_BLOCKS):
         stop = min(full, start + CHUNK_BLOCKS)
         ids = torch.as_tensor(list(block_ids[start:stop]), dtype=torch.long, device=dev)
-        picked = bits(cache.index_select(0, ids))[(slice(None), *fmt.coords)]
+        picked = bits(cache.index_select(0, ids))[every_block]
         blocks[start:stop, layer].copy_(picked, non_blocking=True)
     if rest:
         assert tail is not None

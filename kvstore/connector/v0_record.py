@@ -57,7 +57,8 @@ def _flat(record: torch.Tensor) -> torch.Tensor:
 
 def encode_record(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
     """Tensors (or None) -> one flat uint8 CPU tensor."""
-    specs, parts = [], []
+    specs: list[list[Any] | None] = []  # [dtype, shape] per tensor
+    parts: list[torch.Tensor] = []
     for t in tensors:
         if t is None:
             specs.append(None)
@@ -77,7 +78,7 @@ def decode_record(record: torch.Tensor) -> list[torch.Tensor | None]:
     specs = header.get("tensors")
     if not isinstance(specs, list):
         raise ChecksumError("v0 record has no tensor list")
-    out = []
+    out: list[torch.Tensor | None] = []
     for spec in specs:
         if spec is None:
             out.append(None)

@@ -28,8 +28,11 @@ def layer_writer(vllm_config: Any, layer_name: str) -> tuple[str, Writer]:
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
-    layer = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, [layer_name]).get(
-        layer_name)
+    # vLLM annotates layer_type as type[T], which mypy refuses an ABC for (python/mypy#4717);
+    # the ABC is what vLLM itself passes (with the same ignore).
+    layer = get_layers_from_vllm_config(
+        vllm_config, AttentionLayerBase, [layer_name]  # type: ignore[type-abstract]
+    ).get(layer_name)
     if layer is None:
         raise ConfigError(f"layer {layer_name} is not an attention layer of this engine")
     backend = layer.get_attn_backend()
@@ -41,12 +44,13 @@ def layer_writer(vllm_config: Any, layer_name: str) -> tuple[str, Writer]:
                           "(no do_kv_cache_update): kvstore cannot learn its block layout; "
                           "choose another backend (VLLM_ATTENTION_BACKEND / attention_config)")
     if hasattr(layer, "kv_lora_rank"):  # MLA: one latent per token, [kv_c | k_pe]
-        rank = int(layer.kv_lora_rank)
+        mla: Any = layer  # vLLM's MLA layer: attributes AttentionLayerBase does not declare
+        rank = int(mla.kv_lora_rank)
 
         def write_mla(latent: torch.Tensor, _: torch.Tensor | None, cache: torch.Tensor,
                       slots: torch.Tensor) -> None:
             update(latent[:, :rank], latent[:, rank:].unsqueeze(1), cache, slots,
-                   layer.kv_cache_dtype, layer._k_scale)
+                   mla.kv_cache_dtype, mla._k_scale)
         return name, write_mla
 
     def write(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,

@@ -69,7 +69,7 @@ class ConnectorSettings:
     load: bool
 
     @classmethod
-    def from_extra(cls, role: str, extra: Mapping[str, Any] | None,
+    def from_extra(cls, role: str | None, extra: Mapping[str, Any] | None,
                    default_model_id: str) -> ConnectorSettings:
         """``role`` is vLLM's kv_role: kv_producer, kv_consumer or kv_both."""
         extra = dict(extra or {})

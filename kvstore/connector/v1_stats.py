@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
@@ -166,15 +167,20 @@ class KVStorePromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: Any, metric_types: dict[type[PromMetric], type[PromMetricT]],
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self.counters = {
+        # vLLM types every metric class it hands over, and every per-engine child, as
+        # Gauge | Counter | Histogram (under Ray they are wrappers of none of them):
+        # each is used here as the kind it was asked for.
+        counter_cls: Callable[..., Any] = self._counter_cls
+        histogram_cls: Callable[..., Any] = self._histogram_cls
+        self.counters: dict[str, dict[int, Any]] = {
             name: create_metric_per_engine(
-                self._counter_cls(name=f"vllm:kvstore_{name}", documentation=doc,
-                                  labelnames=labelnames), per_engine_labelvalues)
+                counter_cls(name=f"vllm:kvstore_{name}", documentation=doc,
+                            labelnames=labelnames), per_engine_labelvalues)
             for name, doc in COUNTERS.items()}
-        self.histograms = {
+        self.histograms: dict[str, dict[int, Any]] = {
             name: create_metric_per_engine(
-                self._histogram_cls(name=f"vllm:kvstore_{name}", documentation=doc,
-                                    buckets=_TIME_BUCKETS, labelnames=labelnames),
+                histogram_cls(name=f"vllm:kvstore_{name}", documentation=doc,
+                              buckets=_TIME_BUCKETS, labelnames=labelnames),
                 per_engine_labelvalues)
             for name, doc in DURATIONS.items()}
 

@@ -90,8 +90,9 @@ class StoreClients:
         if not self.settings.server.startswith("etcd://"):
             return False
         try:
-            cluster = self.client(self.settings.server)
-            return any(node.address == address for node in cluster.nodes.nodes().values())
+            cluster = self.client(self.settings.server)  # etcd://: a ClusterClient
+            return isinstance(cluster, ClusterClient) and any(
+                node.address == address for node in cluster.nodes.nodes().values())
         except Exception as exc:  # noqa: BLE001 - an unknown cluster admits nobody
             log.warning("cluster membership of %.100r unknown: %s", address, exc)
             return False

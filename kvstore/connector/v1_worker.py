@@ -26,6 +26,7 @@ every background load is reported exactly once; no kvstore error reaches vLLM.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import queue
@@ -38,6 +39,7 @@ import torch
 
 from kvstore.connector.block_format import BlockFormat
 from kvstore.connector.paged_io import gather_layer, scatter_layer
+from kvstore.connector.v1_config import ConnectorSettings
 from kvstore.connector.v1_orders import KVStoreConnectorMetadata, LoadOrder, SaveOrder
 from kvstore.connector.v1_stats import KVStoreConnectorStats, TransferReports
 from kvstore.connector.v1_stores import StoreClients
@@ -103,7 +105,7 @@ class _SaveJob:
 
 
 class WorkerSide:
-    def __init__(self, settings, layout: KVLayout, stores: StoreClients,
+    def __init__(self, settings: ConnectorSettings, layout: KVLayout, stores: StoreClients,
                  layer_names: Sequence[str]) -> None:
         self.settings, self.layout, self.stores = settings, layout, stores
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
@@ -133,6 +135,11 @@ class WorkerSide:
         self.caches, self.fmt = caches, fmt
         self.buffers = HostBuffers(pinned=caches[0].device.type == "cuda")
 
+    def _format(self) -> BlockFormat:
+        # vLLM registers the caches before its first step, so before any load or save.
+        assert self.fmt is not None, "no KV caches registered"
+        return self.fmt
+
     # ------------------------------------------------------------ per step
     def bind(self, meta: KVStoreConnectorMetadata) -> None:
         """A step begins (before its forward): its saves get their host buffers."""
@@ -147,7 +154,7 @@ class WorkerSide:
             same_step = not order.background and bool(order.block_ids)
             if same_step:
                 self._step_loads.append(job)
-            self._submit(_SYNC if same_step else _OTHER, lambda j=job: self._load(j))
+            self._submit(_SYNC if same_step else _OTHER, functools.partial(self._load, job))
 
     def wait_for_layer(self, layer_name: str) -> None:
         i = self.layer_index.get(layer_name)
@@ -166,18 +173,18 @@ class WorkerSide:
     def finish_step(self) -> None:
         """End of the step's forward: same-step loads are complete (their errors are
         this pass's), saves' bytes are on the host and go to the thread."""
-        for job in self._step_loads:
-            job.done.wait()
+        for load in self._step_loads:
+            load.done.wait()
             with self._lock:
-                self._ready_errors |= job.failed_blocks
+                self._ready_errors |= load.failed_blocks
         self._step_loads = []
-        for job in self._step_saves:
+        for save in self._step_saves:
             for i in range(len(self.caches)):
-                self._gather(job, i)
+                self._gather(save, i)
         if self._step_saves and self.caches and self.caches[0].device.type == "cuda":
             torch.cuda.current_stream(self.caches[0].device).synchronize()
-        for job in self._step_saves:
-            self._submit(_OTHER, lambda j=job: self._save(j))
+        for save in self._step_saves:
+            self._submit(_OTHER, functools.partial(self._save, save))
         self._step_saves = []
 
     def _gather(self, job: _SaveJob, layer: int) -> None:
@@ -186,8 +193,8 @@ class WorkerSide:
         job.gathered.add(layer)
         order = job.order
         try:
-            gather_layer(self.layout, self.fmt, self.caches[layer], layer, order.block_ids,
-                         len(order.token_ids), job.host)
+            gather_layer(self.layout, self._format(), self.caches[layer], layer,
+                         order.block_ids, len(order.token_ids), job.host)
         except Exception:  # noqa: BLE001 - a save that cannot be made is skipped
             log.exception("save of %s: copying layer %d failed; not saved", order.req_id, layer)
             job.gathered.add(-1)
@@ -307,8 +314,9 @@ class WorkerSide:
         good = got if got == order.ntokens else got - got % lay.block_tokens
         if good <= order.first_block * lay.block_tokens:
             return good
+        fmt = self._format()
         for i, cache in enumerate(self.caches):
-            scatter_layer(lay, self.fmt, host, cache, i, order.block_ids, good,
+            scatter_layer(lay, fmt, host, cache, i, order.block_ids, good,
                           order.first_block, data_tokens=held)
             if cache.device.type == "cuda":
                 torch.cuda.current_stream(cache.device).synchronize()

@@ -107,27 +107,38 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
         self.worker = WorkerSide(self.settings, self.layout, self.stores,
                                  self.layer_names) if worker else None
 
+    # vLLM calls each side's methods only on that role's instance.
+    @property
+    def _scheduler_side(self) -> SchedulerSide:
+        assert self.scheduler is not None, "a scheduler call on a worker's connector"
+        return self.scheduler
+
+    @property
+    def _worker_side(self) -> WorkerSide:
+        assert self.worker is not None, "a worker call on the scheduler's connector"
+        return self.worker
+
     # ============================================================ scheduler side
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        self._scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self.scheduler.build_connector_meta(scheduler_output)
+        return self._scheduler_side.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler.request_finished(request, block_ids)
+        return self._scheduler_side.request_finished(request, block_ids)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self.scheduler.observe_reports(connector_output.kv_connector_worker_meta)
+        self._scheduler_side.observe_reports(connector_output.kv_connector_worker_meta)
 
     def take_events(self) -> list[KVCacheEvent]:
-        return self.scheduler.events.take()
+        return self._scheduler_side.events.take()
 
     def has_pending_push_work(self) -> bool:
         """Saves or drops whose workers have not reported yet: vLLM keeps stepping
@@ -136,15 +147,16 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
         vLLM asks only when it has no request left, so the short pause slows nothing
         but that idle loop, which would otherwise spin a core against the transfer
         thread it waits for."""
-        if not self.scheduler.events.pending():
+        if not self._scheduler_side.events.pending():
             return False
         time.sleep(_IDLE_STEP_PAUSE_S)
         return True
 
     # ================================================================ both sides
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        side = self.worker if self.worker is not None else self.scheduler
-        return side.take_stats()
+        if self.worker is not None:
+            return self.worker.take_stats()
+        return self._scheduler_side.take_stats()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
@@ -182,7 +194,7 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
                     f"{mla[0]}, {mla[1]}]); if the kernel block size differs from "
                     f"--block-size, set --block-size to it")
         fmt = block_format_of(self._vllm_config, self.layer_names, kv_caches)
-        self.worker.register([kv_caches[n] for n in self.layer_names], fmt)
+        self._worker_side.register([kv_caches[n] for n in self.layer_names], fmt)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -193,28 +205,28 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
-        self.worker.start(meta)
+        self._worker_side.start(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self.worker.wait_for_layer(layer_name)
+        self._worker_side.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
-        self.worker.save_layer(layer_name)
+        self._worker_side.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
         if self.has_connector_metadata():
-            self.worker.finish_step()
+            self._worker_side.finish_step()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                 set[str] | None]:
-        return None, self.worker.finished_loads()
+        return None, self._worker_side.finished_loads()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.load_errors()
+        return self._worker_side.load_errors()
 
     def build_connector_worker_meta(self) -> TransferReports | None:
-        return self.worker.take_reports()
+        return self._worker_side.take_reports()
 
     def shutdown(self) -> None:
         if self.worker is not None:
