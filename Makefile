@@ -43,7 +43,9 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[test,demo,bench]'
 	touch $(STAMP)
 
+# Types first (kvstore/ and tiers/, pyproject's [tool.mypy]): a type error fails the tests.
 test: setup
+	$(PY) -m mypy
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 run: setup
@@ -53,4 +55,4 @@ bench: setup
 	$(PY) -m tools.bench $(BENCH_ARGS)
 
 clean:
-	rm -rf .venv build *.egg-info .pytest_cache
+	rm -rf .venv build *.egg-info .pytest_cache .mypy_cache

@@ -115,7 +115,7 @@ def verify(store: Store, req: p.Verify) -> dict:
 
 def ls(store: Store, req: p.Ls) -> dict:
     # The store's listing is O(entries) per page; ls is an admin tool, not a hot path.
-    page = []
+    page: list[Any] = []
     cursor = req.cursor
     for i, entry in enumerate(store.entries(tier=req.tier)):
         if i < cursor:

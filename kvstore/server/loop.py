@@ -30,11 +30,14 @@ import zmq
 from kvstore.core import protocol as p
 from kvstore.core.config import KVStoreConfig
 from kvstore.core.errors import ConfigError, InvalidRequestError, KVStoreError
-from kvstore.server.handlers import HANDLERS
 from kvstore.core.nodeid import host_id
+from kvstore.server.handlers import HANDLERS
 
 if TYPE_CHECKING:
     from zmq.auth.thread import ThreadAuthenticator
+
+    from kvstore.store import Store
+    from kvstore.transport.te import Transport
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +48,7 @@ Observer = Callable[[str, float, bool], None]
 class Server:
     """Owns the ROUTER socket; the store and transport are handed in (and closed here)."""
 
-    def __init__(self, config: KVStoreConfig, store: Any, transport: Any,
+    def __init__(self, config: KVStoreConfig, store: Store, transport: Transport,
                  observer: Observer | None = None) -> None:
         self.config = config
         self.store = store
