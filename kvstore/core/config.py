@@ -85,10 +85,15 @@ class PolicyConfig:
     high_watermark: float = 0.95
     low_watermark: float = 0.85
     stage_nvme_hits: bool = True
+    background_writeback: bool = True
+    writeback_batch_bytes: Size = 64 << 20
 
     def __post_init__(self) -> None:
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise ConfigError("policy: need 0 < low_watermark <= high_watermark <= 1")
+        _sizes(self, "writeback_batch_bytes")
+        if self.writeback_batch_bytes <= 0:
+            raise ConfigError("policy: writeback_batch_bytes must be > 0")
 
 
 @dataclass(frozen=True)

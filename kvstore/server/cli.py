@@ -79,7 +79,9 @@ def open_server(cfg: KVStoreConfig):
     try:
         store = Store(cfg)
         transport = Transport(srv.te_host or srv.host, metadata=srv.te_metadata)
-        return Server(cfg, store, transport)
+        server = Server(cfg, store, transport)
+        store.start_writeback()  # NVMe copies ahead of demotion, off the request thread
+        return server
     except BaseException:
         for part in (transport, store):
             if part is not None:

@@ -6,7 +6,8 @@ Checked, each raising ``IntegrityError`` with what is wrong:
   per tier the page-rounded sizes of records plus open reservations equal
   ``tier.used`` (so no extent is leaked or owned twice);
 * the per-tier membership lists match the records exactly;
-* hold counts equal the holds of open acquisitions plus reservation dedups, and
+* hold counts equal the holds of open acquisitions, reservation dedups and
+  writeback rounds, and
   every held key is stored; pins and pending counts are never negative;
 * the in-flight key map matches the open reservations;
 * the LMDB indexes hold exactly the committed records, those naming NVMe bytes in
@@ -74,12 +75,15 @@ class Audit(Operations):
             for ext in op.extents:
                 if ext is not None:
                     own(ext.tier, ext.offset, ext.nbytes, f"reservation {op.id}")
+        for ext in self.place.copies_in_flight:
+            own(ext.tier, ext.offset, ext.nbytes, "a writeback copy being written")
         return used
 
     def _audit_holds(self) -> None:
         holds: collections.Counter[bytes] = collections.Counter()
         for lease in self.holds.leases.values():
             holds.update(lease.keys)
+        holds.update(self.holds.copying)
         inflight = {}
         for op in self.holds.reservations.values():
             holds.update(op.held)

@@ -71,7 +71,7 @@ log = logging.getLogger(__name__)
 _COUNTED = ("misses", "bytes_in", "bytes_out", "evictions", "demotions", "stagings",
             "checksum_failures", "commit_checksum_failures", "collisions", "commits",
             "aborts", "dropped", "reservations_expired", "leases_expired", "storage_errors",
-            "staging_shortfalls", "staging_spent", "transfer_checksum_failures")
+            "staging_shortfalls", "staging_spent", "transfer_checksum_failures", "writebacks")
 
 
 class Store:
@@ -94,6 +94,10 @@ class Store:
                               f"{exc.strerror or exc}") from None
         self._lock = threading.RLock()
         self._closed = False
+        # Held through a whole writeback round, I/O included: close waits for it.
+        self._writeback_round = threading.Lock()
+        self._writeback_stop = threading.Event()
+        self._writeback_thread: threading.Thread | None = None
         self._dir_lock = DataDirLock(self.data_dir)
         try:
             self._open(tiers, policy)
@@ -260,6 +264,59 @@ class Store:
                 pass
             return done
 
+    # ------------------------------------------------------------ writeback
+    def start_writeback(self, idle_s: float = 0.05) -> None:
+        """Run ``writeback_step`` in a background thread until ``close`` (the
+        server does; a store used in-process by tests calls the step itself)."""
+        if not self.config.policy.background_writeback or self._writeback_thread is not None:
+            return
+
+        def run() -> None:
+            while not self._writeback_stop.is_set():
+                try:
+                    wrote = self.writeback_step()
+                except Exception:  # never let the thread die; the step logs its cause
+                    log.exception("background writeback round failed")
+                    wrote = 0
+                if not wrote:
+                    self._writeback_stop.wait(idle_s)
+
+        self._writeback_thread = threading.Thread(target=run, name="kvstore-writeback",
+                                                  daemon=True)
+        self._writeback_thread.start()
+
+    def writeback_step(self) -> int:
+        """One background writeback round: choose (under the lock) the entries the
+        next demotions would take, write their NVMe copies without the lock, then
+        record the copies (under the lock). Demotion under pressure then only
+        flips the index to the copy. Returns the bytes written."""
+        with self._writeback_round:
+            with self._lock:
+                if self._closed:
+                    return 0
+                plan = self.place.plan_writeback(self.config.policy.writeback_batch_bytes)
+            if not plan:
+                return 0
+            written = False
+            try:
+                nvme = self.place.tiers["nvme"]
+                # Held entries: nothing frees or rewrites their bytes meanwhile.
+                nvme.write_many([ext for _, ext in plan],
+                                [memoryview(self.place.io.read_bytes(r)) for r, _ in plan])
+                if self.config.tiers.nvme_fsync != "never":
+                    nvme.flush()  # durable before the index points at it
+                written = True
+            except OSError as exc:
+                self._counters.events["storage_errors"] += 1
+                log.warning("background writeback of %d entries failed: %s", len(plan), exc)
+            finally:
+                with self._lock:
+                    try:
+                        self.place.finish_writeback(plan, written)
+                    except StorageError:
+                        written = False  # counted and logged by the catalog
+            return sum(rec.nbytes for rec, _ in plan) if written else 0
+
     def _maybe_reap(self) -> None:
         if time.time() >= self.holds.next_reap:
             self.reap()
@@ -285,7 +342,10 @@ class Store:
             return out
 
     def close(self) -> None:
-        with self._lock:
+        self._writeback_stop.set()
+        if self._writeback_thread is not None:
+            self._writeback_thread.join()
+        with self._writeback_round, self._lock:
             if self._closed:
                 return
             self._closed = True

@@ -50,6 +50,8 @@ class Placement:
         self.holds = holds
         self.io = io
         self.counts = counts
+        # NVMe extents of copies a writeback round is writing (no record owns them yet)
+        self.copies_in_flight: list[Extent] = []
 
     def candidates(self, name: str) -> list[Candidate]:
         """Every entry of tier ``name`` as the policy sees it (for evict / demote)."""
@@ -191,6 +193,71 @@ class Placement:
         for name, tier in self.tiers.items():
             if over_watermark(tier.used, 0, tier.capacity, pol.high_watermark):
                 self.shed(name, bytes_to_free(tier.used, 0, tier.capacity, pol.low_watermark))
+
+    # ------------------------------------------------------------ writeback
+    def plan_writeback(self, limit: int) -> list[tuple[Record, Extent]]:
+        """The next background writeback round: the least-recently-used entries of
+        the tier right above NVMe that the next demotion (down to the low
+        watermark, one round ahead) would take and that have no NVMe copy yet,
+        each with a free NVMe extent for its copy, at most ``limit`` bytes. Free
+        NVMe space only: writeback never evicts anything. The entries are held
+        (they cannot move or go) until ``finish_writeback``; their bytes are read
+        and written by the caller without the store's lock."""
+        names = [n for n in self.tiers if n != "nvme"]
+        if "nvme" not in self.tiers or not names or not self.config.policy.background_writeback:
+            return []
+        name, nvme, pol = names[-1], self.tiers["nvme"], self.config.policy
+        tier = self.tiers[name]
+        # A shed frees down to low; the next one comes after (high - low) more
+        # bytes: copy what both would take, so neither writes on the request path.
+        ahead = tier.used - int(tier.capacity * (2 * pol.low_watermark - pol.high_watermark))
+        if ahead <= 0:
+            return []
+        plan: list[tuple[Record, Extent]] = []
+        planned = 0
+        for key in self._victims(self.catalog.orders[name], name, ahead).keys:
+            rec = self.catalog.records[key]
+            if rec.nvme_copy is not None:
+                continue
+            if planned + rec.nbytes > limit and plan:
+                break
+            try:
+                ext = nvme.allocate(rec.nbytes)
+            except TierFullError:
+                break
+            plan.append((rec, ext))
+            planned += rec.nbytes
+        self.holds.hold_copying([r.key for r, _ in plan])
+        self.copies_in_flight += [ext for _, ext in plan]
+        return plan
+
+    def finish_writeback(self, plan: list[tuple[Record, Extent]], written: bool) -> int:
+        """Record the copies ``plan``'s writes made (``written``: they reached NVMe,
+        flushed per ``nvme_fsync``) on the entries that are still as they were;
+        every other extent goes back. Returns how many copies were recorded."""
+        keys = [r.key for r, _ in plan]
+        done = {ext.offset for _, ext in plan}
+        self.copies_in_flight = [e for e in self.copies_in_flight if e.offset not in done]
+        put, unused = [], []
+        for rec, ext in plan:
+            cur = self.catalog.records.get(rec.key)
+            if (written and cur is not None and cur.nvme_copy is None and cur.tier == rec.tier
+                    and cur.offset == rec.offset and cur.checksum == rec.checksum):
+                put.append(cur._replace(nvme_copy=ext.offset))
+            else:
+                unused.append(ext)
+        try:
+            self.catalog.apply(put=put)
+        except BaseException:
+            unused = [ext for _, ext in plan]
+            put = []
+            raise
+        finally:
+            for ext in unused:
+                self.tiers["nvme"].free(ext)
+            self.catalog.drop_idle(self.holds.unhold_copying(keys))
+        self.counts["writebacks"] += len(put)
+        return len(put)
 
     # ------------------------------------------------------------ staging
     def stage_prefix(self, recs: list[Record]) -> tuple[list[Record], str]:

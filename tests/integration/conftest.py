@@ -1,6 +1,6 @@
 """Fixtures that run real ``kvstore-server`` processes for integration tests.
 
-* ``server_factory(**opts) -> ServerProc``: starts ``python -m kvstore.server.loop`` on a
+* ``server_factory(**opts) -> ServerProc``: starts ``python -m kvstore.server`` on a
   free loopback port with its own temp data dir (small arenas, short leases), waits
   for its "listening" log line, and at teardown stops it by PID (TERM, then KILL)
   and removes any shared-memory arena a killed server left behind.

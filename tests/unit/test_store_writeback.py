@@ -1,0 +1,146 @@
+"""Background writeback: NVMe copies of the entries the next demotions would take,
+written without the store's lock, so demotion under pressure is an index flip.
+Real tiers, real LMDB; the rounds are driven by calling ``writeback_step`` (the
+server runs it in a thread: tests/integration/test_server.py covers that)."""
+
+from kvstore.store import Store
+from tests.unit.conftest import data, key, put, store_config, toks, where
+
+
+def _copies(store):
+    return {int.from_bytes(r.key, "little") for r in store.entries() if r.nvme_copy is not None}
+
+
+def _rounds(store):
+    while store.writeback_step():
+        pass
+
+
+def test_copies_what_the_next_two_demotions_take_then_demotion_writes_nothing(make_store,
+                                                                              monkeypatch):
+    # DRAM 20, high 0.95 / low 0.85: copying starts above 15 (2 * low - high) entries.
+    store = make_store(dram=20, nvme=40, high=0.95, low=0.85)
+    for i in range(1, 19):
+        put(store, [i])
+    _rounds(store)
+    assert _copies(store) == {1, 2, 3}  # the three LRU entries: 18 - 15
+    assert store.stats()["writebacks"] == 3 and all(t == "dram" for t in where(store).values())
+    store.check_integrity()
+    nvme = store.place.tiers["nvme"]
+    writes = []
+    real = nvme.write_many
+    monkeypatch.setattr(nvme, "write_many", lambda *a: (writes.append(a), real(*a)))
+    put(store, [19])
+    put(store, [20])  # 20 of 20 > 95%: the shed down to 85% takes 1, 2, 3
+    assert writes == [] and {i for i, t in where(store).items() if t == "nvme"} == {1, 2, 3}
+    assert store.stats()["demotions"] == 3
+    acq = store.acquire([key(1)], [toks(1)])  # served back from NVMe, exact
+    assert store.read(acq.id, 0) == data(1)
+    store.release(acq.id)
+
+
+def test_nothing_below_the_start(make_store):
+    store = make_store(dram=20, nvme=40, high=0.95, low=0.85)
+    for i in range(1, 16):  # 15 of 20: not above 2 * low - high
+        put(store, [i])
+    assert store.writeback_step() == 0 and _copies(store) == set()
+
+
+def test_nothing_without_nvme(make_store):
+    store = make_store(dram=4, high=0.5, low=0.4)
+    put(store, [1, 2])
+    assert store.writeback_step() == 0
+
+
+def test_writeback_never_evicts_and_skips_pinned_and_leased(make_store):
+    store = make_store(dram=8, nvme=2, high=0.9, low=0.6)  # start above 0.3 * 8
+    for i in range(1, 3):
+        put(store, [i])
+    store.demote([key(1), key(2)])  # NVMe is full of real entries
+    for i in range(3, 8):
+        put(store, [i])
+    store.pin([key(3)])
+    held = store.acquire([key(4)], [toks(4)])
+    _rounds(store)
+    assert _copies(store) == set() and where(store)[1] == where(store)[2] == "nvme"
+    store.release(held.id)
+    store.check_integrity()
+
+
+def test_an_entry_that_changes_during_the_round_keeps_no_copy(make_store):
+    store = make_store(dram=8, nvme=16, high=0.9, low=0.6)
+    for i in range(1, 7):
+        put(store, [i])
+    plan = store.place.plan_writeback(1 << 30)
+    assert [int.from_bytes(r.key, "little") for r, _ in plan] == [1, 2, 3, 4]
+    store.check_integrity()  # mid-round: the held entries and their copy extents balance
+    # While the bytes are written, 1 is consumed: it stays until the round lets go,
+    # then goes with its copy. A held entry cannot move meanwhile (demote skips it).
+    acq = store.acquire([key(1)], [toks(1)], claim=True)
+    store.release(acq.id, drop=True)
+    assert 1 in where(store) and store.demote([key(2)]) == 0
+    assert store.place.finish_writeback(plan, written=True) == 4
+    assert 1 not in where(store) and _copies(store) == {2, 3, 4}
+    nvme_used = store.place.tiers["nvme"].used
+    assert nvme_used == 3 * 4096  # 1's extent went back
+    store.check_integrity()
+
+
+def test_a_failed_write_records_nothing(make_store):
+    store = make_store(dram=8, nvme=16, high=0.9, low=0.6)
+    for i in range(1, 7):
+        put(store, [i])
+    plan = store.place.plan_writeback(1 << 30)
+    assert store.place.finish_writeback(plan, written=False) == 0
+    assert _copies(store) == set() and store.place.tiers["nvme"].used == 0
+    assert store.stats()["leased_entries"] == 0
+    store.check_integrity()
+
+
+def test_rounds_are_bounded(make_store):
+    store = make_store(dram=20, nvme=40, high=0.95, low=0.85)
+    for i in range(1, 19):
+        put(store, [i])
+    plan = store.place.plan_writeback(2 * 4096)  # three are due, two fit the round
+    assert [int.from_bytes(r.key, "little") for r, _ in plan] == [1, 2]
+    assert store.place.finish_writeback(plan, written=True) == 2
+    assert store.config.policy.writeback_batch_bytes == 64 << 20  # the default round
+
+
+def test_an_entry_with_a_writeback_copy_survives_a_restart(tmp_path):
+    cfg = store_config(tmp_path / "data", dram=8, nvme=16, high=0.9, low=0.6)
+    with Store(cfg) as store:
+        for i in range(1, 7):
+            put(store, [i])
+        _rounds(store)
+        assert _copies(store) == {1, 2, 3, 4}
+    with Store(cfg) as store:  # the DRAM tier is gone; the copies are NVMe entries now
+        assert where(store) == {1: "nvme", 2: "nvme", 3: "nvme", 4: "nvme"}
+        acq = store.acquire([key(i) for i in range(1, 5)], [toks(i) for i in range(1, 5)])
+        assert [store.read(acq.id, j) for j in range(4)] == [data(i) for i in range(1, 5)]
+        store.release(acq.id)
+        store.check_integrity()
+
+
+def test_the_thread_runs_the_rounds_and_close_waits_for_it(make_store):
+    import time
+
+    store = make_store(dram=20, nvme=40, high=0.95, low=0.85)
+    for i in range(1, 19):
+        put(store, [i])
+    store.start_writeback(idle_s=0.01)
+    deadline = time.monotonic() + 10
+    while _copies(store) != {1, 2, 3}:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    store.close()
+    assert not store._writeback_thread.is_alive()
+
+
+def test_it_can_be_turned_off(tmp_path):
+    cfg = store_config(tmp_path / "data", dram=20, nvme=40, high=0.95, low=0.85)
+    cfg = cfg.replace(policy={"background_writeback": False})
+    with Store(cfg) as store:
+        for i in range(1, 19):
+            put(store, [i])
+        assert store.writeback_step() == 0 and _copies(store) == set()
