@@ -12,8 +12,17 @@ from tools.bench.profile import profile
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.netns]
 
-SYSTEMS = {"kvstore", "mooncake", "rawte"}
+SYSTEMS = {"kvstore", "mooncake", "rawte-coalesced"}  # raw TE's default: one pattern
 KEYS = {"GB/s", "p50 ms", "p99 ms", "max ms", "blocks/s", "CPU s/GB", "runs"}
+# every kind of raw-TE pattern (tools/bench/rawte.py), and the TE entries each moves
+# a 64-token small-layout prompt in (4 blocks of 64 KiB, back to back)
+PATTERNS = {"coalesced": 1, "per-block": 4, "slices-4": 4, "threads-2": 2}
+
+
+def _docs_img() -> dict[str, bytes]:
+    from tools.bench.cluster_procs import REPO
+
+    return {p.name: p.read_bytes() for p in (REPO / "docs" / "img").glob("*")}
 
 
 def test_transfer_quick_writes_json_rows_and_plots(tmp_path, monkeypatch):
@@ -21,27 +30,41 @@ def test_transfer_quick_writes_json_rows_and_plots(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSTORE_BENCH_OUT", str(out))
     work = tmp_path / "work"
     work.mkdir()
-    rows = run_transfer(BenchOptions(quick=True, workdir=work, repeat=1), {"small": [64]})
+    docs_before = _docs_img()
+    rows = run_transfer(BenchOptions(quick=True, workdir=work, repeat=1), {"small": [64]},
+                        raw_patterns=tuple(PATTERNS))
 
     doc = json.loads((out / "transfer.json").read_text())
     assert doc["nodes"] in ("netns", "loopback") and doc["quick"] is True
+    assert doc["raw_patterns"] == list(PATTERNS)
     prompts = [r for r in doc["rows"] if r["table"] == "prompts"]
-    assert {r["system"] for r in prompts} == SYSTEMS
+    raw = {f"rawte-{p}" for p in PATTERNS}
+    assert {r["system"] for r in prompts} == {"kvstore", "mooncake", *raw}
     assert {r["op"] for r in prompts} == {"put", "get", "put+get"}
     for r in prompts:
         assert KEYS <= r.keys(), r
         assert r["tokens"] == 64 and r["GB/s"] > 0 and r["max ms"] >= r["p50 ms"] > 0
         assert r["p99 ms"] is None  # a handful of runs: no honest p99, only the max
+        assert r["runs"] == 3  # every pattern ran every prompt (quick: 3, cluster_run.reps)
+    # each pattern moved the prompt as it says (the bytes were checked by the consumer)
+    assert {r["system"]: r["TE transfers"] for r in prompts if r["op"] == "get"
+            and r["system"] in raw} == {f"rawte-{p}": n for p, n in PATTERNS.items()}
     ratios = [r for r in rows if r["table"] == "ratios"]
     assert {r["op"] for r in ratios} == {"put", "get", "put+get"}
-    assert all(r["kv/rawte"] > 0 and not math.isnan(r["kv/mooncake"]) for r in ratios)
+    for r in ratios:  # against the fastest pattern at that point, named
+        assert r["kv/rawte"] > 0 and not math.isnan(r["kv/mooncake"])
+        assert r["rawte floor"] in PATTERNS
+        assert r["rawte GB/s"] == max(p["GB/s"] for p in prompts
+                                      if p["op"] == r["op"] and p["system"] in raw)
     memory = [r for r in rows if r["table"].startswith("peak memory")]
     assert {(r["system"], r["process"]) for r in memory} >= {
         ("kvstore", "server"), ("kvstore", "server-b"), ("mooncake", "master"),
         ("rawte", "consumer")}
-    # quick runs plot next to the JSON, never over the committed docs/img
+    assert len([r for r in memory if r["system"] == "rawte"]) == 2  # one pair, all patterns
+    # a run plots next to its JSON, never over the committed docs/img
     assert (out / "img" / "transfer-small.png").stat().st_size > 1000
     assert (out / "img" / "transfer-ratios.png").exists()
+    assert _docs_img() == docs_before
 
 
 def test_limits_quick_measures_memcpy_and_file_io(tmp_path, monkeypatch):

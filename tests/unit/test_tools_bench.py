@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
+import os
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tools import bench
 from tools.bench import BenchOptions, Section
@@ -100,3 +104,171 @@ def test_gpu_without_cuda_stops_at_once_with_a_clear_message(monkeypatch, capsys
     assert bench.main(["--gpu", "--only", "limits"]) == 2
     assert ran == []  # no section ran before the refusal
     assert "--gpu: needs a CUDA GPU" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------ raw-TE patterns
+def test_raw_pattern_names_parse_and_bad_ones_are_refused():
+    from tools.bench.rawte import RawPattern
+
+    assert RawPattern.parse("coalesced") == ("coalesced", 0)
+    assert RawPattern.parse("per-block") == ("per-block", 0)
+    assert RawPattern.parse("slices-8") == ("slices", 8)
+    assert RawPattern.parse("threads-2") == ("threads", 2)
+    for bad in ("slices", "slices-0", "coalesced-2", "per-block-4", "merged", ""):
+        with pytest.raises(ValueError):
+            RawPattern.parse(bad)
+
+
+@given(nbytes=st.integers(1, 1 << 26), n=st.integers(1, 64),
+       align=st.sampled_from([1, 512, 4096]))
+def test_slices_cover_every_byte_once_in_at_most_n_aligned_pieces(nbytes, n, align):
+    from tools.bench.rawte import slice_ranges
+
+    offsets, lengths = slice_ranges(nbytes, n, align)
+    assert 1 <= len(offsets) <= n and (lengths > 0).all()
+    assert offsets[0] == 0 and (offsets[1:] == offsets[:-1] + lengths[:-1]).all()
+    assert int(lengths.sum()) == nbytes
+    assert (offsets % align == 0).all()
+    if nbytes >= n * align:  # room for n aligned pieces: all n are used, near-equal
+        assert len(offsets) == n and lengths.max() - lengths.min() <= 2 * align
+
+
+def test_each_pattern_plans_the_ranges_it_names():
+    from tools.bench.rawte import RawPattern, plan
+
+    sizes = [65536] * 5 + [4096]  # a prompt with a short last block
+    whole = plan(RawPattern.parse("coalesced"), sizes)  # Transport merges these into one
+    per_block = plan(RawPattern.parse("per-block"), sizes)
+    assert list(whole.lengths) == list(per_block.lengths) == sizes
+    assert list(per_block.offsets) == [0, 65536, 131072, 196608, 262144, 327680]
+    for name in ("slices-4", "threads-4"):
+        ranges = plan(RawPattern.parse(name), sizes)
+        assert len(ranges.lengths) == 4 and int(ranges.lengths.sum()) == sum(sizes)
+
+
+def _prompt(system: str, op: str, gbps: float, tokens: int = 512) -> dict:
+    return {"table": "prompts", "layout": "small", "tokens": tokens, "MiB": 2.0,
+            "system": system, "op": op, "mode": "interleaved", "GB/s": gbps,
+            "p50 ms": 2.0, "max ms": 3.0, "CPU s/GB": 1.0, "runs": 3}
+
+
+def test_ratios_are_against_the_fastest_raw_pattern_and_name_it():
+    from tools.bench.cluster_run import ratios
+
+    rows = [_prompt("kvstore", "get", 0.6), _prompt("mooncake", "get", 0.5),
+            _prompt("rawte-coalesced", "get", 0.8), _prompt("rawte-per-block", "get", 0.6),
+            _prompt("rawte-slices-4", "get", 1.2),
+            _prompt("kvstore", "put", 2.0), _prompt("rawte-coalesced", "put", 10.0),
+            _prompt("rawte-slices-4", "put", 8.0)]
+    by_op = {r["op"]: r for r in ratios(rows, ("layout", "tokens"))}
+    assert by_op["get"]["rawte floor"] == "slices-4" and by_op["get"]["rawte GB/s"] == 1.2
+    assert by_op["get"]["kv/rawte"] == pytest.approx(0.5)
+    assert by_op["get"]["kv/mooncake"] == pytest.approx(1.2)  # Mooncake's ratio as before
+    assert by_op["put"]["rawte floor"] == "coalesced"
+    assert by_op["put"]["kv/rawte"] == pytest.approx(0.2)
+    assert math.isnan(by_op["put"]["kv/mooncake"])  # no Mooncake row at that point
+    assert all(r["table"] == "ratios" and r["tokens"] == 512 for r in by_op.values())
+
+
+def test_the_docs_table_shows_every_pattern_and_the_one_that_won():
+    from tools.bench.plots import markdown
+
+    rows = [_prompt("kvstore", "get", 0.6), _prompt("mooncake", "get", 0.5),
+            _prompt("rawte-coalesced", "get", 0.8), _prompt("rawte-slices-4", "get", 1.2),
+            {"table": "peak memory", "system": "rawte", "process": "consumer"},
+            {"table": "ratios", "layout": "small", "tokens": 512, "op": "get"}]
+    head, rule, line = markdown(rows).splitlines()
+    assert "raw TE GB/s: coalesced / slices-4" in head and "best raw TE" in head
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert len(cells) == len(rule.strip("|").split("|")) == 15
+    assert cells[6:10] == ["0.80 / 1.20", "slices-4", "1.20", "0.50"]
+
+
+def test_memory_rows_report_the_shared_raw_workers_once():
+    from types import SimpleNamespace
+
+    from tools.bench.cluster_procs import SystemProcs
+    from tools.bench.cluster_run import memory_rows
+
+    me = os.getpid()
+    producer = SimpleNamespace(name="rawte-producer", pid=me)
+    systems = {f"rawte-{p}": SystemProcs(f"rawte-{p}", producer, None,
+                                         get_options={"pattern": p})
+               for p in ("coalesced", "per-block")}
+    rows = memory_rows(systems, "peak memory")
+    assert [(r["system"], r["process"]) for r in rows] == [("rawte", "producer")]
+    assert rows[0]["peak MiB"] > 0
+
+
+# ------------------------------------------------------------ where results go
+def _transfer_rows(systems: tuple[str, ...]) -> list[dict]:
+    from tools.bench.cluster_run import ratios
+
+    rows = [_prompt(s, op, 1.0) for s in systems for op in ("put", "get", "put+get")]
+    return rows + ratios(rows, ("layout", "tokens"))
+
+
+def _docs_img() -> dict[str, bytes]:
+    from tools.bench.cluster_procs import REPO
+
+    return {p.name: p.read_bytes() for p in sorted((REPO / "docs" / "img").glob("*"))}
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_a_plain_run_writes_json_and_plots_in_its_results_dir_only(tmp_path, quick):
+    from tools.bench.cluster import save
+
+    before = _docs_img()
+    rows = _transfer_rows(("kvstore", "mooncake", "rawte-coalesced"))
+    save("transfer", rows, BenchOptions(quick=quick, out=tmp_path / "results"))
+    assert {p.name for p in (tmp_path / "results").iterdir()} == {"transfer.json", "img"}
+    assert {p.name for p in (tmp_path / "results" / "img").iterdir()} == {
+        "transfer-small.png", "transfer-ratios.png"}
+    assert _docs_img() == before  # the committed plots are left alone, normal size too
+
+
+def test_plots_flag_copies_the_plots_where_it_says(tmp_path):
+    from tools.bench.cluster import save
+
+    rows = _transfer_rows(("kvstore", "rawte-coalesced", "rawte-slices-2"))
+    docs = tmp_path / "docs" / "img"
+    save("transfer", rows, BenchOptions(out=tmp_path / "results", plots=docs))
+    drawn = {p.name: p.read_bytes() for p in (tmp_path / "results" / "img").iterdir()}
+    assert {p.name: p.read_bytes() for p in docs.iterdir()} == drawn
+    assert set(drawn) == {"transfer-small.png", "transfer-ratios.png"}
+
+
+def test_out_and_plots_flags_reach_every_section(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(bench, "run_sections", lambda names, opts: seen.append(opts) or {})
+    assert bench.main(["--only", "limits", "--dir", str(tmp_path)]) == 0
+    assert seen[-1].out is None and seen[-1].plots is None  # default: bench-results/, no docs
+    assert bench.main(["--only", "limits", "--dir", str(tmp_path), "--out", str(tmp_path / "r"),
+                       "--plots", str(tmp_path / "img")]) == 0
+    assert seen[-1].out == tmp_path / "r" and seen[-1].plots == tmp_path / "img"
+    assert bench._with_workdir(seen[-1], tmp_path / "w").plots == tmp_path / "img"
+
+
+def test_replotting_from_json_defaults_to_the_results_dir(tmp_path):
+    from tools.bench import plots as bench_plots
+
+    before = _docs_img()
+    rows = _transfer_rows(("kvstore", "rawte-coalesced"))
+    (tmp_path / "transfer.json").write_text(json.dumps({"section": "transfer", "rows": rows}))
+    assert bench_plots.main([str(tmp_path)]) == 0
+    assert (tmp_path / "img" / "transfer-small.png").exists()
+    assert _docs_img() == before
+
+
+def test_the_pattern_sweep_names_the_winner_per_point_and_scores_each_pattern():
+    from tools.bench.rawte_sweep import summarize
+
+    rows = [_prompt("rawte-coalesced", "get", 1.0), _prompt("rawte-slices-2", "get", 2.0),
+            _prompt("rawte-coalesced", "get", 1.0, tokens=4096),
+            _prompt("rawte-slices-2", "get", 0.5, tokens=4096),
+            _prompt("rawte-coalesced", "put", 9.0), _prompt("kvstore", "get", 5.0)]
+    head, lines = summarize(rows)
+    assert head == ["layout", "tokens", "coalesced", "slices-2", "won"]
+    assert lines[0] == ["small", "512", "1.00", "2.00", "slices-2"]
+    assert lines[1] == ["small", "4096", "1.00", "0.50", "coalesced"]
+    assert lines[2] == ["geomean / best", "", "0.71", "0.71", ""]  # sqrt(0.5 * 1)

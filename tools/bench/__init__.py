@@ -29,7 +29,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -42,12 +42,17 @@ Row = dict[str, Any]
 class BenchOptions:
     """What every section receives. ``quick``: smallest sizes (seconds, for CI and
     smoke runs); ``full``: also the expensive sizes (minutes). ``workdir``: an
-    empty directory on the file system under test, removed after the run."""
+    empty directory on the file system under test, removed after the run.
+    ``out``: where sections that keep results write their JSON and plots (None:
+    $KVSTORE_BENCH_OUT, else bench-results/). ``plots``: a directory the plots are
+    also copied to, only when asked (``--plots docs/img`` makes the committed ones)."""
 
     quick: bool = False
     full: bool = False
     workdir: Path = Path(".")
     repeat: int = 5
+    out: Path | None = None
+    plots: Path | None = None
 
     def pick(self, quick: Any, normal: Any, full: Any = None) -> Any:
         """The value for this run's size: ``quick``, ``normal`` or ``full``."""
@@ -160,7 +165,7 @@ def _load(target: str) -> Callable[[BenchOptions], list[Row]]:
 
 
 def _with_workdir(opts: BenchOptions, workdir: Path) -> BenchOptions:
-    return BenchOptions(opts.quick, opts.full, workdir, opts.repeat)
+    return replace(opts, workdir=workdir)
 
 
 # ------------------------------------------------------------------ printing
@@ -224,6 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=None,
                         help="directory on the file system to benchmark (default: a temp dir)")
     parser.add_argument("--json", metavar="PATH", help="also write all rows as JSON here")
+    parser.add_argument("--out", metavar="DIR", type=Path, default=None,
+                        help="where the two-node sections write <section>.json and img/ "
+                             "(default: $KVSTORE_BENCH_OUT, else bench-results/)")
+    parser.add_argument("--plots", metavar="DIR", type=Path, default=None,
+                        help="also copy the plots into DIR; only this writes docs/img "
+                             "(--plots docs/img), a run without it never touches docs/")
     parser.add_argument("--list", action="store_true", help="list the sections and exit")
     parser.add_argument("--gpu", action="store_true",
                         help="also run the GPU sections (needs CUDA; fails clearly without)")
@@ -242,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         names = [*(names or [s.name for s in SECTIONS]), *(s.name for s in GPU_SECTIONS)]
     base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
-    opts = BenchOptions(quick=args.quick, full=args.full, workdir=base, repeat=args.repeat)
+    opts = BenchOptions(quick=args.quick, full=args.full, workdir=base, repeat=args.repeat,
+                        out=args.out, plots=args.plots)
     info = machine_info()
     print(f"kvstore bench on {info['cpus']} CPUs, load {info['load_avg'][0]:.1f}, "
           f"workdir {base} ({'quick' if opts.quick else 'full' if opts.full else 'normal'})")

@@ -10,8 +10,9 @@ Sections (registered in tools/bench/__init__.py):
   TE), ``mooncake`` (mooncake_master on A, the
   producer's MooncakeDistributedStore mounts the segment, consumer get_into +
   remove), ``rawte`` (producer copies into a registered buffer, consumer reads it
-  in one TE batch: the floor). Nodes are network namespaces where allowed
-  (tools.netns), else loopback ports;
+  with TE alone, in each pattern of ``TRANSFER_PATTERNS``, tools/bench/rawte.py;
+  the floor is the fastest pattern at each point). Nodes are network namespaces
+  where allowed (tools.netns), else loopback ports;
   Prompts over ``INTERLEAVE_MAX_BYTES`` (``--full``: large layout, 16k and 32k
   tokens) run one system at a time, since all three at once would not fit in RAM;
 * ``entries``: the same put/get at a fixed prompt length while the stores hold
@@ -19,8 +20,9 @@ Sections (registered in tools/bench/__init__.py):
 
 Every operation is timed inside the process doing it; its CPU time is summed over
 every process of the system (server and master included, from /proc); peak memory
-is each process's VmHWM. Rows go to ``bench-results/<section>.json`` and plots to
-docs/img/ (``--quick`` runs: bench-results/img/), see tools/bench/plots.py.
+is each process's VmHWM. Rows go to ``bench-results/<section>.json`` (or ``--out``)
+and plots to ``bench-results/img/``; only ``--plots DIR`` copies the plots to DIR
+(``--plots docs/img`` makes the committed ones), see tools/bench/plots.py.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -37,6 +40,7 @@ import numpy as np
 from tools.bench import BenchOptions, Row, measure
 from tools.bench.cluster_procs import REPO, WorkerError, rss_mib
 from tools.bench.cluster_run import (
+    RAW,
     SYSTEMS,
     MiB,
     Samples,
@@ -52,23 +56,31 @@ from tools.netns import make_cluster
 log = logging.getLogger(__name__)
 
 
-def results_dir() -> Path:
+def results_dir(opts: BenchOptions | None = None) -> Path:
+    """Where sections write their JSON and plots: ``--out``, else $KVSTORE_BENCH_OUT,
+    else bench-results/ (gitignored)."""
+    if opts is not None and opts.out is not None:
+        return opts.out
     return Path(os.environ.get("KVSTORE_BENCH_OUT", REPO / "bench-results"))
 
 
 def save(section: str, rows: list[Row], opts: BenchOptions, extra: dict | None = None) -> None:
-    """Rows as JSON (bench-results/, gitignored) and their plots."""
+    """Rows as ``<results>/<section>.json``, their plots in ``<results>/img/``, and
+    copies of the plots in ``opts.plots`` only when a run asks (``--plots docs/img``:
+    how the committed plots are made; a plain run never touches docs/)."""
     from tools.bench import plots as bench_plots
 
-    out = results_dir()
+    out = results_dir(opts)
     out.mkdir(parents=True, exist_ok=True)
     doc = {"section": section, "quick": opts.quick, "time_utc": time.strftime(
         "%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_avg": os.getloadavg(), "rows": rows,
         **(extra or {})}
     (out / f"{section}.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    img = out / "img" if opts.quick else REPO / "docs" / "img"
-    for path in bench_plots.render(section, rows, img):
+    for path in bench_plots.render(section, rows, out / "img"):
         log.info("wrote %s", path)
+        if opts.plots is not None:
+            opts.plots.mkdir(parents=True, exist_ok=True)
+            log.info("wrote %s", shutil.copy2(path, opts.plots / path.name))
 
 
 # ------------------------------------------------------------------ limits
@@ -123,6 +135,14 @@ def mem_available() -> int:
     return 0
 
 
+# The raw-TE patterns the transfer section runs side by side (tools/bench/rawte.py);
+# kvstore's ratios are against the fastest of them at each point. Measured here
+# (docs/benchmarks.md, "Choosing the raw-TE patterns"): no slice count won
+# consistently, 2 and 8 slices did best on average and bracket the rest; threads-N
+# lost nearly everywhere (two cores), so it is left out.
+TRANSFER_PATTERNS = ("coalesced", "per-block", "slices-2", "slices-8")
+
+
 def bench_transfer(opts: BenchOptions) -> list[Row]:
     """Prompt-length sweep, both layouts, all three systems interleaved."""
     return run_transfer(opts, _sizes(opts))
@@ -140,10 +160,11 @@ def bench_transfer_gpu(opts: BenchOptions) -> list[Row]:
     return run_transfer(opts, _sizes(opts), device="cuda:0")
 
 
-def run_transfer(opts: BenchOptions, layouts: dict[str, list[int]],
-                 device: str = "cpu") -> list[Row]:
+def run_transfer(opts: BenchOptions, layouts: dict[str, list[int]], device: str = "cpu",
+                 raw_patterns: tuple[str, ...] = TRANSFER_PATTERNS) -> list[Row]:
     """``layouts``: layout name -> prompt lengths (tokens); one pair of nodes each.
-    ``device``: where producer and consumer keep the KV (``cuda:N``: see --gpu)."""
+    ``device``: where producer and consumer keep the KV (``cuda:N``: see --gpu).
+    ``raw_patterns``: how raw TE moves each prompt, one system per pattern."""
     section = "transfer" if device == "cpu" else "transfer-gpu"
     systems_run = SYSTEMS if device == "cpu" else ("kvstore", "rawte")
     rows: list[Row] = []
@@ -152,7 +173,8 @@ def run_transfer(opts: BenchOptions, layouts: dict[str, list[int]],
         lay = LAYOUTS[layout]
         shared = [n for n in sizes if lay.nbytes(n) <= INTERLEAVE_MAX_BYTES]  # sizes ascend
         if shared:
-            kind = _run_points(opts, rows, layout, shared, systems_run, device, "interleaved")
+            kind = _run_points(opts, rows, layout, shared, systems_run, device, "interleaved",
+                               raw_patterns)
         for ntokens in sizes[len(shared):]:
             nbytes = lay.nbytes(ntokens)
             need, have = int(SOLO_COPIES * nbytes), mem_available()
@@ -164,19 +186,21 @@ def run_transfer(opts: BenchOptions, layouts: dict[str, list[int]],
                 continue
             for name in systems_run:  # one at a time: their copies would not fit together
                 try:
-                    kind = _run_points(opts, rows, layout, [ntokens], (name,), device, "solo")
+                    kind = _run_points(opts, rows, layout, [ntokens], (name,), device, "solo",
+                                       raw_patterns)
                 except WorkerError as exc:  # record it; the other systems still run
                     print(f"   {layout} layout, {ntokens} tokens, {name}: failed: {exc}")
                     rows.append({"table": "failed", "layout": layout, "tokens": ntokens,
                                  "system": name, "error": str(exc)[:300]})
     rows += ratios([r for r in rows if r["table"] == "prompts"], ("layout", "tokens"))
-    save(section, rows, opts, {"nodes": kind, "device": device, "layouts": {
-        n: LAYOUTS[n].describe() for n in layouts}})
+    save(section, rows, opts, {"nodes": kind, "device": device, "raw_patterns": raw_patterns,
+                               "layouts": {n: LAYOUTS[n].describe() for n in layouts}})
     return rows
 
 
 def _run_points(opts: BenchOptions, rows: list[Row], layout: str, sizes: list[int],
-                systems_run: tuple[str, ...], device: str, mode: str) -> str:
+                systems_run: tuple[str, ...], device: str, mode: str,
+                raw_patterns: tuple[str, ...]) -> str:
     """One pair of nodes running ``systems_run``; every prompt length of ``sizes``
     put + get through them in rotating order. Appends rows; returns the node kind."""
     lay = LAYOUTS[layout]
@@ -188,7 +212,7 @@ def _run_points(opts: BenchOptions, rows: list[Row], layout: str, sizes: list[in
         workdir = opts.workdir / f"{layout}-{max(sizes)}-{'-'.join(systems_run)}"
         workdir.mkdir()
         systems = start_systems(stack, cluster, workdir, [layout], {layout: max(sizes)},
-                                 store_bytes + 64 * MiB, systems_run, device)
+                                 store_bytes + 64 * MiB, systems_run, device, raw_patterns)
         samples = Samples()
         one_prompt(systems, Samples(), ("warm-up",), layout, min(*sizes, 512), 0)
         for ntokens in sizes:
@@ -227,7 +251,7 @@ def bench_entries(opts: BenchOptions) -> list[Row]:
         for level in levels:
             count = (level - held) // (per_fill // tiny.block_tokens)
             for name, s in systems.items():
-                if count and name != "rawte":
+                if count and not name.startswith(RAW):
                     took = s.producer.call({"op": "fill", "start": fill_pid, "count": count,
                                             "layout": "tiny", "ntokens": per_fill}, 600)["s"]
                     rows.append({"table": "fill", "system": name, "entries": level,

@@ -122,13 +122,16 @@ def rss_mib(pid: int) -> float:
 
 @dataclass
 class SystemProcs:
-    """One system's processes. ``store_pid``: the process holding the stored bytes'
-    index (kvstore-server, mooncake_master), for the memory-vs-entries table."""
+    """One system's processes. ``others``: the processes besides the two workers
+    (kvstore-server, mooncake_master), for the CPU sums and the memory tables.
+    ``get_options``: added to every get command (raw TE's transfer pattern; the
+    raw-TE patterns are systems of their own that share one pair of workers)."""
 
     name: str
     producer: WorkerProc | None = None
     consumer: WorkerProc | None = None
     others: dict[str, subprocess.Popen] = field(default_factory=dict)
+    get_options: dict = field(default_factory=dict)
 
     def pids(self) -> dict[str, int]:
         out = {k: p.pid for k, p in self.others.items()}

@@ -21,13 +21,19 @@ from tools.bench.cluster_procs import REPO, SystemProcs, WorkerProc, peak_rss_mi
 from tools.bench.cluster_worker import LAYOUTS
 
 SYSTEMS = ("kvstore", "mooncake", "rawte")
+RAW = "rawte-"  # raw TE runs as one system per transfer pattern: "rawte-coalesced", ...
 MiB = 1 << 20
 P99_MIN_RUNS = 100  # fewer runs than this: report the max, not a "p99"
 
 
 def start_systems(stack: ExitStack, cluster, workdir: Path, layouts: list[str],
                    max_tokens: dict[str, int], store_bytes: int, systems=SYSTEMS,
-                   device: str = "cpu") -> dict[str, SystemProcs]:
+                   device: str = "cpu", raw_patterns: tuple[str, ...] = ("coalesced",)
+                   ) -> dict[str, SystemProcs]:
+    """The processes of ``systems`` on the cluster's two nodes, by system name.
+    ``"rawte"`` becomes one system per pattern of ``raw_patterns``
+    (tools/bench/rawte.py), ``"rawte-<pattern>"``, all on one producer/consumer pair:
+    every pattern reads the same registered buffers over the same connections."""
     a, b = cluster.nodes
     max_bytes = max(LAYOUTS[n].nbytes(t) for n, t in max_tokens.items())
     base = {"layouts": layouts, "max_tokens": max_tokens, "max_bytes": max_bytes,
@@ -63,10 +69,11 @@ def start_systems(stack: ExitStack, cluster, workdir: Path, layouts: list[str],
         s.consumer = worker(b, "mooncake", "consumer", **common)
         out["mooncake"] = s
     if "rawte" in systems:
-        s = SystemProcs("rawte")
-        s.producer = worker(a, "rawte", "producer")
-        s.consumer = worker(b, "rawte", "consumer", peer=s.producer.call({"op": "info"}))
-        out["rawte"] = s
+        producer = worker(a, "rawte", "producer")
+        consumer = worker(b, "rawte", "consumer", peer=producer.call({"op": "info"}))
+        for pattern in raw_patterns:
+            out[RAW + pattern] = SystemProcs(RAW + pattern, producer, consumer,
+                                             get_options={"pattern": pattern})
     return out
 
 
@@ -94,11 +101,15 @@ class Samples:
         self.s: dict[tuple, list[float]] = {}
         self.cpu: dict[tuple, float] = {}
         self.nbytes: dict[tuple, int] = {}
+        self.transfers: dict[tuple, int] = {}  # TE entries per operation (raw TE's gets)
 
-    def add(self, key: tuple, seconds: float, nbytes: int, cpu: float) -> None:
+    def add(self, key: tuple, seconds: float, nbytes: int, cpu: float,
+            transfers: int | None = None) -> None:
         self.s.setdefault(key, []).append(seconds)
         self.cpu[key] = self.cpu.get(key, 0.0) + cpu
         self.nbytes[key] = self.nbytes.get(key, 0) + nbytes
+        if transfers is not None:
+            self.transfers[key] = transfers
 
     def row(self, key: tuple, nbytes: int, blocks: int) -> Row:
         """GB/s and blocks/s of the median run. ``p99 ms`` only from ``P99_MIN_RUNS``
@@ -107,9 +118,12 @@ class Samples:
         s = np.asarray(self.s[key])
         p50 = float(np.median(s))
         p99 = float(np.percentile(s, 99)) * 1e3 if len(s) >= P99_MIN_RUNS else None
-        return {"GB/s": nbytes / p50 / 1e9, "p50 ms": p50 * 1e3, "p99 ms": p99,
-                "max ms": float(s.max()) * 1e3, "blocks/s": blocks / p50,
-                "CPU s/GB": self.cpu[key] / (self.nbytes[key] / 1e9), "runs": len(s)}
+        row = {"GB/s": nbytes / p50 / 1e9, "p50 ms": p50 * 1e3, "p99 ms": p99,
+               "max ms": float(s.max()) * 1e3, "blocks/s": blocks / p50,
+               "CPU s/GB": self.cpu[key] / (self.nbytes[key] / 1e9), "runs": len(s)}
+        if key in self.transfers:
+            row["TE transfers"] = self.transfers[key]
+        return row
 
 
 _pids = itertools.count(1)
@@ -123,9 +137,11 @@ def one_prompt(systems: dict[str, SystemProcs], samples: Samples, key: tuple, la
         s = systems[name]
         cmd = {"layout": layout, "ntokens": ntokens, "pid": next(_pids)}
         put, put_cpu = s.timed(s.producer, {"op": "put", **cmd})
-        get, get_cpu = s.timed(s.consumer, {"op": "get", "digest": put["digest"], **cmd})
+        get, get_cpu = s.timed(s.consumer, {"op": "get", "digest": put["digest"], **cmd,
+                                            **s.get_options})
         samples.add((*key, name, "put"), put["s"], put["nbytes"], put_cpu)
-        samples.add((*key, name, "get"), get["s"], get["nbytes"], get_cpu)
+        samples.add((*key, name, "get"), get["s"], get["nbytes"], get_cpu,
+                    get.get("transfers"))
         samples.add((*key, name, "put+get"), put["s"] + get["s"], put["nbytes"],
                     put_cpu + get_cpu)
 
@@ -136,19 +152,33 @@ def reps(opts: BenchOptions, nbytes: int) -> int:
 
 
 def ratios(rows: list[Row], keys: tuple[str, ...]) -> list[Row]:
-    """kvstore's GB/s over Mooncake's and raw TE's, for each key and op."""
+    """kvstore's GB/s over Mooncake's and over the raw-TE floor, for each key and op.
+    The floor is the fastest raw-TE pattern at that key and op (``rawte floor``
+    names it, ``rawte GB/s`` is its speed): the best use of TE, not one use of it."""
     by = {(tuple(r[k] for k in keys), r["op"], r["system"]): r["GB/s"] for r in rows}
     out = []
     for (k, op, system), gbps in by.items():
         if system != "kvstore":
             continue
-        row: Row = {"table": "ratios", **dict(zip(keys, k)), "op": op}
-        for other, label in (("mooncake", "kv/mooncake"), ("rawte", "kv/rawte")):
-            row[label] = gbps / by[(k, op, other)] if (k, op, other) in by else float("nan")
-        out.append(row)
+        mooncake = by.get((k, op, "mooncake"))
+        raw = {s[len(RAW):]: g for (k2, op2, s), g in by.items()
+               if k2 == k and op2 == op and s.startswith(RAW)}
+        best = max(raw, key=raw.__getitem__) if raw else None
+        out.append({"table": "ratios", **dict(zip(keys, k)), "op": op,
+                    "kv/mooncake": gbps / mooncake if mooncake else float("nan"),
+                    "kv/rawte": gbps / raw[best] if best else float("nan"),
+                    "rawte floor": best, "rawte GB/s": raw[best] if best else float("nan")})
     return out
 
 
 def memory_rows(systems: dict[str, SystemProcs], table: str) -> list[Row]:
-    return [{"table": table, "system": name, "process": proc, "peak MiB": peak_rss_mib(pid)}
-            for name, s in systems.items() for proc, pid in s.pids().items()]
+    """Peak memory of every process once: the raw-TE patterns share one pair of
+    workers, reported as system ``rawte``."""
+    rows, seen = [], set()
+    for name, s in systems.items():
+        for proc, pid in s.pids().items():
+            if pid not in seen:
+                seen.add(pid)
+                rows.append({"table": table, "system": "rawte" if name.startswith(RAW)
+                             else name, "process": proc, "peak MiB": peak_rss_mib(pid)})
+    return rows

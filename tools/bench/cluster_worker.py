@@ -7,9 +7,11 @@ parent (tools/bench/cluster.py) drives producer and consumer in lock step and
 times each operation *inside* the process that does it (the pipe is not timed).
 
 Commands: ``{"op": "put", "pid", "ntokens", "layout"}`` -> ``{"s", "nbytes", "digest"}``;
-``{"op": "get", "pid", "ntokens", "layout", "digest"}`` -> ``{"s", "nbytes"}`` (the
-bytes are checked against the producer's digest, untimed); ``{"op": "fill", "start",
-"count", "layout", "ntokens"}`` stores ``count`` prompts that stay (index growth);
+``{"op": "get", "pid", "ntokens", "layout", "digest"[, "pattern"]}`` -> ``{"s", "nbytes"}``
+(the bytes are checked against the producer's digest, untimed; raw TE takes the
+transfer ``pattern`` of tools/bench/rawte.py and answers ``"transfers"`` too);
+``{"op": "fill", "start", "count", "layout", "ntokens"}`` stores ``count`` prompts
+that stay (index growth);
 ``{"op": "exit"}``. An error answers ``{"error": ...}`` and the worker goes on.
 
 Prompt ``pid`` of ``n`` tokens is a pure function of (pid, n): token ids start with
@@ -129,51 +131,12 @@ class KVStoreSide:
             c.close()
 
 
-class RawTESide:
-    """The floor: the producer copies the bytes into a registered buffer (what the
-    same-node path does), the consumer reads them in one TE batch (one entry per
-    block, contiguous runs coalesced by Transport, as kvstore's are)."""
-
-    def __init__(self, cfg: dict) -> None:
-        from kvstore.transport.te import Transport
-
-        self.te = Transport(cfg["host"])
-        self.device = cfg.get("device", "cpu")
-        if self.device == "cpu":
-            buf = self.te.allocate_buffer(cfg["max_bytes"])
-            self.array, self.address = buf.array, buf.address
-        else:  # --gpu: TE straight from/to VRAM (needs the CUDA build of TE)
-            import torch
-
-            self.array = torch.empty(cfg["max_bytes"], dtype=torch.uint8, device=self.device)
-            self.address = self.array.data_ptr()
-            self.te.register(self.address, cfg["max_bytes"], f"cuda:{self.array.device.index}")
-        self.peer = cfg.get("peer")  # consumer: the producer's {"segment", "address"}
-
-    def info(self) -> dict:
-        return {"segment": self.te.segment, "address": self.address}
-
-    def put(self, name: str, pid: int, ntokens: int, data: Any) -> None:
-        if self.device == "cpu":
-            np.copyto(self.array[:data.size], data)
-        else:
-            self.array[:data.numel()].copy_(data)
-
-    def get(self, name: str, pid: int, ntokens: int) -> Any:
-        sizes = np.asarray(entry_sizes(LAYOUTS[name], ntokens), dtype=np.int64)
-        offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-        self.te.read(self.peer["segment"], self.address + offsets,
-                     self.peer["address"] + offsets, sizes)
-        return self.array[:int(sizes.sum())]
-
-    def close(self) -> None:
-        self.te.close()
-
-
 def make_side(cfg: dict):
     if cfg["system"] == "kvstore":
         return KVStoreSide(cfg)
     if cfg["system"] == "rawte":
+        from tools.bench.rawte import RawTESide
+
         return RawTESide(cfg)
     if cfg["system"] == "mooncake":
         from tools.bench.mooncake import MooncakeSide
@@ -208,13 +171,18 @@ class Worker:
                 "digest": digest(host)}
 
     def get(self, cmd: dict) -> dict:
+        # "pattern": how raw TE moves the prompt (tools/bench/rawte.py); others have one
+        how = {"pattern": cmd["pattern"]} if "pattern" in cmd else {}
         start = time.perf_counter()
-        out = self.side.get(cmd["layout"], cmd["pid"], cmd["ntokens"])
+        out = self.side.get(cmd["layout"], cmd["pid"], cmd["ntokens"], **how)
         seconds = time.perf_counter() - start
         if cmd.get("digest") and digest(out) != cmd["digest"]:
             raise RuntimeError(f"prompt {cmd['pid']}: the bytes that arrived differ")
-        return {"s": seconds, "nbytes": int(out.size if isinstance(out, np.ndarray)
-                                             else out.numel())}
+        reply = {"s": seconds, "nbytes": int(out.size if isinstance(out, np.ndarray)
+                                              else out.numel())}
+        if hasattr(self.side, "last_transfers"):
+            reply["transfers"] = self.side.last_transfers
+        return reply
 
     def fill(self, cmd: dict) -> dict:
         start = time.perf_counter()
