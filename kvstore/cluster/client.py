@@ -1,19 +1,26 @@
 """ClusterClient: the KVStoreClient API over every node registered in etcd.
 
 Producers and consumers know only the etcd address. Each prompt is placed by
-rendezvous hashing of its *placement key*: the chained key of block
-``min(P, nblocks) - 1``. Since a block key names the whole prefix up to it, every
-prompt that shares its first P blocks has the same home node:
+rendezvous hashing of its *placement key* (kvstore.cluster.placement): the chained
+key of its last block before the block holding its last token, at most P blocks
+deep (``placement_blocks``, config ``cluster.placement_blocks``). All of a prompt's
+blocks and its hidden entry go to that one node:
 
-* P = 1 (default): prompts that share a system prompt of at least one block land on
-  one node, so ``get`` finds their common prefix there (prefix hits), at the price
-  of that node carrying every prompt of a popular system prompt;
-* larger P spreads such prompts over the nodes, but a prefix shorter than P blocks
-  is found only when the rest of the prompt also matches.
+* prompts that share a system prompt or chat template but not their tails have
+  different homes, so a popular template no longer loads one node (each node ends
+  up with its own copy of the template's blocks, deduplicated there);
+* lists of one prompt that differ by a token have the same placement unless that
+  token opens a block; a read of such a list asks the homes of both neighbours how
+  much they hold and reads from the one that holds most, so a consumer asking for
+  ``n`` tokens finds a producer's ``n - 1`` (or ``n + 1``);
+* lists of at least P + 1 blocks are all placed by their first P blocks: a longer
+  or shorter list of a long prompt finds it whatever the lengths. P = 1 is the old
+  rule: every prompt under one first block on one node, prefix hits across prompts
+  of any length, one hot node per template.
 
-A producer and a consumer with the same node list compute the same home without
-talking. When a node fails a call (unavailable, timed out, TE error) it is
-forgotten (``NodeSet.forget``) and:
+Every client of a cluster must use the same P: a producer and a consumer with the
+same node list compute the same home without talking. When a node fails a call
+(unavailable, timed out, TE error) it is forgotten (``NodeSet.forget``) and:
 
 * inserts retry on the next node of the rendezvous order, so new work goes to the
   live nodes;
@@ -38,9 +45,11 @@ import numpy as np
 
 from kvstore.client.client import InsertResult, KVStoreClient, LookupResult, SelectResult
 from kvstore.cluster.membership import NodeInfo, NodeSet
-from kvstore.core.config import ClientConfig
+from kvstore.cluster.placement import key_at, placement_keys
+from kvstore.core.config import ClientConfig, load_config
 from kvstore.client.datapath import TeEngine
-from kvstore.core.errors import InvalidRequestError, KVTimeoutError, PeerUnavailableError, TransferError
+from kvstore.core.errors import (InvalidRequestError, KVTimeoutError, NotFoundError,
+                                 PeerUnavailableError, TransferError)
 from kvstore.cluster.etcd import EtcdClient
 from kvstore.core.hashing import block_keys, namespace_of, tokens_to_array
 from kvstore.core.layout import KVLayout
@@ -56,8 +65,10 @@ T = TypeVar("T")
 class ClusterClient:
     """Places prompts on the nodes under ``prefix`` in etcd; one KVStoreClient per node.
 
-    ``client_opts`` go to each per-node ``KVStoreClient`` (same_node, CURVE keys,
-    ...), except ``te_host`` and ``staging_bytes``: they make the one ``TeEngine``
+    ``placement_blocks``: P of the placement rule (module doc); None takes
+    ``cluster.placement_blocks`` from ``KVSTORE_CLUSTER_PLACEMENT_BLOCKS`` or its
+    default. ``client_opts`` go to each per-node ``KVStoreClient`` (same_node, CURVE
+    keys, ...), except ``te_host`` and ``staging_bytes``: they make the one ``TeEngine``
     (TE engine + registered staging buffer) every per-node client shares, since each
     engine registers its own memory and busy-waits its own threads. A ``te_engine``
     given instead is used as is (and left open: its creator closes it).
@@ -67,10 +78,12 @@ class ClusterClient:
 
     def __init__(self, etcd: str, layout: KVLayout, model_id: str = "default",
                  tp_rank: int = 0, tp_size: int = 1, salt: bytes | str = b"",
-                 prefix: str = "/kvstore/nodes/", placement_blocks: int = 1,
+                 prefix: str = "/kvstore/nodes/", placement_blocks: int | None = None,
                  pp_rank: int = 0, pp_size: int = 1,
                  timeout_s: float = 10.0, refresh_s: float = 1.0, forget_s: float = 10.0,
                  **client_opts: Any) -> None:
+        if placement_blocks is None:  # KVSTORE_CLUSTER_PLACEMENT_BLOCKS, else the default
+            placement_blocks = load_config().cluster.placement_blocks
         if placement_blocks < 1:
             raise InvalidRequestError(f"placement_blocks must be >= 1, got {placement_blocks}")
         self.layout = layout
@@ -103,16 +116,23 @@ class ClusterClient:
 
     def placement_key(self, tokens: Sequence[int] | np.ndarray,
                       scope: bytes | str = b"") -> bytes:
-        arr = tokens_to_array(tokens)
-        if arr.size == 0:
-            raise InvalidRequestError("empty prompt")
-        keys = block_keys(self._namespace(scope), arr, self.layout.block_tokens).keys
-        return keys[min(self.placement_blocks, len(keys)) - 1]
+        """The key whose rendezvous order places ``tokens`` (kvstore.cluster.placement)."""
+        return self._placement_keys(tokens, scope)[0]
 
     def placement(self, tokens: Sequence[int] | np.ndarray,
                   scope: bytes | str = b"") -> list[NodeInfo]:
         """Live nodes in the order this prompt tries them; the first is its home."""
         return self.nodes.order(self.placement_key(tokens, scope))
+
+    def _placement_keys(self, tokens: Sequence[int] | np.ndarray,
+                        scope: bytes | str) -> list[bytes]:
+        """Its own placement key, then those of the lists one token shorter or longer
+        where they differ (kvstore.cluster.placement)."""
+        arr = tokens_to_array(tokens)
+        if arr.size == 0:
+            raise InvalidRequestError("empty prompt")
+        return placement_keys(self._namespace(scope), arr, self.layout.block_tokens,
+                              self.placement_blocks)
 
     def keys_for(self, tokens: Sequence[int] | np.ndarray,
                  scope: bytes | str = b"") -> list[bytes]:
@@ -162,37 +182,55 @@ class ClusterClient:
                timeout_s: float | None = None) -> LookupResult:
         return self._read(tokens, timeout_s,
                           lambda c, t: c.lookup(tokens, scope=scope, timeout_s=t),
-                          LookupResult(0, 0, []), scope)
+                          LookupResult(0, 0, []), scope, probe_answers=True)
 
     def pin(self, keys: Sequence[bytes]) -> Any:
-        """Pin on the home node of the prompt whose chain ``keys`` starts with (a
-        prompt's ``keys_for``, optionally followed by its hidden key when P == 1)."""
-        return self._on_home_of(keys, lambda c: c.pin(keys))
+        """Pin on the node holding the prompt whose chain ``keys`` is (a prompt's
+        ``keys_for``, optionally followed by its hidden key)."""
+        return self._on_holder_of(keys, lambda c: c.pin(keys))
 
     def unpin(self, keys: Sequence[bytes]) -> Any:
-        return self._on_home_of(keys, lambda c: c.unpin(keys))
+        return self._on_holder_of(keys, lambda c: c.unpin(keys))
 
-    def _on_home_of(self, keys: Sequence[bytes], call: Callable[[KVStoreClient], T]) -> T:
+    def _on_holder_of(self, keys: Sequence[bytes], call: Callable[[KVStoreClient], T]) -> T:
+        """``call`` on the first node that holds every key: the chain's home with and
+        without a trailing hidden key first, then the others (a scoped or failed-over
+        prompt). Only a node that stores the prompt holds its whole chain."""
         if not keys:
             raise InvalidRequestError("no keys given")
-        node = self.nodes.home(keys[min(self.placement_blocks, len(keys)) - 1])
-        try:
-            return call(self.client_for(node))
-        except NODE_FAILURES as exc:
-            self._node_failed(node, exc)
-            raise
+        depths = dict.fromkeys(min(self.placement_blocks, len(keys) - drop)
+                               for drop in (1, 2) if len(keys) - drop >= 0)
+        orders = [self.nodes.order(key_at(d, keys, self.namespace)) for d in depths]
+        nodes = {o[0].node_id: o[0] for o in orders}  # the homes first, then the rest
+        for node in orders[0]:
+            nodes.setdefault(node.node_id, node)
+        missing: NotFoundError | None = None
+        for node in nodes.values():
+            try:
+                return call(self.client_for(node))
+            except NotFoundError as exc:
+                missing = exc
+            except NODE_FAILURES as exc:
+                self._node_failed(node, exc)
+                raise
+        assert missing is not None  # nodes is never empty: order() raises first
+        raise missing
 
     def _read(self, tokens: Any, timeout: float | None,
               call: Callable[[KVStoreClient, float], T], miss: T,
-              scope: bytes | str = b"") -> T:
-        """``call`` on the home node; a failed node is forgotten and the next one tried
-        while time is left; a miss once the deadline passes or no node is left."""
+              scope: bytes | str = b"", probe_answers: bool = False) -> T:
+        """``call`` on the node that holds ``tokens`` (``_route``); a failed node is
+        forgotten and the next one tried while time is left; a miss once the deadline
+        passes or no node is left. ``probe_answers``: ``call`` is a lookup, so the
+        route's own lookup is the answer."""
         deadline = time.monotonic() + (timeout or self.timeout_s)
         try:
-            order = self.placement(tokens, scope)
+            order, probed = self._route(tokens, scope, deadline)
         except PeerUnavailableError as exc:  # no node registered, or etcd unreachable
             log.warning("read is a miss: %s", exc)
             return miss
+        if probe_answers and probed is not None:
+            return probed  # type: ignore[return-value]  # call is a lookup
         for node in order:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -202,6 +240,37 @@ class ClusterClient:
             except NODE_FAILURES as exc:
                 self._node_failed(node, exc)
         return miss
+
+    def _route(self, tokens: Any, scope: bytes | str,
+               deadline: float) -> tuple[list[NodeInfo], LookupResult | None]:
+        """The nodes to read ``tokens`` from, in order, and the lookup that chose them.
+
+        Its home and failover order, unless a list one token shorter or longer has
+        another home (the token opens a block): then whichever of those homes holds
+        most of it (one lookup each; ties go to its own) comes first."""
+        keys = self._placement_keys(tokens, scope)
+        order = self.nodes.order(keys[0])
+        homes = {order[0].node_id: order[0]}
+        for key in keys[1:]:
+            home = self.nodes.home(key)
+            homes.setdefault(home.node_id, home)
+        if len(homes) == 1:
+            return order, None
+        best: tuple[NodeInfo, LookupResult] | None = None
+        for node in homes.values():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                held = self.client_for(node).lookup(tokens, scope=scope, timeout_s=left)
+            except NODE_FAILURES as exc:
+                self._node_failed(node, exc)
+                continue
+            if best is None or held.matched_tokens > best[1].matched_tokens:
+                best = node, held
+        if best is None:  # every home failed: what is left of the failover order
+            return self.nodes.order(keys[0]), None
+        return [best[0], *(n for n in self.nodes.order(keys[0]) if n != best[0])], best[1]
 
     def _node_failed(self, node: NodeInfo, exc: Exception) -> None:
         log.warning("node %s (%s) failed: %s; forgetting it", node.node_id, node.address, exc)

@@ -132,9 +132,11 @@ class ClusterConfig:
     prefix: str = "/kvstore/nodes/"
     ttl_s: int = 5
     node_id: str = ""  # default: host:port
+    # The same on every client of a cluster (kvstore.cluster.placement, docs/cluster.md).
+    placement_blocks: int = 256  # at most this many leading blocks choose a prompt's node
 
     def __post_init__(self) -> None:
-        _positive(self, "ttl_s")
+        _positive(self, "ttl_s", "placement_blocks")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import time
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -136,17 +137,22 @@ def test_without_nodes_reads_miss_and_inserts_fail(etcd):
             client.insert(list(range(8)), make_kv(8))
 
 
-def test_placement_key_is_the_key_of_block_p(etcd):
+def test_placement_key_is_the_key_of_the_block_before_the_last(etcd, monkeypatch):
     shared = list(range(100, 104))  # one block of "system prompt"
-    a, b = shared + [1, 2, 3, 4, 5], shared + [6, 7, 8, 9]
-    with ClusterClient(etcd.url, LAYOUT, prefix="/p1/") as p1, \
-            ClusterClient(etcd.url, LAYOUT, prefix="/p2/", placement_blocks=2) as p2:
-        assert p1.placement_key(a) == p1.placement_key(b) == p1.placement_key(shared)
-        assert p2.placement_key(a) != p2.placement_key(b)
-        # A prompt shorter than P blocks is placed by its last block.
-        assert p2.placement_key(shared) == p1.placement_key(shared)
-        with pytest.raises(InvalidRequestError):
-            ClusterClient(etcd.url, LAYOUT, placement_blocks=0)
+    a, b = shared + [1, 2, 3, 4, 5], shared + [6, 7, 8, 9, 10]
+    with ClusterClient(etcd.url, LAYOUT, prefix="/p1/", placement_blocks=1) as p1, \
+            ClusterClient(etcd.url, LAYOUT, prefix="/p2/") as deep:
+        # P = 1 (the rule before): the first block decides, so the template does.
+        assert p1.placement_key(a) == p1.placement_key(b) == p1.placement_key(shared + [7])
+        # The default: the block before the one holding the last token.
+        assert deep.placement_key(a) == deep.keys_for(a)[1] != deep.placement_key(b)
+        assert deep.placement_key(a[:-1] + [99]) == deep.placement_key(a)
+        assert deep.placement_key(shared) == deep.namespace  # within one block
+    monkeypatch.setenv("KVSTORE_CLUSTER_PLACEMENT_BLOCKS", "3")
+    with ClusterClient(etcd.url, LAYOUT, prefix="/p3/") as from_env:
+        assert from_env.placement_blocks == 3
+    with pytest.raises(InvalidRequestError):
+        ClusterClient(etcd.url, LAYOUT, placement_blocks=0)
 
 
 def test_registered_server_serves_both_modes_and_leaves_on_stop(etcd, server_factory):
@@ -358,3 +364,68 @@ def test_cluster_client_shares_one_te_engine_across_nodes(etcd, server_factory, 
         assert len(made) == 1
         assert len({id(c._data.engine) for _, c in cluster._clients.values()}) == 1
     assert cluster.te_engine.transport is None  # closed with the cluster client
+
+
+def _kv_of(tokens: list[int]) -> np.ndarray:
+    """Entry bytes that depend on each token and its position only, so prompts under
+    one template agree on its blocks' bytes (a node keeps the first writer's)."""
+    per = LAYOUT.nbytes(1)
+    return np.concatenate([np.random.default_rng([t, j]).integers(0, 256, per, dtype=np.uint8)
+                           for j, t in enumerate(tokens)])
+
+
+def _common_blocks(stored: list[bytes], asked: list[bytes]) -> int:
+    """Blocks of the stored chain that a read of ``asked`` gets on one node."""
+    return next((i for i, (s, a) in enumerate(zip(stored, asked)) if s != a),
+                min(len(stored), len(asked)))
+
+
+def test_prompts_sharing_a_template_spread_and_every_read_is_exact(etcd, server_factory):
+    """Prompts under one 3-block template land on all three nodes (placement by the
+    block before the last, not the first block), and each drop_select of the stored
+    part, of the whole prompt (one token more) or of one token fewer gets exactly
+    what one node holding the prompt would give: the reads find the producer's node
+    even where that token opens a block. At the end every store is empty."""
+    prefix = "/spread/"
+    servers = [server_factory(extra=("--cluster", etcd.url, "--cluster-prefix", prefix,
+                                     "--node-id", f"n{i}")) for i in range(3)]
+    rng = np.random.default_rng(5)
+    template = list(range(500, 512))  # 3 blocks of 4 tokens
+    prompts = [template + rng.integers(0, 9_000, 6 + i).tolist() for i in range(36)]
+    with ClusterClient(etcd.url, LAYOUT, prefix=prefix, timeout_s=5.0, refresh_s=0.1,
+                       staging_bytes=1 << 20) as cluster:
+        deadline = time.monotonic() + 10
+        while len(cluster.nodes.nodes()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for prompt in prompts:
+            cluster.insert(prompt[:-1], _kv_of(prompt[:-1]))
+        held = {}
+        for srv in servers:
+            with KVStoreClient(srv.address) as admin:
+                held[srv.address] = admin.stats()["entries"]
+        assert all(held.values()), held  # every node holds some: not one per template
+        whole, elsewhere = [], 0
+        for i, prompt in enumerate(prompts):
+            stored = prompt[:-1]
+            asked = (stored, prompt, prompt[:-2])[i % 3]
+            # The token off opens a block and moves the list: found by asking both homes.
+            elsewhere += cluster.placement(asked)[0] != cluster.placement(stored)[0]
+            keys = cluster.keys_for(stored)
+            blocks = _common_blocks(keys, cluster.keys_for(asked))
+            tokens = min(blocks * LAYOUT.block_tokens, len(stored))  # the last may be partial
+            assert cluster.lookup(asked).matched_tokens == tokens
+            got = cluster.drop_select(asked)
+            assert got.matched_tokens == tokens > len(template), (i, len(asked))
+            assert bytes(got.kv.numpy()) == _kv_of(stored[:tokens]).tobytes()
+            whole.append(blocks == len(keys))
+        assert elsewhere > 0
+        assert not all(whole)  # some reads stopped short of the stored end ...
+        # ... and took nothing: a read that does not reach where an insert ended
+        # reads its blocks and leaves them. Each insert is handed out exactly once.
+        for i, (prompt, taken) in enumerate(zip(prompts, whole)):
+            again = cluster.drop_select(prompt[:-1]).matched_tokens
+            # (one taken before: at most the template, read, which later prompts own)
+            assert again <= len(template) if taken else again == len(prompt) - 1, i
+        for srv in servers:
+            with KVStoreClient(srv.address) as admin:
+                assert admin.stats()["entries"] == 0
