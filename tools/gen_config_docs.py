@@ -61,6 +61,10 @@ HELP = {
     "server.port": "ZeroMQ control port.",
     "server.te_metadata": "TE metadata: `P2PHANDSHAKE` (no metadata server) or "
                           "`etcd://host:port` / `http://...`.",
+    "server.te_protocol": "TE transport: `tcp` or `rdma` (needs an RDMA NIC; refused at "
+                          "start without one). Clients must use the same.",
+    "server.te_devices": "RDMA NICs TE may use, comma-separated (`mlx5_0,mlx5_1`: the ones "
+                         "nearest the arenas' memory); empty: every NIC TE finds.",
     "server.max_message_bytes": "Control messages larger than this are refused.",
     "server.metrics_port": "Prometheus `/metrics` HTTP port on `server.host`; 0: off.",
     "cluster.prefix": "etcd key prefix under which nodes register.",
@@ -70,6 +74,10 @@ HELP = {
     "client.timeout_s": "Bound on every client request; past it the call fails with a "
                         "timeout (a miss), never hangs.",
     "client.te_host": "Address the client's own TE engine binds to.",
+    "client.te_protocol": "The client's TE transport, `tcp` or `rdma`: the servers' "
+                          "`server.te_protocol`.",
+    "client.te_devices": "RDMA NICs the client's TE may use (those nearest its GPU); "
+                         "empty: every NIC TE finds.",
     "client.staging_bytes": "Client staging buffer registered with TE.",
     "client.curve_server_public_key": "Server public key file (CURVE); empty: no CURVE.",
     "client.curve_secret_key": "Client key pair file written by `kvstore keys`.",

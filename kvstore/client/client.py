@@ -23,10 +23,10 @@ import numpy as np
 import torch
 
 from kvstore.core import protocol as p
-from kvstore.core.config import ClientConfig
+from kvstore.core.config import ClientConfig, parse_te_devices
 from kvstore.client.datapath import DataPath, Segment, TeEngine
-from kvstore.core.errors import (ChecksumError, InvalidRequestError, KVStoreError, KVTimeoutError,
-                            PeerUnavailableError)
+from kvstore.core.errors import (ChecksumError, ConfigError, InvalidRequestError, KVStoreError,
+                                 KVTimeoutError, PeerUnavailableError)
 from kvstore.core.hashing import block_keys, block_token_bytes, hidden_key, namespace_of, tokens_to_array
 from kvstore.core.layout import KVLayout, dtype_name, pack_hf
 from kvstore.client.rpc import Channel, CurveKeys
@@ -75,9 +75,12 @@ class KVStoreClient:
     that, False always uses TE. ``layout`` is needed for insert/select, not for admin.
     ``observer(op, seconds, ok)`` hears each TE move's duration (``te_write`` /
     ``te_read``), e.g. ``kvstore.server.metrics.Metrics().observe``: the server cannot see them.
+    ``te_protocol`` ("tcp" | "rdma", the servers' ``server.te_protocol``) and
+    ``te_devices`` (RDMA NICs, e.g. "mlx5_0,mlx5_1"; empty: all) reach this client's
+    TE engine; "rdma" on a machine without an RDMA NIC is a ``ConfigError`` here.
     ``te_engine``: a TE engine + staging buffer shared with other clients of this
-    process (``te_host`` and ``staging_bytes`` are then the engine's); its creator
-    closes it, ``close()`` here does not.
+    process (``te_host``, ``te_protocol``, ``te_devices`` and ``staging_bytes`` are
+    then the engine's); its creator closes it, ``close()`` here does not.
     """
 
     def __init__(self, server: str | None = None, layout: KVLayout | None = None,
@@ -89,7 +92,8 @@ class KVStoreClient:
                  config: ClientConfig | None = None,
                  observer: Callable[[str, float, bool], None] | None = None,
                  te_engine: TeEngine | None = None, pp_rank: int = 0,
-                 pp_size: int = 1) -> None:
+                 pp_size: int = 1, te_protocol: str | None = None,
+                 te_devices: str | None = None) -> None:
         cfg = config or ClientConfig()
         self.server = server or cfg.server
         self.layout = layout
@@ -104,9 +108,15 @@ class KVStoreClient:
         server_key = (curve_server_public_key if curve_server_public_key is not None
                       else cfg.curve_server_public_key)
         curve = CurveKeys.load(secret, server_key) if secret or server_key else None
-        self._rpc = Channel(self.server, self.timeout_s, curve=curve)
+        if te_engine is not None:
+            _check_shared_engine(te_engine, te_protocol, te_devices)
+        # The data path first: it refuses a TE protocol this machine cannot run
+        # before any socket is open.
         self._data = DataPath(te_host or cfg.te_host, staging_bytes or cfg.staging_bytes,
-                              same_node, observer, timeout_s=self.timeout_s, engine=te_engine)
+                              same_node, observer, timeout_s=self.timeout_s, engine=te_engine,
+                              protocol=te_protocol or cfg.te_protocol,
+                              devices=cfg.te_devices if te_devices is None else te_devices)
+        self._rpc = Channel(self.server, self.timeout_s, curve=curve)
         self._hello: dict[str, Any] | None = None
 
     # ------------------------------------------------------------ connection
@@ -426,6 +436,18 @@ def _rest_of(into: Any, offset: int) -> np.ndarray | None:
             or not into.flags.writeable:
         raise InvalidRequestError("into: need a writable, contiguous numpy array or tensor")
     return into.reshape(-1).view(np.uint8)[offset:]
+
+
+def _check_shared_engine(engine: TeEngine, protocol: str | None, devices: str | None) -> None:
+    """A shared engine is the engine's settings: asking for others is refused, not ignored
+    (a client asking for RDMA must not move its bytes over TCP unawares)."""
+    asked = {"te_protocol": (protocol, engine.protocol),
+             "te_devices": (None if devices is None else
+                            ",".join(parse_te_devices("te_devices", devices)), engine.devices)}
+    for name, (want, has) in asked.items():
+        if want is not None and want != has:
+            raise ConfigError(f"{name} {want!r} asked for, but the shared te_engine runs "
+                              f"{has!r}: set it on the TeEngine")
 
 
 def _split(data: np.ndarray, sizes: list[int]) -> list[np.ndarray]:

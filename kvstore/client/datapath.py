@@ -28,6 +28,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
 
 import numpy as np
@@ -36,6 +37,7 @@ from kvstore.client.shm import copy_in, copy_out
 from kvstore.core.errors import ChecksumError, ConfigError, InvalidRequestError
 from kvstore.core.hashing import checksum
 from kvstore.core.nodeid import host_id
+from kvstore.transport.env import check_protocol
 
 if TYPE_CHECKING:
     from kvstore.transport.te import Transport
@@ -62,10 +64,15 @@ class TeEngine:
     staging buffer and the engine: the DataPaths sharing it take turns, which is
     also how TE runs fastest here (one transfer thread per process)."""
 
-    def __init__(self, te_host: str, staging_bytes: int, timeout_s: float | None = None) -> None:
+    def __init__(self, te_host: str, staging_bytes: int, timeout_s: float | None = None,
+                 protocol: str = "tcp", devices: str | Sequence[str] = "") -> None:
         self.te_host = te_host
         self.staging_bytes = staging_bytes
         self.timeout_s = timeout_s  # bounds a TE transfer to a stalled peer (TE minimum 5 s)
+        # Checked now, though the engine starts on first use: "rdma" without a NIC is
+        # refused when the client is made, not at its first transfer.
+        self.protocol = protocol
+        self.devices = ",".join(check_protocol(protocol, devices, section="client."))
         self.lock = threading.Lock()
         self.transport: Transport | None = None  # once started
         self._stage: np.ndarray | None = None
@@ -97,7 +104,8 @@ class TeEngine:
             name = None if metadata == P2P else \
                 f"{self.te_host}:kvclient-{os.getpid()}-{secrets.token_hex(4)}"
             self.transport = Transport(self.te_host, metadata=metadata,
-                                       timeout_s=self.timeout_s, name=name)
+                                       protocol=self.protocol, timeout_s=self.timeout_s,
+                                       name=name, devices=self.devices)
         return self.transport
 
     def staging_buffer(self) -> tuple[np.ndarray, int]:
@@ -124,18 +132,19 @@ class DataPath:
 
     ``engine``: a ``TeEngine`` shared with other DataPaths (its owner closes it);
     without one this DataPath makes and owns its own from ``te_host``,
-    ``staging_bytes`` and ``timeout_s``."""
+    ``staging_bytes``, ``timeout_s``, ``protocol`` and ``devices``."""
 
     def __init__(self, te_host: str, staging_bytes: int, same_node: bool | str = "auto",
                  observer: Callable[[str, float, bool], None] | None = None,
-                 timeout_s: float | None = None, engine: TeEngine | None = None) -> None:
+                 timeout_s: float | None = None, engine: TeEngine | None = None,
+                 protocol: str = "tcp", devices: str | Sequence[str] = "") -> None:
         if same_node not in (True, False, "auto"):
             raise ConfigError(f"same_node must be True, False or 'auto', got {same_node!r}")
         self.same_node = same_node
         self.observer = observer
         self.segment: Segment | None = None
         self._owns_engine = engine is None
-        self.engine = engine or TeEngine(te_host, staging_bytes, timeout_s)
+        self.engine = engine or TeEngine(te_host, staging_bytes, timeout_s, protocol, devices)
         self.staging_bytes = self.engine.staging_bytes
         self.direct_write_min_bytes = DIRECT_WRITE_MIN_BYTES
         self._lock = self.engine.lock

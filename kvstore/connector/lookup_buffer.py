@@ -117,8 +117,9 @@ class KVStoreLookupBuffer:
     and ``salt`` separate models/tenants sharing a server. ``select_timeout_s`` bounds
     how long ``drop_select`` waits for the provider before answering a miss;
     ``insert_timeout_s`` how long ``insert`` waits for room before skipping.
-    ``client_opts`` go to the client (``te_host``, ``staging_bytes``, ``same_node``,
-    CURVE keys, ...); one TE engine and staging buffer serve the whole buffer.
+    ``client_opts`` go to the client (``te_host``, ``te_protocol``, ``te_devices``,
+    ``staging_bytes``, ``same_node``, CURVE keys, ...); one TE engine and staging
+    buffer serve the whole buffer.
     """
 
     def __init__(self, server: str, model_id: str = "default", salt: bytes | str = b"",
@@ -137,9 +138,12 @@ class KVStoreLookupBuffer:
         cfg = client_opts.get("config") or ClientConfig()
         te_host = client_opts.pop("te_host", None) or cfg.te_host
         staging_bytes = client_opts.pop("staging_bytes", None) or cfg.staging_bytes
+        protocol = client_opts.pop("te_protocol", None) or cfg.te_protocol
+        devices = client_opts.pop("te_devices", None)
         shared = client_opts.pop("te_engine", None)
         self._owns_engine = shared is None
-        self._engine = shared or TeEngine(te_host, staging_bytes, timeout_s)
+        self._engine = shared or TeEngine(te_host, staging_bytes, timeout_s, protocol,
+                                          cfg.te_devices if devices is None else devices)
         # Half the staging buffer: a part and its prompt's few small entries always
         # fit one staged move, whatever slack the data path keeps between entries.
         self.record_part_bytes = self._engine.staging_bytes // 2

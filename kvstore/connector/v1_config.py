@@ -26,6 +26,10 @@ Every key (docs/vllm.md lists them with examples):
   [the ``timeout_s``]
 * ``te_host`` — the address this worker's Transfer Engine binds and advertises
   (the node's RDMA/TCP interface on real clusters). [127.0.0.1]
+* ``te_protocol`` — this worker's TE transport, "tcp" or "rdma": the servers'
+  ``server.te_protocol``. "rdma" needs an RDMA NIC on the node. ["tcp"]
+* ``te_devices`` — the RDMA NICs this worker's TE may use, e.g. "mlx5_0,mlx5_1"
+  (the ones nearest its GPU); empty: every NIC TE finds. [""]
 * ``staging_bytes`` — the worker's registered TE staging buffer. [256MiB]
 * ``same_node`` — "auto" memcpys through a same-node server's shared DRAM arena;
   false forces TE. ["auto"]
@@ -41,13 +45,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.core.config import parse_size
+from kvstore.core.config import check_te_protocol, parse_size, parse_te_devices
 from kvstore.core.errors import ConfigError
 from kvstore.core.layout import KVLayout, dtype_name
 
 SERVER_SCHEMES = ("tcp://", "etcd://")  # one server / a cluster's registry
 _KEYS = {"server", "allowed_servers", "cluster_prefix", "model_id", "salt", "timeout_s",
-         "lookup_timeout_s", "load_wait_s", "te_host",
+         "lookup_timeout_s", "load_wait_s", "te_host", "te_protocol", "te_devices",
          "staging_bytes", "same_node", "load_mode", "save", "load"}
 
 
@@ -62,6 +66,8 @@ class ConnectorSettings:
     lookup_timeout_s: float
     load_wait_s: float
     te_host: str
+    te_protocol: str
+    te_devices: str  # comma-separated; "" = every NIC TE finds
     staging_bytes: int
     same_node: bool | str
     load_mode: str
@@ -92,6 +98,8 @@ class ConnectorSettings:
             lookup_timeout_s=float(extra.get("lookup_timeout_s", 0.25)),
             load_wait_s=float(extra.get("load_wait_s", extra.get("timeout_s", 5.0))),
             te_host=str(extra.get("te_host", "127.0.0.1")),
+            te_protocol=str(extra.get("te_protocol", "tcp")),
+            te_devices=",".join(parse_te_devices("te_devices", extra.get("te_devices", ""))),
             staging_bytes=parse_size(extra.get("staging_bytes", "256MiB")),
             same_node=same_node,
             load_mode=str(extra.get("load_mode", "drop" if role == "kv_consumer" else "keep")),
@@ -118,6 +126,7 @@ class ConnectorSettings:
             raise ConfigError(f"load_wait_s must be >= 0, got {self.load_wait_s}")
         if self.load_mode not in ("drop", "keep"):
             raise ConfigError(f"load_mode must be 'drop' or 'keep', got {self.load_mode!r}")
+        check_te_protocol("te_protocol", self.te_protocol)
         if self.same_node not in (True, False, "auto"):
             raise ConfigError(f"same_node must be true, false or 'auto', got {self.same_node!r}")
 

@@ -46,7 +46,8 @@ class StoreClients:
         self.pp_rank, self.pp_size = pp_rank, pp_size
         # The scheduler only looks up: its clients never move bytes.
         staging = settings.staging_bytes if worker else 1 << 20
-        self._engine = TeEngine(settings.te_host, staging, settings.timeout_s)
+        self._engine = TeEngine(settings.te_host, staging, settings.timeout_s,
+                                settings.te_protocol, settings.te_devices)
         self._clients: OrderedDict[str, KVStoreClient | ClusterClient] = OrderedDict()
         self._down_until: dict[str, float] = {}
         self._lock = threading.Lock()

@@ -50,6 +50,33 @@ def format_size(n: int) -> str:
 
 Size = int  # annotation marker: fields typed Size accept "64GiB" strings
 TIER_PAGE_BYTES = 4096  # every tier allocates whole pages of this size
+# The TE transports kvstore lets a node choose (kvstore/transport/env.py makes TE use
+# the one chosen: left alone, TE takes RDMA whenever it finds a NIC, else TCP).
+TE_PROTOCOLS = ("tcp", "rdma")
+_DEVICE_RE = re.compile(r"^[A-Za-z0-9_.:-]+$")  # mlx5_0, erdma_0, rocep1s0f0, ...
+
+
+def check_te_protocol(name: str, protocol: object) -> str:
+    """``protocol`` if it is one of ``TE_PROTOCOLS``, else a one-line ConfigError."""
+    if protocol not in TE_PROTOCOLS:
+        raise ConfigError(f"{name}: {protocol!r} is not a TE protocol; use one of "
+                          f"{', '.join(TE_PROTOCOLS)}")
+    return str(protocol)
+
+
+def parse_te_devices(name: str, devices: object) -> tuple[str, ...]:
+    """``"mlx5_0, mlx5_1"`` -> ``("mlx5_0", "mlx5_1")``; ``""`` -> ``()``: TE then uses
+    every RDMA NIC it discovers. A sequence of names is taken as well."""
+    if isinstance(devices, (list, tuple)):
+        devices = ",".join(str(d) for d in devices)
+    if not isinstance(devices, str):
+        raise ConfigError(f"{name}: {devices!r} is not a device list (e.g. 'mlx5_0,mlx5_1')")
+    names = tuple(d.strip() for d in devices.split(",") if d.strip())
+    for device in names:
+        if not _DEVICE_RE.match(device):
+            raise ConfigError(f"{name}: {device!r} is not an RDMA device name; give a "
+                              "comma-separated string such as 'mlx5_0,mlx5_1'")
+    return names
 
 
 @dataclass(frozen=True)
@@ -115,6 +142,8 @@ class ServerConfig:
     port: int = 7700
     te_host: str = ""  # address TE binds/advertises; default: host
     te_metadata: str = "P2PHANDSHAKE"  # or etcd://host:port, http://...
+    te_protocol: str = "tcp"  # tcp | rdma
+    te_devices: str = ""  # RDMA NICs TE may use, e.g. "mlx5_0,mlx5_1"; empty: all
     max_message_bytes: Size = 16 << 20
     metrics_port: int = 0  # 0: no Prometheus endpoint
     curve_secret_key: str = ""  # file written by `kvstore keys`; empty: no CURVE
@@ -122,6 +151,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         _sizes(self, "max_message_bytes")
+        _te_settings(self, "server")
         if not 0 < self.port < 65536 or not 0 <= self.metrics_port < 65536:
             raise ConfigError("server: ports must be in 1..65535")
 
@@ -144,6 +174,8 @@ class ClientConfig:
     server: str = "tcp://127.0.0.1:7700"
     timeout_s: float = 10.0
     te_host: str = "127.0.0.1"
+    te_protocol: str = "tcp"  # tcp | rdma; the same as the servers'
+    te_devices: str = ""  # RDMA NICs this client's TE may use; empty: all
     staging_bytes: Size = 256 << 20
     curve_server_public_key: str = ""
     curve_secret_key: str = ""
@@ -152,6 +184,7 @@ class ClientConfig:
     def __post_init__(self) -> None:
         _sizes(self, "staging_bytes")
         _positive(self, "timeout_s")
+        _te_settings(self, "client")
 
 
 @dataclass(frozen=True)
@@ -294,7 +327,15 @@ def _positive(obj: Any, *names: str) -> None:
 
 def _choice(obj: Any, name: str, allowed: tuple[str, ...]) -> None:
     if getattr(obj, name) not in allowed:
-        raise ConfigError(f"{type(obj).__name__}.{name} must be one of {allowed}")
+        raise ConfigError(f"{type(obj).__name__}.{name} must be one of {allowed}, "
+                          f"got {getattr(obj, name)!r}")
+
+
+def _te_settings(obj: Any, section: str) -> None:
+    """Check ``te_protocol``; store ``te_devices`` as ``"a,b"`` (spaces dropped)."""
+    check_te_protocol(f"{section}.te_protocol", obj.te_protocol)
+    devices = parse_te_devices(f"{section}.te_devices", obj.te_devices)
+    object.__setattr__(obj, "te_devices", ",".join(devices))
 
 
 def resolve_data_path(data_dir: str, path: str, default_name: str) -> Path:

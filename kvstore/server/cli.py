@@ -26,7 +26,8 @@ log = logging.getLogger("kvstore.server")
 # flag -> (config section, field); click passes None for flags not given.
 _FLAGS = {
     "host": ("server", "host"), "port": ("server", "port"), "te_host": ("server", "te_host"),
-    "te_metadata": ("server", "te_metadata"), "metrics_port": ("server", "metrics_port"),
+    "te_metadata": ("server", "te_metadata"), "te_protocol": ("server", "te_protocol"),
+    "te_devices": ("server", "te_devices"), "metrics_port": ("server", "metrics_port"),
     "max_message_bytes": ("server", "max_message_bytes"),
     "curve_secret_key": ("server", "curve_secret_key"),
     "curve_authorized_keys": ("server", "curve_authorized_keys"),
@@ -68,6 +69,7 @@ def open_server(cfg: KVStoreConfig):
     """Bind, open the store (data-dir lock), start TE; undo everything on failure."""
     from kvstore.server.loop import Server
     from kvstore.store.facade import Store
+    from kvstore.transport.env import check_protocol
     from kvstore.transport.te import Transport
 
     srv = cfg.server
@@ -75,10 +77,13 @@ def open_server(cfg: KVStoreConfig):
         raise KVStoreError("server.te_host is required when binding a wildcard address "
                            "(TE must advertise an address peers can reach)")
     _check_port_free(srv.host, srv.port)
+    # Before the store maps its arenas: "rdma" without a NIC is refused in a moment.
+    check_protocol(srv.te_protocol, srv.te_devices, section="server.")
     store = transport = None
     try:
         store = Store(cfg)
-        transport = Transport(srv.te_host or srv.host, metadata=srv.te_metadata)
+        transport = Transport(srv.te_host or srv.host, metadata=srv.te_metadata,
+                              protocol=srv.te_protocol, devices=srv.te_devices)
         server = Server(cfg, store, transport)
         store.start_writeback()  # NVMe copies ahead of demotion, off the request thread
         return server
@@ -133,6 +138,10 @@ def _serve(cfg: KVStoreConfig) -> int:
 @click.option("--te-host", help="Address TE binds and advertises. [--host]")
 @click.option("--te-metadata",
               help="TE metadata: P2PHANDSHAKE, etcd://h:p, http://... [P2PHANDSHAKE]")
+@click.option("--te-protocol", metavar="tcp|rdma",
+              help="TE transport; rdma needs an RDMA NIC (clients must match). [tcp]")
+@click.option("--te-devices", metavar="NIC,...",
+              help="RDMA NICs TE may use, e.g. mlx5_0,mlx5_1. [all it finds]")
 @click.option("--data-dir", help="LMDB index, lock and NVMe slab live here. [./kvstore-data]")
 @click.option("--dram", help="DRAM tier size, e.g. 8GiB; 0 disables. [1GiB]")
 @click.option("--dram-shared/--no-dram-shared", default=None,

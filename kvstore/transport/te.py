@@ -23,6 +23,11 @@ TE reports failures as return codes, crashes on misuse and can block for long;
 * A segment that failed as unavailable is remembered as dead; later calls fail
   fast instead of paying ~1 s each, until ``mark_alive`` (the control plane saw
   the peer again).
+* The protocol is chosen, not discovered: TE's initialize() takes RDMA whenever it
+  finds a NIC (its protocol argument does not decide) and TCP otherwise, silently.
+  "tcp" therefore runs with ``MC_FORCE_TCP`` set for the call, and "rdma" is
+  refused at once where there is no usable RDMA device (``env.check_protocol``).
+  ``devices`` ("mlx5_0,mlx5_1") is TE's filter of the NICs it may use; empty: all.
 
 Segments: in P2P-handshake mode (no metadata server) a segment is
 ``"host:rpc_port"``. With a metadata server (``etcd://host:port``, ``http://...``)
@@ -38,6 +43,7 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -48,13 +54,21 @@ from kvstore.core.errors import (
     PeerUnavailableError,
     TransferError,
 )
-from kvstore.transport.env import bound_from_env, check_host, free_port, port_open, set_timeouts
+from kvstore.transport.env import (
+    bound_from_env,
+    check_host,
+    check_protocol,
+    free_port,
+    port_open,
+    protocol_env,
+    set_timeouts,
+)
 from kvstore.transport.ranges import Addrs, coalesce, nonempty_ranges
 from kvstore.transport.regions import Region, RegionsMixin, StagingBuffer
 
 # Re-exported: callers import these names from here.
 __all__ = ["DEFAULT_TIMEOUT_S", "MAX_BATCH_ENTRIES", "P2P", "Addrs", "Region", "StagingBuffer",
-           "TransferStats", "Transport", "coalesce"]
+           "TeInit", "TransferStats", "Transport", "coalesce"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +86,14 @@ class TransferStats(NamedTuple):
     transfers: int  # TE entries submitted, after coalescing
     seconds: float
 
+
+class TeInit(NamedTuple):
+    """The arguments TE's ``initialize()`` was called with, as passed."""
+
+    local_name: str
+    metadata: str
+    protocol: str  # "tcp" | "rdma"
+    devices: str  # comma-separated NIC filter; "": every NIC TE discovers
 
 
 def _import_engine():
@@ -97,14 +119,15 @@ class Transport(RegionsMixin):
 
     def __init__(self, host: str = "127.0.0.1", metadata: str = P2P,
                  protocol: str = "tcp", timeout_s: float | None = None,
-                 name: str | None = None) -> None:
-        _check_args(host, metadata, timeout_s)
+                 name: str | None = None, devices: str | Sequence[str] = "") -> None:
+        device_names = _check_args(host, metadata, timeout_s, protocol, devices)
         if timeout_s is not None or "MC_TRANSFER_TIMEOUT" not in os.environ:
             set_timeouts(timeout_s or DEFAULT_TIMEOUT_S)
         self.timeout_s = bound_from_env()
         self.p2p = metadata == P2P
         self.metadata = metadata  # peers must resolve segments the same way
-        self._start_engine(host, metadata, protocol, name)
+        self.protocol = protocol
+        self._start_engine(host, metadata, protocol, ",".join(device_names), name)
         self._lock = threading.RLock()  # every TE call and the region books
         self._regions: dict[int, Region] = {}
         self._starts = np.zeros(0, dtype=np.int64)  # sorted region addresses
@@ -113,17 +136,20 @@ class Transport(RegionsMixin):
         self._dead: dict[str, str] = {}  # segment -> why; own lock: checks never wait on TE
         self._dead_lock = threading.Lock()
         self._closed = False
-        log.info("TE engine %s up (metadata %s, timeout %ss)", self.segment, metadata,
-                 self.timeout_s)
+        log.info("TE engine %s up: initialize(%s), timeout %ss", self.segment,
+                 ", ".join(map(repr, self.init_args)), self.timeout_s)
 
-    def _start_engine(self, host: str, metadata: str, protocol: str, name: str | None) -> None:
+    def _start_engine(self, host: str, metadata: str, protocol: str, devices: str,
+                      name: str | None) -> None:
         local_name = host if self.p2p else (name or f"{host}:{free_port(host)}")
         self._te = _import_engine()()
-        rc = self._te.initialize(local_name, metadata, protocol, "")
+        self.init_args = TeInit(local_name, metadata, protocol, devices)
+        with protocol_env(protocol):
+            rc = self._te.initialize(*self.init_args)
         if rc != 0:
             cls = ConfigError if self.p2p else PeerUnavailableError
-            raise cls(f"TE initialize({local_name!r}, {metadata!r}, {protocol!r}) "
-                      f"returned {rc}: metadata server unreachable or name already taken")
+            raise cls(f"TE initialize({', '.join(map(repr, self.init_args))}) returned {rc}: "
+                      "metadata server unreachable, name already taken or no usable NIC")
         self.segment = f"{host}:{self._te.get_rpc_port()}" if self.p2p else local_name
 
     # -------------------------------------------------------------- transfers
@@ -251,10 +277,15 @@ class Transport(RegionsMixin):
         self.close()
 
 
-def _check_args(host: str, metadata: str, timeout_s: float | None) -> None:
+def _check_args(host: str, metadata: str, timeout_s: float | None, protocol: str,
+                devices: str | Sequence[str]) -> tuple[str, ...]:
+    """Everything TE would misread or hang on, refused before it is imported; the
+    device names to pass it."""
     if metadata != P2P and not metadata.startswith(_METADATA_SCHEMES):
         raise ConfigError(f"TE metadata must be {P2P!r} or a URL starting with one of "
                           f"{_METADATA_SCHEMES}, got {metadata!r}")
     if timeout_s is not None and not timeout_s > 0:
         raise ConfigError(f"timeout_s must be > 0, got {timeout_s}")
+    device_names = check_protocol(protocol, devices)
     check_host(host)
+    return device_names
