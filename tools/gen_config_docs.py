@@ -44,6 +44,7 @@ HELP = {
                              "to the next tier (gpu -> dram -> nvme -> gone).",
     "policy.low_watermark": "Demotion stops once usage is below this fraction.",
     "policy.stage_nvme_hits": "Copy an NVMe hit into DRAM before serving it (TE reads memory).",
+    "server.busy_after_s": "A request that would wait longer than this behind others (a slow request in flight, a queue) is answered `busy` at once, a miss the caller can retry or recompute, instead of a late reply. Keep clients' timeouts above it.",
     "policy.background_writeback": "A background thread writes NVMe copies of the least-recently-used entries of the tier above NVMe, one demotion ahead, so demotion under pressure is an index change (no NVMe write on the request path).",
     "policy.writeback_batch_bytes": "Most bytes one background writeback round copies to NVMe (the store's lock is not held while they are written).",
     "store.data_dir": "Directory of the LMDB index and the default NVMe slab; one server "

@@ -148,9 +148,11 @@ class ServerConfig:
     metrics_port: int = 0  # 0: no Prometheus endpoint
     curve_secret_key: str = ""  # file written by `kvstore keys`; empty: no CURVE
     curve_authorized_keys: str = ""  # directory of client public keys
+    busy_after_s: float = 2.0
 
     def __post_init__(self) -> None:
         _sizes(self, "max_message_bytes")
+        _positive(self, "busy_after_s")
         _te_settings(self, "server")
         if not 0 < self.port < 65536 or not 0 <= self.metrics_port < 65536:
             raise ConfigError("server: ports must be in 1..65535")

@@ -69,6 +69,14 @@ class TransferError(MissError):
     code = "transfer"
 
 
+class BusyError(MissError):
+    """A miss: the server could not start this request within its budget
+    (``server.busy_after_s``): slow work ahead of it. Nothing was done; retry
+    later or recompute."""
+
+    code = "busy"
+
+
 class StorageError(MissError):
     """A miss for a writer: the server could not write its index or its files
     (file system full, read-only, I/O error). Nothing was changed; the server stays

@@ -1,10 +1,16 @@
 """kvstore-server: one node's store behind a ZeroMQ ROUTER and a Transfer Engine.
 
-One thread serves everything: it polls the ROUTER socket with a short timeout,
-handles each request to completion (decode -> store -> encode) and, between
-requests, runs ``store.reap()`` when its timer is due, so expired reservations and
-read leases are reclaimed without a second thread. A signal only sets a flag: the
-request in flight finishes, then the store (LMDB), TE and sockets close.
+Two threads. The socket thread owns the ROUTER socket: it receives every request,
+queues it, and sends every reply. The request thread handles queued requests one
+at a time, to completion (decode -> store -> encode), and runs ``store.reap()``
+when its timer is due. Push-back: a request that would wait longer than
+``server.busy_after_s`` (the one in flight has run that long, or the queue ahead
+of it would take that long at the recent pace) is answered ``busy`` at once by
+the socket thread, and one that did wait that long in the queue is answered
+``busy`` instead of being served late: a client hears a clear miss, never a
+silent timeout. (The store's background writeback is a third thread: the store's.)
+A signal only sets a flag: the request in flight finishes, then the store (LMDB),
+TE and sockets close.
 
 Bytes never cross this socket. reserve/acquire replies carry the TE segment name
 and per-entry addresses inside the registered tier arenas; the client moves the
@@ -21,7 +27,10 @@ TE port can read or write the registered regions, which are the tier arenas only
 from __future__ import annotations
 
 import errno
+import collections
+import itertools
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -29,7 +38,7 @@ import zmq
 
 from kvstore.core import protocol as p
 from kvstore.core.config import KVStoreConfig
-from kvstore.core.errors import ConfigError, InvalidRequestError, KVStoreError
+from kvstore.core.errors import BusyError, ConfigError, InvalidRequestError, KVStoreError
 from kvstore.core.nodeid import host_id
 from kvstore.server.handlers import HANDLERS
 
@@ -42,6 +51,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL_MS = 100  # upper bound on how long a stop request waits for the loop
+_EWMA = 0.2  # weight of the latest request in the recent service time
+_INPROC = itertools.count()
 Observer = Callable[[str, float, bool], None]
 
 
@@ -60,7 +71,15 @@ class Server:
         self.max_bytes = config.server.max_message_bytes
         self._stop = False
         self._started = time.time()
-        self.counters = {"requests": 0, "errors": 0}
+        self.counters = {"requests": 0, "errors": 0, "busy": 0}
+        self._counters_lock = threading.Lock()
+        # The request queue: (frames, arrival time); the request thread's state.
+        self._queue: collections.deque[tuple[list[bytes], float]] = collections.deque()
+        self._wake = threading.Condition()
+        self._working_since: float | None = None  # when the request in flight began
+        self._service_s = 0.0  # recent time per request (EWMA)
+        self._busy_after = config.server.busy_after_s
+        self._replies_at = f"inproc://kvstore-replies-{next(_INPROC)}"
         self._ctx = zmq.Context()
         self._auth: ThreadAuthenticator | None = None
         try:
@@ -121,33 +140,106 @@ class Server:
         self._stop = True
 
     def serve_forever(self) -> None:
-        reap_every = _reap_interval(self.config)
-        next_reap = time.monotonic() + reap_every
+        replies = self._ctx.socket(zmq.PAIR)
+        replies.setsockopt(zmq.LINGER, 0)
+        replies.bind(self._replies_at)
+        worker = threading.Thread(target=self._work, name="kvstore-requests", daemon=True)
+        worker.start()
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        while not self._stop:
-            try:
-                ready = poller.poll(min(POLL_MS, max(1, int(reap_every * 1000))))
-            except zmq.ZMQError as exc:
-                if exc.errno == errno.EINTR:
-                    continue
-                raise
-            if ready:
-                self._drain()
-            now = time.monotonic()
-            if now >= next_reap:
-                self._reap()
-                next_reap = now + reap_every
+        poller.register(replies, zmq.POLLIN)
+        try:
+            while not self._stop:
+                try:
+                    ready = dict(poller.poll(POLL_MS))
+                except zmq.ZMQError as exc:
+                    if exc.errno == errno.EINTR:
+                        continue
+                    raise
+                if replies in ready:
+                    self._forward(replies)
+                if self._sock in ready:
+                    self._drain()
+        finally:
+            with self._wake:
+                self._stop = True
+                self._wake.notify()
+            while worker.is_alive():  # the request in flight finishes and is answered
+                worker.join(POLL_MS / 1000)
+                self._forward(replies)
+            self._forward(replies)
+            replies.close(0)
 
-    def _drain(self, budget: int = 64) -> None:
-        for _ in range(budget):
-            if self._stop:
+    def _forward(self, replies: zmq.Socket) -> None:
+        while True:
+            try:
+                self._sock.send_multipart(replies.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
                 return
+
+    def _drain(self, budget: int = 256) -> None:
+        """Queue what arrived, answering ``busy`` at once what could not start in time."""
+        for _ in range(budget):
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return
-            self._sock.send_multipart(self._respond(frames))
+            now = time.monotonic()
+            with self._wake:
+                working = self._working_since
+                wait = (now - working if working is not None else 0.0) \
+                    + len(self._queue) * self._service_s
+                if wait <= self._busy_after:
+                    self._queue.append((frames, now))
+                    self._wake.notify()
+                    continue
+            self._sock.send_multipart(self._busy(frames, wait))
+
+    def _busy(self, frames: list[bytes], waited: float) -> list[bytes]:
+        with self._counters_lock:
+            self.counters["busy"] += 1
+        envelope, body = frames[:-1], frames[-1]
+        err = BusyError(f"server busy: the request would start after {waited:.1f} s "
+                        f"(server.busy_after_s = {self._busy_after:g}); retry or recompute")
+        return [*envelope[:2], p.encode_error(p.peek_id(body, self.max_bytes), err)]
+
+    def _work(self) -> None:
+        """The request thread: queued requests in order, and the reaper."""
+        out = self._ctx.socket(zmq.PAIR)
+        out.setsockopt(zmq.LINGER, 0)
+        out.connect(self._replies_at)
+        reap_every = _reap_interval(self.config)
+        next_reap = time.monotonic() + reap_every
+        try:
+            while True:
+                with self._wake:
+                    while not self._queue and not self._stop:
+                        left = next_reap - time.monotonic()
+                        if left <= 0:
+                            break
+                        self._wake.wait(left)
+                    if self._stop:
+                        return
+                    item = self._queue.popleft() if self._queue else None
+                    self._working_since = time.monotonic()
+                try:
+                    if item is not None:
+                        frames, arrived = item
+                        start = time.monotonic()
+                        waited = start - arrived
+                        reply = (self._busy(frames, waited) if waited > self._busy_after
+                                 else self._respond(frames))
+                        out.send_multipart(reply)
+                        spent = time.monotonic() - start
+                        self._service_s += _EWMA * (spent - self._service_s)
+                    if time.monotonic() >= next_reap:
+                        self._reap()
+                        next_reap = time.monotonic() + reap_every
+                finally:
+                    with self._wake:
+                        self._working_since = None
+        finally:
+            out.close(0)
 
     def _respond(self, frames: list[bytes]) -> list[bytes]:
         # DEALER peers send [identity, body]; a REQ peer adds an empty delimiter.
@@ -159,8 +251,9 @@ class Server:
         return [*envelope, self.handle(body)]
 
     def _count(self, op: str, seconds: float, ok: bool) -> None:
-        self.counters["requests"] += 1
-        self.counters["errors"] += not ok
+        with self._counters_lock:
+            self.counters["requests"] += 1
+            self.counters["errors"] += not ok
         if self.observer is not None:
             self.observer(op, seconds, ok)
 
