@@ -96,9 +96,13 @@ class ClusterClient:
         cfg = client_opts.get("config") or ClientConfig()
         te_host = client_opts.pop("te_host", None) or cfg.te_host
         staging_bytes = client_opts.pop("staging_bytes", None) or cfg.staging_bytes
+        # The TE settings configure the one engine every node's client shares.
+        te_protocol = client_opts.pop("te_protocol", None) or cfg.te_protocol
+        te_devices = client_opts.pop("te_devices", None) or cfg.te_devices
         shared = client_opts.pop("te_engine", None)
         self._owns_engine = shared is None
-        self.te_engine = shared or TeEngine(te_host, staging_bytes, timeout_s)
+        self.te_engine = shared or TeEngine(te_host, staging_bytes, timeout_s,
+                                            te_protocol, te_devices)
         self._client_args = dict(layout=layout, model_id=model_id, tp_rank=tp_rank,
                                  tp_size=tp_size, salt=salt, pp_rank=pp_rank,
                                  pp_size=pp_size, timeout_s=timeout_s,
