@@ -7,7 +7,8 @@ producers' servers a consumer loads from). Every method here returns normally
 whatever the store or the network does: a lookup that fails is 0 tokens, a load
 that fails names the blocks vLLM must recompute, a save that fails is logged and
 skipped (a later reader recomputes). A server that timed out or is gone is skipped
-for ``_DOWN_S`` seconds, so a dead peer costs one timeout, not one per request.
+for ``down_s`` seconds (v1_config), so a dead peer costs one timeout, not one per
+request.
 
 Addresses come from requests (``kv_transfer_params``), so ``source`` admits only the
 configured ones; clients are kept for at most ``_CLIENTS_KEPT`` addresses (least
@@ -34,7 +35,6 @@ from kvstore.layout import KVLayout
 
 log = logging.getLogger(__name__)
 
-_DOWN_S = 10.0
 _CLIENTS_KEPT = 32
 
 
@@ -109,13 +109,13 @@ class StoreClients:
         else:
             log.warning("kvstore %s via %s: %s (recomputing)", what, server, exc)
         if mark_down and isinstance(exc, (PeerUnavailableError, KVTimeoutError)):
-            self._down_until[server] = time.monotonic() + _DOWN_S
+            self._down_until[server] = time.monotonic() + self.settings.down_s
 
     # ------------------------------------------------------------------ calls
     def lookup(self, server: str, tokens: Sequence[int], scope: str = "",
                timeout_s: float | None = None, mark_down: bool = True) -> int:
         """Prompt tokens the store holds (a non-binding answer); 0 on any failure.
-        ``mark_down``: a server that did not answer is skipped for ``_DOWN_S``."""
+        ``mark_down``: a server that did not answer is skipped for ``down_s``."""
         if not tokens or not self._usable(server):
             return 0
         try:
@@ -137,7 +137,7 @@ class StoreClients:
                 return fetch(order.token_ids, scope=order.scope, into=into).matched_tokens
             except (KVTimeoutError, TransferError) as exc:
                 # One slow or failed move is no verdict on the server: try once more
-                # before remembering it as down (which fails every load for _DOWN_S).
+                # before remembering it as down (which fails every load for down_s).
                 if attempt == 2:
                     self._failed(order.server, f"load of {order.req_id}", exc)
                 else:
