@@ -46,7 +46,7 @@ class InsertResult(NamedTuple):
 
 class SelectResult(NamedTuple):
     matched_tokens: int  # 0: a miss
-    kv: torch.Tensor | None  # flat uint8 entry bytes of the matched tokens
+    kv: torch.Tensor | None  # flat uint8 entry bytes of the matched tokens (from skip_blocks)
     hidden: torch.Tensor | None
     # Why fewer blocks came than are stored: "" (none), or "no_room_to_stage" (the
     # server's memory tiers are full of pinned/leased entries: the rest is on NVMe).
@@ -238,23 +238,34 @@ class KVStoreClient:
 
     # ---------------------------------------------------------------- select
     def drop_select(self, tokens: Sequence[int] | np.ndarray, timeout: float | None = None,
-                    into: Any = None, scope: bytes | str = b"") -> SelectResult:
+                    into: Any = None, scope: bytes | str = b"",
+                    skip_blocks: int = 0) -> SelectResult:
         """Longest stored prefix of ``tokens``: move its KV here, then drop it there.
 
         ``into``: a buffer the caller reuses (contiguous numpy array or CPU tensor, at
         least the prompt's KV bytes plus its hidden state); the bytes land there with
-        no copy and no fresh memory per call, and ``kv`` is a view of it."""
-        return self._select(tokens, drop=True, timeout=timeout, into=into, scope=scope)
+        no copy and no fresh memory per call, and ``kv`` is a view of it.
+
+        ``skip_blocks``: the caller already holds the prompt's first blocks (an
+        engine's own prefix cache): they are taken (dropped, counted in
+        ``matched_tokens``) but not moved, so ``kv`` (and ``into``) start at block
+        ``skip_blocks``."""
+        return self._select(tokens, drop=True, timeout=timeout, into=into, scope=scope,
+                            skip_blocks=skip_blocks)
 
     def get(self, tokens: Sequence[int] | np.ndarray, timeout: float | None = None,
-            into: Any = None, scope: bytes | str = b"") -> SelectResult:
+            into: Any = None, scope: bytes | str = b"", skip_blocks: int = 0) -> SelectResult:
         """Like ``drop_select`` but leaves the entries stored (prefix caching)."""
-        return self._select(tokens, drop=False, timeout=timeout, into=into, scope=scope)
+        return self._select(tokens, drop=False, timeout=timeout, into=into, scope=scope,
+                            skip_blocks=skip_blocks)
 
     def _select(self, tokens: Any, drop: bool, timeout: float | None,
-                into: Any = None, scope: bytes | str = b"") -> SelectResult:
+                into: Any = None, scope: bytes | str = b"",
+                skip_blocks: int = 0) -> SelectResult:
         deadline = time.monotonic() + (timeout or self.timeout_s)
         prompt = self._prompt(tokens, scope)
+        # Blocks only: the hidden-state entry after them is always moved.
+        skip = min(max(0, int(skip_blocks)), len(prompt.keys))
         self._segment()
         keys = [*prompt.keys, hidden_key(prompt.keys[-1])]
         toks = [*prompt.tokens, prompt.tokens[-1]]
@@ -282,7 +293,8 @@ class KVStoreClient:
                 break
             landed = sum(x.size for x in parts)
             out, released = self._read_round(
-                acq, drop, deadline, None if flat_into is None else flat_into[landed:])
+                acq, drop, deadline, None if flat_into is None else flat_into[landed:],
+                skip=min(max(0, skip - done), len(acq["entries"])))
             entries += acq["entries"]
             parts.append(out)
             if not short or not released:
@@ -295,7 +307,7 @@ class KVStoreClient:
             out = parts[0] if len(parts) == 1 else np.concatenate(parts)
         nblocks = min(len(entries), len(prompt.keys))
         matched = sum(e[5] for e in entries[:nblocks])
-        kv_bytes = sum(e[2] for e in entries[:nblocks])
+        kv_bytes = sum(e[2] for e in entries[skip:nblocks])  # what moved
         if short and nblocks < len(prompt.keys):
             log.warning("served %d of the stored blocks of a prompt: the server has no "
                         "memory room to stage the rest (%s)", nblocks, short)
@@ -306,21 +318,25 @@ class KVStoreClient:
                             short if nblocks < len(prompt.keys) else "")
 
     def _read_round(self, acq: dict, drop: bool, deadline: float,
-                    into: Any) -> tuple[np.ndarray, bool]:
-        """Read one acquisition's entries (verified) and release it; the bytes, and
-        whether the release was acknowledged. Once the bytes are verified they are
-        the caller's: a release that fails (server stopped, timed out) loses
-        nothing, since the server keeps the entries until it applies a drop, or,
-        never hearing it, the lease expires and they stay for the next consumer."""
+                    into: Any, skip: int = 0) -> tuple[np.ndarray, bool]:
+        """Read one acquisition's entries but its first ``skip`` (verified) and
+        release it (all of them); the bytes, and whether the release was
+        acknowledged. Once the bytes are verified they are the caller's: a release
+        that fails (server stopped, timed out) loses nothing, since the server keeps
+        the entries until it applies a drop, or, never hearing it, the lease expires
+        and they stay for the next consumer."""
         aid, entries = acq["aid"], acq["entries"]
+        wanted = entries[skip:]
         try:
             start = time.perf_counter()
             # Verified against the stored checksums as it lands (same node: while copying).
-            out = self._data.read(self._segment(acq["segment"]), entries, into, verify=True)
+            out = (self._data.read(self._segment(acq["segment"]), wanted, into, verify=True)
+                   if wanted else np.empty(0, dtype=np.uint8))
             moved = time.perf_counter() - start
         except ChecksumError as exc:
             # The server re-checks the lease's entries and drops the ones bad at rest.
             where = getattr(exc, "position", None)
+            where = None if where is None else where + skip
             self._release(aid, drop=False, timeout=_left(deadline),
                           corrupt=(where,) if where is not None else (0,))
             raise
@@ -333,7 +349,7 @@ class KVStoreClient:
             raise
         try:
             self._call(p.Release(aid=aid, drop=drop, xfer_s=moved,
-                                 xfer_bytes=sum(e[2] for e in entries)), _left(deadline))
+                                 xfer_bytes=sum(e[2] for e in wanted)), _left(deadline))
         except (KVTimeoutError, PeerUnavailableError) as exc:
             log.warning("release of %d verified entries not acknowledged (%s): returning "
                         "them; the server keeps them if it never applies the release",

@@ -145,15 +145,18 @@ class ClusterClient:
         raise AssertionError("unreachable: order is never empty")
 
     def drop_select(self, tokens: Sequence[int] | np.ndarray, timeout: float | None = None,
-                    into: Any = None, scope: bytes | str = b"") -> SelectResult:
+                    into: Any = None, scope: bytes | str = b"",
+                    skip_blocks: int = 0) -> SelectResult:
         return self._read(tokens, timeout,
-                          lambda c, t: c.drop_select(tokens, timeout=t, into=into, scope=scope),
+                          lambda c, t: c.drop_select(tokens, timeout=t, into=into, scope=scope,
+                                                     skip_blocks=skip_blocks),
                           SelectResult(0, None, None), scope)
 
     def get(self, tokens: Sequence[int] | np.ndarray, timeout: float | None = None,
-            into: Any = None, scope: bytes | str = b"") -> SelectResult:
+            into: Any = None, scope: bytes | str = b"", skip_blocks: int = 0) -> SelectResult:
         return self._read(tokens, timeout,
-                          lambda c, t: c.get(tokens, timeout=t, into=into, scope=scope),
+                          lambda c, t: c.get(tokens, timeout=t, into=into, scope=scope,
+                                             skip_blocks=skip_blocks),
                           SelectResult(0, None, None), scope)
 
     def lookup(self, tokens: Sequence[int] | np.ndarray, scope: bytes | str = b"",
