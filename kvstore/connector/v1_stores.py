@@ -22,7 +22,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,6 +36,11 @@ from kvstore.layout import KVLayout
 log = logging.getLogger(__name__)
 
 _CLIENTS_KEPT = 32
+
+
+class Fetched(NamedTuple):
+    tokens: int  # the prompt's tokens whose entries are there (skipped blocks included)
+    moved: int  # bytes that came over (the skipped blocks' are not)
 
 
 class StoreClients:
@@ -125,16 +130,23 @@ class StoreClients:
             self._failed(server, "lookup", exc, mark_down)
             return 0
 
-    def fetch(self, order: Any, into: torch.Tensor) -> int:
-        """Take (drop mode) or read (keep mode) ``order``'s stored tokens into ``into``;
-        the tokens whose entries arrived (0 on any failure: logged, never raised)."""
+    def fetch(self, order: Any, into: torch.Tensor) -> Fetched:
+        """Take (drop mode) or read (keep mode) ``order``'s stored tokens into ``into``
+        (the prompt's entry bytes, in entry order): the tokens whose entries are
+        there and the bytes that moved (nothing on any failure: logged, never
+        raised). The blocks before ``order.first_block`` (vLLM holds them) are taken
+        but not moved: that part of ``into`` is left as it was."""
+        skip = order.first_block
+        into = into[skip * self.layout.nbytes(self.layout.block_tokens):]
         for attempt in (1, 2):
             try:
                 if not self._usable(order.server):
                     raise MissError(f"{order.server} failed recently")
                 client = self.client(order.server)
                 fetch = client.drop_select if self.settings.load_mode == "drop" else client.get
-                return fetch(order.token_ids, scope=order.scope, into=into).matched_tokens
+                got = fetch(order.token_ids, scope=order.scope, into=into, skip_blocks=skip)
+                return Fetched(got.matched_tokens,
+                               0 if got.kv is None else int(got.kv.numel()))
             except (KVTimeoutError, TransferError) as exc:
                 # One slow or failed move is no verdict on the server: try once more
                 # before remembering it as down (which fails every load for down_s).
@@ -145,8 +157,8 @@ class StoreClients:
                                 order.server, exc)
             except Exception as exc:  # noqa: BLE001 - reported as load errors, never raised
                 self._failed(order.server, f"load of {order.req_id}", exc)
-                return 0
-        return 0
+                return Fetched(0, 0)
+        return Fetched(0, 0)
 
     def insert(self, order: Any, data: torch.Tensor) -> bool:
         """Insert a prompt's entry bytes into this node's server; False if skipped."""

@@ -266,14 +266,14 @@ class WorkerSide:
     def _load(self, job: _LoadJob) -> None:
         order, lay = job.order, self.layout
         host = None
-        got = held = 0
+        got = held = moved = 0
         start = time.perf_counter()
         try:
             if order.wait and not self._arrived(job):
                 return  # queued again; nothing of it is done yet
             start = time.perf_counter()  # the load's time is the transfer's, not the wait
             host = self.buffers.take(lay.nbytes(len(order.token_ids)))
-            held = self.stores.fetch(order, host)
+            held, moved = self.stores.fetch(order, host)
             got = self._scatter(job, host, held) if order.block_ids else held
         except Exception:  # noqa: BLE001 - reported as load errors, never raised
             log.exception("load of %s failed", order.req_id)
@@ -283,17 +283,18 @@ class WorkerSide:
         try:
             # Recorded before the load is done: a same-step load's stats go out with
             # its step.
-            self._record_load(order, held, got, time.perf_counter() - start)
+            self._record_load(order, held, moved, got, time.perf_counter() - start)
         finally:
             for event in job.layers:
                 event.set()
             self._finish_load(job, got)  # always: vLLM waits for this report
 
-    def _record_load(self, order: LoadOrder, held: int, got: int, seconds: float) -> None:
+    def _record_load(self, order: LoadOrder, held: int, moved: int, got: int,
+                     seconds: float) -> None:
         into_cache = max(0, got - order.first_block * self.layout.block_tokens) \
             if order.block_ids else 0
         with self._lock:
-            self._stats.record_load(into_cache, self.layout.nbytes(held), seconds,
+            self._stats.record_load(into_cache, moved, seconds,
                                     failed=bool(order.block_ids) and got < order.ntokens,
                                     count_request=self._first_rank)
             if self.settings.load_mode == "drop":

@@ -1,4 +1,5 @@
-"""Real faults under real vLLM engines: loads that fail, preemption, aborts.
+"""Real faults under real vLLM engines: loads that fail, aborts, preemption; and
+what a load moves when vLLM already holds part of the prompt.
 
 One kvstore-server (loopback) and four engines of the tiny Llama (fp32) share this
 module: a plain engine (the judge, stopped once its tokens are known), a prefill
@@ -56,7 +57,7 @@ TIMEOUTS = dict(timeout_s=2.0, load_wait_s=2.0, down_s=1.0)
 PHASE_LENS = {"corrupt_recompute": (100, 300), "corrupt_fail": (100, 300),
               "stopped_load": (100, 300), "stopped_save": (300, 100),
               "late_load": (300,), "late_save": (300,), "reuse_load": (300,) * 3,
-              "reuse_save": (300,) * 3,
+              "reuse_save": (300,) * 3, "local_hit": (300,),
               "preempt": (300,) * 6}
 PAUSE_S = 1.2  # a server paused this long: calls hang, but within timeout_s
 
@@ -337,16 +338,40 @@ def test_save_that_lands_after_its_abort_holds_the_aborted_requests_kv(rig):
     assert no_leftovers(rig.stats)["entries"] == before["entries"]
 
 
+# ---------------------------------------------------------------- what moves
+def test_a_load_moves_only_the_blocks_vllm_does_not_hold(rig):
+    """A decode engine that decoded a prompt before holds its first 9 blocks in its
+    own prefix cache (the fail-policy engine: a cache large enough that nothing is
+    evicted). The prefill engine saves the prompt again; the decode takes all 10
+    entries (none is left behind) but moves only the last one, 11 tokens: the
+    connector's loaded-bytes counter in vLLM's metrics says so."""
+    ps = prompts("local_hit")
+    first = rig.fail.generate(ps, DECODE_TOKENS, rig.prefill(ps))
+    empty = no_leftovers(rig.stats)["entries"]
+    params = rig.prefill(ps)
+    loaded = rig.fail.metrics()["vllm:kvstore_loaded_bytes"]
+    again = rig.fail.generate(ps, DECODE_TOKENS, params)
+    moved = rig.fail.metrics()["vllm:kvstore_loaded_bytes"] - loaded
+    after = no_leftovers(rig.stats)
+
+    assert not rig.wrong_tokens(ps, first + again), rig.wrong_tokens(ps, first + again)
+    assert [o.num_cached_tokens for o in first + again] == [len(ps[0]) - 1] * 2
+    local = (len(ps[0]) - 1) // BLOCK * BLOCK
+    assert moved == LAYOUT.nbytes(len(ps[0]) - 1 - local), (moved, LAYOUT.nbytes(local))
+    assert after["entries"] == empty, (empty, after)
+
+
 # ------------------------------------------------------------------ preemption
 def test_preemption_on_both_sides_leaks_nothing_and_keeps_tokens(rig):
-    """Six 300-token requests decoding 64 tokens need 72 blocks; the prefill and
-    the recompute engine have 40. The prefill engine preempts while its saves are
-    on their way, the decode engine while loads of the requests waiting for their
-    KV are in flight (those hold their blocks: only running requests are preempted),
-    and a preempted decode comes back to entries it already took: it recomputes.
-    Both engines must preempt (vLLM's own counter), every request must give the
-    plain engine's tokens, every entry must be taken once and the server hold no
-    lease or reservation."""
+    """Six 300-token requests decoding 64 tokens; the prefill and the recompute
+    engine have 32 usable blocks: three are admitted (vLLM admits a request only if
+    its prompt fits) and preempted as they grow past 10 blocks each. The prefill
+    engine preempts requests whose saves it already ordered (their blocks go to the
+    next requests at once); the decode engine preempts requests it loaded, while the
+    others wait for room to load theirs, and a preempted decode comes back to
+    entries it already took: it recomputes. Both engines must preempt (vLLM's own
+    counter), every request must give the plain engine's tokens, every entry must be
+    taken once and the server hold no lease or reservation."""
     ps = prompts("preempt")
     before = rig.stats()
     preempted = {e: e.metrics().get("vllm:num_preemptions", 0)
