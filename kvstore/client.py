@@ -25,7 +25,7 @@ from kvstore import protocol as p
 from kvstore.config import ClientConfig
 from kvstore.datapath import DataPath, Segment, TeEngine
 from kvstore.errors import (ChecksumError, InvalidRequestError, KVStoreError, KVTimeoutError,
-                            PeerUnavailableError)
+                            NotFoundError, PeerUnavailableError)
 from kvstore.hashing import block_keys, block_token_bytes, hidden_key, namespace_of, tokens_to_array
 from kvstore.layout import KVLayout, dtype_name, pack_hf
 from kvstore.rpc import Channel, CurveKeys
@@ -165,18 +165,29 @@ class KVStoreClient:
     # ---------------------------------------------------------------- insert
     def insert(self, tokens: Sequence[int] | np.ndarray, kv: Any,
                hidden: torch.Tensor | None = None, pin: bool = False,
-               scope: bytes | str = b"") -> InsertResult:
+               scope: bytes | str = b"", skip_blocks: int = 0) -> InsertResult:
         """Store the KV of ``tokens``: per-layer HF ``(k, v)`` pairs, or the flat entry
         bytes (uint8 torch tensor / numpy array of exactly ``layout.nbytes(n)``).
         ``pin``: the entries are pinned by the commit itself (unpin to release).
-        ``scope``: what else the KV depends on (namespace_for); readers must pass it too."""
+        ``scope``: what else the KV depends on (namespace_for); readers must pass it too.
+        ``skip_blocks``: the caller knows the server holds the prompt's first blocks
+        (a lookup found them), so ``kv`` is flat entry bytes from that block on; the
+        insert still counts for every block, as a whole one would. If the server
+        lacks one of them after all, nothing is stored (``NotFoundError``)."""
         prompt = self._prompt(tokens, scope)
-        data = self._entry_bytes(kv, prompt.ntokens)
+        skip = min(max(0, int(skip_blocks)), len(prompt.keys))
         # token_nbytes once: layout.entry_sizes costs a torch call per block.
         token_nbytes = self._token_nbytes
         sizes = [token_nbytes * n for n in prompt.counts]
+        if skip:
+            if isinstance(kv, (list, tuple)):
+                raise InvalidRequestError("skip_blocks needs kv as flat entry bytes")
+            data = self._entry_bytes(kv, prompt.ntokens - sum(prompt.counts[:skip]))
+            buffers = [None] * skip + _split(data, sizes[skip:])
+        else:
+            data = self._entry_bytes(kv, prompt.ntokens)
+            buffers = _split(data, sizes)
         keys, toks, metas = list(prompt.keys), list(prompt.tokens), [None] * len(sizes)
-        buffers = _split(data, sizes)
         if hidden is not None:
             hbuf, hmeta = _hidden_bytes(hidden)
             keys.append(hidden_key(prompt.keys[-1]))
@@ -189,6 +200,11 @@ class KVStoreClient:
                                    meta=tuple(metas) if hidden is not None else None,
                                    namespace=self.namespace))
         rid, placements = res["rid"], res["placements"]
+        lacking = [i for i, pl in enumerate(placements[:skip]) if pl is not None]
+        if lacking:
+            self._abort(rid)
+            raise NotFoundError(f"the server lacks block {lacking[0]} of the {skip} the "
+                                f"insert skipped (evicted since it was found): not stored")
         try:
             seg = self._segment(res["segment"])
             new = [(buf, pl) for buf, pl in zip(buffers, placements) if pl is not None]

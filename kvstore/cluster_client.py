@@ -132,12 +132,15 @@ class ClusterClient:
 
     # ------------------------------------------------------------ data API
     def insert(self, tokens: Sequence[int] | np.ndarray, kv: Any, hidden: Any = None,
-               pin: bool = False, scope: bytes | str = b"") -> InsertResult:
-        """Insert on the prompt's home node; on a node failure, on the next live one."""
+               pin: bool = False, scope: bytes | str = b"",
+               skip_blocks: int = 0) -> InsertResult:
+        """Insert on the prompt's home node; on a node failure, on the next live one
+        (which, lacking the ``skip_blocks`` the caller found, stores nothing)."""
         order = self.placement(tokens, scope)
         for attempt, node in enumerate(order):
             try:
-                return self.client_for(node).insert(tokens, kv, hidden, pin=pin, scope=scope)
+                return self.client_for(node).insert(tokens, kv, hidden, pin=pin, scope=scope,
+                                                    skip_blocks=skip_blocks)
             except NODE_FAILURES as exc:
                 self._node_failed(node, exc)
                 if attempt == len(order) - 1:
