@@ -160,13 +160,15 @@ class StoreClients:
                 return Fetched(0, 0)
         return Fetched(0, 0)
 
-    def insert(self, order: Any, data: torch.Tensor) -> bool:
-        """Insert a prompt's entry bytes into this node's server; False if skipped."""
+    def insert(self, order: Any, data: torch.Tensor, skip_blocks: int = 0) -> bool:
+        """Insert a prompt's entry bytes into this node's server (``data`` from block
+        ``skip_blocks`` on: the server holds the ones before); False if skipped."""
         server = self.settings.server
         if not self._usable(server):
             return False
         try:
-            self.client(server).insert(order.token_ids, data, scope=order.scope)
+            self.client(server).insert(order.token_ids, data, scope=order.scope,
+                                       skip_blocks=skip_blocks)
             return True
         except Exception as exc:  # noqa: BLE001 - a failed save only costs a later miss
             self._failed(server, f"save of {order.req_id}", exc)

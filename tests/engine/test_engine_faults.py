@@ -1,11 +1,12 @@
 """Real faults under real vLLM engines: loads that fail, aborts, preemption; and
-what a load moves when vLLM already holds part of the prompt.
+what loads and saves move when part of a prompt is already where it goes.
 
-One kvstore-server (loopback) and four engines of the tiny Llama (fp32) share this
-module: a plain engine (the judge, stopped once its tokens are known), a prefill
-engine, a decode engine with ``kv_load_failure_policy: "recompute"`` and a decode
-engine with "fail". The prefill engine and the recompute engine get a KV cache of
-``SMALL_CACHE_BLOCKS`` blocks, small enough that a batch of long requests preempts.
+One kvstore-server (loopback) and five engines of the tiny Llama (fp32) share
+this module: a plain engine (the judge, stopped once its tokens are known), a
+prefill engine, a decode engine with ``kv_load_failure_policy: "recompute"``, a
+decode engine with "fail" and a prefix-cache engine (``kv_both``). The prefill
+engine and the recompute engine get a KV cache of ``SMALL_CACHE_BLOCKS`` blocks,
+small enough that a batch of long requests preempts.
 
 The faults are real, nothing is mocked: entries whose bytes are flipped at rest in
 the server's DRAM arena (the reader's checksum catches them), and a server stopped
@@ -57,7 +58,7 @@ TIMEOUTS = dict(timeout_s=2.0, load_wait_s=2.0, down_s=1.0)
 PHASE_LENS = {"corrupt_recompute": (100, 300), "corrupt_fail": (100, 300),
               "stopped_load": (100, 300), "stopped_save": (300, 100),
               "late_load": (300,), "late_save": (300,), "reuse_load": (300,) * 3,
-              "reuse_save": (300,) * 3, "local_hit": (300,),
+              "reuse_save": (300,) * 3, "local_hit": (300,), "head": (200,), "tail": (100,),
               "preempt": (300,) * 6}
 PAUSE_S = 1.2  # a server paused this long: calls hang, but within timeout_s
 
@@ -67,6 +68,11 @@ def prompts(phase: str) -> list[list[int]]:
     return [[rng.randrange(VOCAB) for _ in range(n)] for n in PHASE_LENS[phase]]
 
 
+def extended() -> list[int]:
+    """A 300-token prompt whose first 200 are the "head" prompt."""
+    return prompts("head")[0] + prompts("tail")[0]
+
+
 def blocks_of(ps: list[list[int]]) -> int:
     """Entries a producer leaves: the prompt but its last token, one per block."""
     return sum(math.ceil((len(p) - 1) / BLOCK) for p in ps)
@@ -74,9 +80,11 @@ def blocks_of(ps: list[list[int]]) -> int:
 
 class Rig:
     def __init__(self, server: ServerProc, producer: EngineProc, recompute: EngineProc,
-                 fail: EngineProc, reference: dict[tuple[int, ...], list[int]]) -> None:
+                 fail: EngineProc, both: EngineProc,
+                 reference: dict[tuple[int, ...], list[int]]) -> None:
         self.server, self.producer = server, producer
         self.recompute, self.fail = recompute, fail
+        self.both = both  # kv_both: a prefix cache over the same server
         self.reference = reference
 
     def client(self) -> KVStoreClient:
@@ -136,6 +144,21 @@ def corrupt_at_rest(rig: Rig, tokens: list[int], block: int) -> None:
     arena[offsets[key] + 17] ^= 0xFF
 
 
+def counter(engine: EngineProc, name: str) -> float:
+    """A vLLM metric once the connector's stats are all in: a worker hands its stats
+    to vLLM at its next step, and a save records them after it committed, so
+    one-token steps (nothing to save or load) run until the value holds."""
+    value = None
+    for _ in range(50):
+        engine.generate([[7]], max_tokens=1)
+        now = engine.metrics()[name]
+        if now == value:
+            return now
+        value = now
+        time.sleep(0.05)
+    return value
+
+
 def log_since(engine: EngineProc, mark: int) -> str:
     return engine.log()[mark:]
 
@@ -167,9 +190,10 @@ def rig(tmp_path_factory) -> Iterator[Rig]:
         plain = engine("plain")
         rig = Rig(server, engine("prefill", "kv_producer", small=True),
                   engine("decode-recompute", "kv_consumer", small=True),
-                  engine("decode-fail", "kv_consumer", failure_policy="fail"), {})
+                  engine("decode-fail", "kv_consumer", failure_policy="fail"),
+                  engine("prefix-cache", "kv_both"), {})
         start_all(engines)
-        every = [p for phase in PHASE_LENS for p in prompts(phase)]
+        every = [p for phase in PHASE_LENS for p in prompts(phase)] + [extended()]
         outs = plain.generate(every, LONG_TOKENS)
         rig.reference = {tuple(p): o.token_ids for p, o in zip(every, outs)}
         plain.shutdown()
@@ -349,9 +373,9 @@ def test_a_load_moves_only_the_blocks_vllm_does_not_hold(rig):
     first = rig.fail.generate(ps, DECODE_TOKENS, rig.prefill(ps))
     empty = no_leftovers(rig.stats)["entries"]
     params = rig.prefill(ps)
-    loaded = rig.fail.metrics()["vllm:kvstore_loaded_bytes"]
+    loaded = counter(rig.fail, "vllm:kvstore_loaded_bytes")
     again = rig.fail.generate(ps, DECODE_TOKENS, params)
-    moved = rig.fail.metrics()["vllm:kvstore_loaded_bytes"] - loaded
+    moved = counter(rig.fail, "vllm:kvstore_loaded_bytes") - loaded
     after = no_leftovers(rig.stats)
 
     assert not rig.wrong_tokens(ps, first + again), rig.wrong_tokens(ps, first + again)
@@ -359,6 +383,34 @@ def test_a_load_moves_only_the_blocks_vllm_does_not_hold(rig):
     local = (len(ps[0]) - 1) // BLOCK * BLOCK
     assert moved == LAYOUT.nbytes(len(ps[0]) - 1 - local), (moved, LAYOUT.nbytes(local))
     assert after["entries"] == empty, (empty, after)
+
+
+def test_a_save_sends_only_the_blocks_the_server_lacks(rig):
+    """A prefix-cache engine (kv_both) saves a 200-token prompt, then computes a
+    300-token prompt that starts with it. Its lookup finds the first 6 blocks
+    stored (the 7th, partial, is a different block), so the save copies and sends
+    only blocks 6-9 (107 tokens): the connector's saved-bytes counter says so, and
+    the server gains those 4 entries. A decode engine loading the 300-token prompt
+    from the store gives the plain engine's tokens: the halves fit together."""
+    head, whole = prompts("head"), [extended()]
+    before = rig.stats()
+    first = rig.both.generate(head, max_tokens=1)
+    settle(rig.stats, before["entries"] + blocks_of(head))
+    saved = counter(rig.both, "vllm:kvstore_saved_bytes")
+    second = rig.both.generate(whole, max_tokens=1)
+    after = settle(rig.stats, before["entries"] + blocks_of(head) + 4)
+    sent = counter(rig.both, "vllm:kvstore_saved_bytes") - saved
+
+    assert [o.token_ids[0] for o in first + second] == \
+        [rig.reference[tuple(p)][0] for p in head + whole]
+    assert sent == LAYOUT.nbytes(len(whole[0]) - 1 - 6 * BLOCK), sent
+    assert after["entries"] - before["entries"] == blocks_of(head) + 4, after
+    params = [{"kvstore_server": rig.server.address, "kvstore_tokens": len(whole[0]) - 1}]
+    decoded = rig.recompute.generate(whole, DECODE_TOKENS, params)
+    assert decoded[0].num_cached_tokens == len(whole[0]) - 1, decoded
+    assert not rig.wrong_tokens(whole, decoded), rig.wrong_tokens(whole, decoded)
+    done = no_leftovers(rig.stats)
+    assert done["entries"] - before["entries"] == blocks_of(head), done  # the head's own
 
 
 # ------------------------------------------------------------------ preemption
