@@ -135,9 +135,11 @@ class StoreClients:
         (the prompt's entry bytes, in entry order): the tokens whose entries are
         there and the bytes that moved (nothing on any failure: logged, never
         raised). The blocks before ``order.first_block`` (vLLM holds them) are taken
-        but not moved: that part of ``into`` is left as it was."""
-        skip = order.first_block
-        into = into[skip * self.layout.nbytes(self.layout.block_tokens):]
+        but not moved: that part of ``into`` is left as it was. An order without
+        blocks (a drop of entries vLLM needs none of) moves nothing."""
+        bt = self.layout.block_tokens
+        skip = order.first_block if order.block_ids else -(-len(order.token_ids) // bt)
+        into = into[self.layout.nbytes(min(len(order.token_ids), skip * bt)):]
         for attempt in (1, 2):
             try:
                 if not self._usable(order.server):
