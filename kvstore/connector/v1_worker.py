@@ -116,8 +116,8 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._loaded: set[str] = set()  # background loads done, not yet reported
         self._load_errors: dict[str, set[int]] = {}  # their failed blocks
-        # Tokens a keep-mode load found stored, per request, until its save is bound
-        # or it finishes: a save never skips more than its own load saw.
+        # Tokens a keep-mode load found stored, per request, until its save starts
+        # copying or it finishes: a save never skips more than its own load saw.
         self._held_by_load: dict[str, int] = {}
         self._ready_errors: set[int] = set()  # for get_block_ids_with_load_errors
         self._step_loads: list[_LoadJob] = []  # same-step loads of the bound step
@@ -147,14 +147,12 @@ class WorkerSide:
         """The blocks of a save the server holds: what the scheduler's lookup found,
         but no more than this request's load found (same-step loads have fetched
         before any layer is saved: each layer waits for its load first)."""
-        order, bt = job.order, self.layout.block_tokens
+        order = job.order
         with self._lock:
             held = self._held_by_load.pop(order.req_id, None)
-        if held is None:
+        if held is None or held >= len(order.token_ids):
             return order.first_block
-        if held < len(order.token_ids):
-            return min(order.first_block, held // bt)
-        return order.first_block
+        return min(order.first_block, held // self.layout.block_tokens)
 
     def start(self, meta: KVStoreConnectorMetadata) -> None:
         """Queue the step's loads (vLLM calls this before the forward when it has
