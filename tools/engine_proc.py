@@ -40,10 +40,12 @@ API (kept stable; other tests reuse it):
   concurrently); greedy (``temperature=0``, ``ignore_eos=True``). Per prompt, optional
   ``kv_transfer_params`` (forwarded as ``SamplingParams.extra_args``) and vLLM's own
   ``cache_salt``. Returns one ``Completion`` per prompt, in order. ``aborts``
-  (``{prompt index: seconds}``) drives the engine step by step instead and aborts
-  each named request that many seconds after the batch was added (vLLM's
-  ``abort_request``, as a disconnecting HTTP client does); an aborted prompt's
-  ``Completion`` has ``finish_reason`` "abort" and the tokens it had by then.
+  (``{prompt index: Abort(after_s, after_tokens)}``, a number meaning ``after_s``)
+  drives the engine step by step instead and aborts each named request (vLLM's
+  ``abort_request``, as a disconnecting HTTP client does) once ``after_s`` seconds
+  have passed since the batch was added and it has ``after_tokens`` tokens; an
+  aborted prompt's ``Completion`` has ``finish_reason`` "abort" and the tokens it
+  had by then.
 * ``stats(server)`` — ``KVStoreClient(server).stats()`` run in the driver, so it works
   from inside the engine's namespace.
 * ``metrics()`` — vLLM's own Prometheus counters and gauges (``LLM.get_metrics``:
@@ -53,7 +55,8 @@ API (kept stable; other tests reuse it):
 Wire protocol (driver ``python -m tools.engine_proc CONFIG_JSON``): the driver prints
 ``{"event": "ready"}`` (or ``{"event": "error", "error": ...}``) once the engine is up,
 then answers each stdin line ``{"cmd": "generate" | "stats" | "metrics" | "shutdown",
-"id": N, ...}`` with one line ``{"ok": true, "id": N, ...}`` or ``{"ok": false, "id": N, "error": ...}``.
+"id": N, ...}`` with one line ``{"ok": true, "id": N, ...}`` or ``{"ok": false, "id": N,
+"error": ...}``.
 A command that gets no answer in time kills the engine (it may be stuck in a request):
 later calls fail at once instead of each waiting out its own timeout. The protocol has
 stdout to itself: the driver moves everything else that would print there (vLLM's logs)
@@ -85,6 +88,13 @@ GENERATE_TIMEOUT_S = 180.0  # tiny models answer in seconds: past this the engin
 STOP_TIMEOUT_S = 30.0
 CONNECTOR = "KVStoreConnectorV1"
 CONNECTOR_MODULE = "kvstore.connector.vllm_v1"
+
+
+class Abort(NamedTuple):
+    """When ``generate(aborts=...)`` aborts a request: both must hold."""
+
+    after_s: float = 0.0  # seconds since the batch was added
+    after_tokens: int = 0  # tokens it generated (1: its prompt is computed)
 
 
 class EngineError(RuntimeError):
@@ -247,7 +257,7 @@ class EngineProc:
                  kv_transfer_params: Sequence[dict | None] | None = None,
                  cache_salts: Sequence[str | None] | None = None,
                  timeout: float = GENERATE_TIMEOUT_S,
-                 aborts: dict[int, float] | None = None) -> list[Completion]:
+                 aborts: dict[int, Abort | float] | None = None) -> list[Completion]:
         n = len(prompts)
         params = list(kv_transfer_params) if kv_transfer_params is not None else [None] * n
         salts = list(cache_salts) if cache_salts is not None else [None] * n
@@ -256,7 +266,8 @@ class EngineProc:
         res = self._call({"cmd": "generate", "prompts": [list(map(int, p)) for p in prompts],
                           "max_tokens": max_tokens, "kv_transfer_params": params,
                           "cache_salts": salts,
-                          "aborts": {str(i): s for i, s in (aborts or {}).items()}}, timeout)
+                          "aborts": {str(i): list(a if isinstance(a, Abort) else Abort(a))
+                                     for i, a in (aborts or {}).items()}}, timeout)
         return [Completion(o["token_ids"], o["num_cached_tokens"], o["kv_transfer_params"],
                            o["finish_reason"]) for o in res["outputs"]]
 
@@ -395,7 +406,7 @@ def _generate(llm, msg: dict) -> dict:
         sampling.append(SamplingParams(
             temperature=0.0, max_tokens=msg["max_tokens"], ignore_eos=True, detokenize=False,
             extra_args={"kv_transfer_params": params} if params is not None else None))
-    aborts = {int(i): float(s) for i, s in (msg.get("aborts") or {}).items()}
+    aborts = {int(i): Abort(*a) for i, a in (msg.get("aborts") or {}).items()}
     outs = (_step_with_aborts(llm, prompts, sampling, aborts) if aborts
             else llm.generate(prompts, sampling, use_tqdm=False))
     return {"outputs": [{"token_ids": list(o.outputs[0].token_ids) if o.outputs else [],
@@ -415,20 +426,26 @@ class _Aborted(NamedTuple):
     aborted: bool = True
 
 
-def _step_with_aborts(llm, prompts: list, sampling: list, aborts: dict[int, float]) -> list:
+def _step_with_aborts(llm, prompts: list, sampling: list, aborts: dict[int, Abort]) -> list:
     """``llm.generate`` unrolled into engine steps, aborting ``aborts``' requests
-    (by prompt index) that many seconds after the batch was added."""
+    (by prompt index) when their ``Abort`` holds."""
     engine = llm.llm_engine
     batch = f"b{time.monotonic_ns()}"
     ids = [f"{batch}-{i}" for i in range(len(prompts))]
     for rid, prompt, params in zip(ids, prompts, sampling):
         engine.add_request(rid, prompt, params)
     start, last, due = time.monotonic(), {}, dict(aborts)
+
+    def tokens(i: int) -> int:
+        seen = last.get(ids[i])
+        return len(seen.outputs[0].token_ids) if seen and seen.outputs else 0
+
     while engine.has_unfinished_requests():
         for out in engine.step():
             last[out.request_id] = out
         now = time.monotonic()
-        for i in [i for i, s in due.items() if now - start >= s]:
+        for i in [i for i, a in due.items()
+                  if now - start >= a.after_s and tokens(i) >= a.after_tokens]:
             del due[i]
             if not getattr(last.get(ids[i]), "finished", False):
                 engine.abort_request([ids[i]])
