@@ -26,9 +26,9 @@ import math
 import os
 import random
 import signal
+import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -36,7 +36,7 @@ from kvstore.client import KVStoreClient
 from kvstore.layout import KVLayout
 from tests.engine.conftest import connector_config, prompt_report, settle
 from tests.integration.conftest import ServerFactory, ServerProc
-from tools.engine_proc import EngineProc, start_all, stop_all
+from tools.engine_proc import Abort, EngineProc, start_all, stop_all
 from tools.tiny_models import VOCAB, ModelSpec, build
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -54,13 +54,13 @@ SMALL_CACHE_BLOCKS = 33
 LEASE_S = 3.0  # the server's reservation and read leases: orphans drain fast
 # Short bounds, so a stopped server costs seconds; down_s short, so the test after a
 # fault finds the server tried again.
-TIMEOUTS = dict(timeout_s=2.0, load_wait_s=2.0, down_s=1.0)
+TIMEOUTS = dict(timeout_s=4.0, load_wait_s=2.0, down_s=1.0)
 PHASE_LENS = {"corrupt_recompute": (100, 300), "corrupt_fail": (100, 300),
               "stopped_load": (100, 300), "stopped_save": (300, 100),
               "late_load": (300,), "late_save": (300,), "reuse_load": (300,) * 3,
               "reuse_save": (300,) * 3, "local_hit": (300,), "head": (200,), "tail": (100,),
               "preempt": (300,) * 6}
-PAUSE_S = 1.2  # a server paused this long: calls hang, but within timeout_s
+PAUSE_S = 2.5  # a server paused this long: calls hang, but end within timeout_s
 
 
 def prompts(phase: str) -> list[list[int]]:
@@ -119,16 +119,29 @@ def no_leftovers(stats_fn, timeout: float = 3 * LEASE_S + 10) -> dict:
 
 
 @contextlib.contextmanager
-def stopped(server: ServerProc, at_least_s: float = 0.0) -> Iterator[None]:
-    """The server frozen (SIGSTOP) for the block, and ``at_least_s`` in all: it
-    answers nothing until it goes on (SIGCONT), then works off what was queued."""
-    start = time.monotonic()
+def stopped(server: ServerProc) -> Iterator[None]:
+    """The server frozen (SIGSTOP) for the block: it answers nothing until it goes
+    on (SIGCONT), then works off what was queued."""
     os.kill(server.pid, signal.SIGSTOP)
     try:
         yield
-        time.sleep(max(0.0, start + at_least_s - time.monotonic()))
     finally:
         os.kill(server.pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def paused(server: ServerProc, seconds: float) -> Iterator[Callable[[], bool]]:
+    """The server frozen for ``seconds`` from now, however long the block runs (so
+    every call it holds up ends within timeout_s); the block gets a function
+    saying whether it is still frozen. Leaves once it goes on."""
+    resumed = threading.Timer(seconds, os.kill, (server.pid, signal.SIGCONT))
+    os.kill(server.pid, signal.SIGSTOP)
+    resumed.start()
+    try:
+        yield resumed.is_alive
+    finally:
+        resumed.join()
+        os.kill(server.pid, signal.SIGCONT)  # (again: harmless, and sure)
 
 
 def corrupt_at_rest(rig: Rig, tokens: list[int], block: int) -> None:
@@ -299,9 +312,9 @@ def test_server_stopped_during_save_and_an_abort_while_it_is_on_its_way(rig):
     ps = prompts("stopped_save")
     before = rig.stats()
     with stopped(rig.server):
-        outs = rig.producer.generate(ps[:1], LONG_TOKENS, aborts={0: 0.5})
+        outs = rig.producer.generate(ps[:1], LONG_TOKENS, aborts={0: Abort(after_tokens=2)})
         assert outs[0].finish_reason == "abort" and 0 < len(outs[0].token_ids) < LONG_TOKENS
-        time.sleep(3 * TIMEOUTS["timeout_s"])  # the save's insert and abort time out
+        time.sleep(TIMEOUTS["timeout_s"] + 1)  # the save gives up before the server goes on
     after = no_leftovers(rig.stats)
     assert (after["leases"], after["reservations"]) == (0, 0), after
     assert after["entries"] == before["entries"] and after["commits"] == before["commits"]
@@ -325,9 +338,10 @@ def test_load_that_lands_after_its_abort_writes_only_blocks_vllm_still_holds(rig
     late, reuse = prompts("late_load"), prompts("reuse_load")
     params = rig.prefill(late)
     stored = rig.stats()
-    with stopped(rig.server, at_least_s=PAUSE_S):
+    with paused(rig.server, PAUSE_S) as frozen:
         aborted = rig.recompute.generate(late, DECODE_TOKENS, params, aborts={0: 0.3})
         others = rig.recompute.generate(reuse, DECODE_TOKENS)
+        assert frozen(), "too slow: the load may have landed before the others ran"
     assert aborted[0].finish_reason == "abort" and aborted[0].token_ids == [], aborted
     assert not rig.wrong_tokens(reuse, others), rig.wrong_tokens(reuse, others)
     after = no_leftovers(lambda: settle(rig.stats))
@@ -345,9 +359,10 @@ def test_save_that_lands_after_its_abort_holds_the_aborted_requests_kv(rig):
     them), so a decode engine loading it gives the plain engine's tokens."""
     late, reuse = prompts("late_save"), prompts("reuse_save")
     before = rig.stats()
-    with stopped(rig.server, at_least_s=PAUSE_S):
-        aborted = rig.producer.generate(late, LONG_TOKENS, aborts={0: 0.3})
+    with paused(rig.server, PAUSE_S) as frozen:
+        aborted = rig.producer.generate(late, LONG_TOKENS, aborts={0: Abort(after_tokens=2)})
         others = rig.producer.generate(reuse, max_tokens=1)
+        assert frozen(), "too slow: the save may have landed before its blocks were reused"
     assert aborted[0].finish_reason == "abort", aborted
     assert not rig.wrong_tokens(reuse, others), rig.wrong_tokens(reuse, others)
     saved = no_leftovers(lambda: settle(rig.stats, before["entries"]
