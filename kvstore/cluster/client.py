@@ -158,12 +158,15 @@ class ClusterClient:
 
     # ------------------------------------------------------------ data API
     def insert(self, tokens: Sequence[int] | np.ndarray, kv: Any, hidden: Any = None,
-               pin: bool = False, scope: bytes | str = b"") -> InsertResult:
-        """Insert on the prompt's home node; on a node failure, on the next live one."""
+               pin: bool = False, scope: bytes | str = b"",
+               skip_blocks: int = 0) -> InsertResult:
+        """Insert on the prompt's home node; on a node failure, on the next live one
+        (which, lacking the ``skip_blocks`` the caller found, stores nothing)."""
         order = self.placement(tokens, scope)
         for attempt, node in enumerate(order):
             try:
-                return self.client_for(node).insert(tokens, kv, hidden, pin=pin, scope=scope)
+                return self.client_for(node).insert(tokens, kv, hidden, pin=pin, scope=scope,
+                                                    skip_blocks=skip_blocks)
             except NODE_FAILURES as exc:
                 self._node_failed(node, exc)
                 if attempt == len(order) - 1:
@@ -171,15 +174,18 @@ class ClusterClient:
         raise AssertionError("unreachable: order is never empty")
 
     def drop_select(self, tokens: Sequence[int] | np.ndarray, timeout: float | None = None,
-                    into: Any = None, scope: bytes | str = b"") -> SelectResult:
+                    into: Any = None, scope: bytes | str = b"",
+                    skip_blocks: int = 0) -> SelectResult:
         return self._read(tokens, timeout,
-                          lambda c, t: c.drop_select(tokens, timeout=t, into=into, scope=scope),
+                          lambda c, t: c.drop_select(tokens, timeout=t, into=into, scope=scope,
+                                                     skip_blocks=skip_blocks),
                           SelectResult(0, None, None), scope)
 
     def get(self, tokens: Sequence[int] | np.ndarray, timeout: float | None = None,
-            into: Any = None, scope: bytes | str = b"") -> SelectResult:
+            into: Any = None, scope: bytes | str = b"", skip_blocks: int = 0) -> SelectResult:
         return self._read(tokens, timeout,
-                          lambda c, t: c.get(tokens, timeout=t, into=into, scope=scope),
+                          lambda c, t: c.get(tokens, timeout=t, into=into, scope=scope,
+                                             skip_blocks=skip_blocks),
                           SelectResult(0, None, None), scope)
 
     def lookup(self, tokens: Sequence[int] | np.ndarray, scope: bytes | str = b"",

@@ -77,19 +77,21 @@ def _host_views(layout: KVLayout, host: torch.Tensor, ntokens: int, held: int
 
 
 def gather_layer(layout: KVLayout, fmt: BlockFormat, cache: torch.Tensor, layer: int,
-                 block_ids: Sequence[int], ntokens: int, host: torch.Tensor) -> None:
+                 block_ids: Sequence[int], ntokens: int, host: torch.Tensor,
+                 first_block: int = 0) -> None:
     """Copy layer ``layer`` of a request's first ``ntokens`` tokens into ``host`` (the
-    prompt's entry bytes, ``layout.nbytes(ntokens)``), in entry order."""
-    full, rest = check(layout, fmt, cache, block_ids, 0, ntokens)
+    prompt's entry bytes, ``layout.nbytes(ntokens)``), in entry order, from block
+    ``first_block`` on (the bytes of the blocks before it are left as they are)."""
+    full, rest = check(layout, fmt, cache, block_ids, first_block, ntokens)
     blocks, tail = _host_views(layout, host, ntokens, ntokens)
     dev = cache.device
     every_block: tuple[slice | torch.Tensor, ...] = (slice(None), *fmt.coords)
-    for start in range(0, full, CHUNK_BLOCKS):
+    for start in range(first_block, full, CHUNK_BLOCKS):
         stop = min(full, start + CHUNK_BLOCKS)
         ids = torch.as_tensor(list(block_ids[start:stop]), dtype=torch.long, device=dev)
         picked = bits(cache.index_select(0, ids))[every_block]
         blocks[start:stop, layer].copy_(picked, non_blocking=True)
-    if rest:
+    if rest and first_block <= full:
         assert tail is not None
         coords = _rest_coords(fmt, layout, rest)
         tail[layer].reshape(-1).copy_(bits(cache[int(block_ids[full])])[coords],

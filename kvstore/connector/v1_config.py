@@ -21,6 +21,8 @@ Every key (docs/vllm.md lists them with examples):
 * ``lookup_timeout_s`` — bound of the scheduler's lookup (prefix-cache mode only: a
   disaggregated decode needs none); the scheduler must never wait on the network
   long. [0.25]
+* ``down_s`` — how long a server that timed out or is gone is skipped (every lookup,
+  load and save to it is a miss at once) before it is tried again. [10.0]
 * ``load_wait_s`` — how long a decode's load waits for the producer's entries to
   appear (its save may still be on its way when the proxy forwards the request).
   [the ``timeout_s``]
@@ -51,7 +53,7 @@ from kvstore.core.layout import KVLayout, dtype_name
 
 SERVER_SCHEMES = ("tcp://", "etcd://")  # one server / a cluster's registry
 _KEYS = {"server", "allowed_servers", "cluster_prefix", "model_id", "salt", "timeout_s",
-         "lookup_timeout_s", "load_wait_s", "te_host", "te_protocol", "te_devices",
+         "lookup_timeout_s", "load_wait_s", "down_s", "te_host", "te_protocol", "te_devices",
          "staging_bytes", "same_node", "load_mode", "save", "load"}
 
 
@@ -65,6 +67,7 @@ class ConnectorSettings:
     timeout_s: float
     lookup_timeout_s: float
     load_wait_s: float
+    down_s: float
     te_host: str
     te_protocol: str
     te_devices: str  # comma-separated; "" = every NIC TE finds
@@ -97,6 +100,7 @@ class ConnectorSettings:
             timeout_s=float(extra.get("timeout_s", 5.0)),
             lookup_timeout_s=float(extra.get("lookup_timeout_s", 0.25)),
             load_wait_s=float(extra.get("load_wait_s", extra.get("timeout_s", 5.0))),
+            down_s=float(extra.get("down_s", 10.0)),
             te_host=str(extra.get("te_host", "127.0.0.1")),
             te_protocol=str(extra.get("te_protocol", "tcp")),
             te_devices=",".join(parse_te_devices("te_devices", extra.get("te_devices", ""))),
@@ -122,8 +126,9 @@ class ConnectorSettings:
         for name in ("timeout_s", "lookup_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.load_wait_s < 0:
-            raise ConfigError(f"load_wait_s must be >= 0, got {self.load_wait_s}")
+        for name in ("load_wait_s", "down_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.load_mode not in ("drop", "keep"):
             raise ConfigError(f"load_mode must be 'drop' or 'keep', got {self.load_mode!r}")
         check_te_protocol("te_protocol", self.te_protocol)

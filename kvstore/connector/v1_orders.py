@@ -40,10 +40,16 @@ class LoadOrder:
 
 @dataclass(frozen=True)
 class SaveOrder:
+    """Save a request's stored part. ``first_block``: the blocks before it were on
+    the server when the scheduler looked (a prefix-cache hit, keep mode): they are
+    neither copied off the device nor sent, and the save fails whole (a later
+    miss) if the server lost one of them since."""
+
     req_id: str
     token_ids: list[int]  # the stored part of the prompt: all but its last token
     block_ids: list[int]
     scope: str = ""
+    first_block: int = 0
 
 
 @dataclass

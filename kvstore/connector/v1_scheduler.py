@@ -14,6 +14,7 @@ State, all keyed by request id and dropped at ``request_finished``:
 ``_scopes`` (request_scope, from the first sight of the request), ``_matched``
 (what get_num_new_matched_tokens answered, until update_state_after_alloc),
 ``_loads`` (orders for the next metadata), ``_tracked`` (prompts still to save),
+``_held`` (what a keep-mode lookup found stored: the save skips those blocks),
 ``_requests`` (vLLM's Request: its block hashes, for the KV events of its saves and
 drops, which ``events`` keeps until the workers have reported them).
 """
@@ -57,6 +58,7 @@ class _Tracked:
     token_ids: list[int]  # what will be saved: the prompt but its last token
     block_ids: list[int]
     scope: str
+    first_block: int = 0  # blocks before it were on the server at the lookup
 
 
 class SchedulerSide:
@@ -74,6 +76,7 @@ class SchedulerSide:
         self._looked: dict[str, tuple[float, int]] = {}  # req -> (when, tokens) of a lookup
         self._tracked: dict[str, _Tracked] = {}
         self._saved: set[str] = set()  # requests whose save was ordered
+        self._held: dict[str, int] = {}  # req -> tokens a keep-mode lookup found stored
 
     # ------------------------------------------------------------ loading
     def get_num_new_matched_tokens(self, request: Any,
@@ -127,6 +130,9 @@ class SchedulerSide:
         self._looked.pop(request.request_id, None)
         if match is None:
             return
+        if self.settings.load_mode == "keep" and match.stored:
+            # Left on the server by the reads (a drop takes them): its save skips them.
+            self._held[request.request_id] = match.stored
         if match.claimed and num_external_tokens > 0:
             self._claims_used.add(request.request_id)
         drop = self.settings.load_mode == "drop"
@@ -156,8 +162,9 @@ class SchedulerSide:
         for new in scheduler_output.scheduled_new_reqs:
             tokens = stored_part(list(new.prompt_token_ids or []))
             if self.settings.save and tokens:
-                self._tracked[new.req_id] = _Tracked(tokens, list(new.block_ids[0]),
-                                                     self._scopes.get(new.req_id, ""))
+                self._tracked[new.req_id] = _Tracked(
+                    tokens, list(new.block_ids[0]), self._scopes.get(new.req_id, ""),
+                    self._held_blocks(self._held.pop(new.req_id, 0), len(tokens)))
                 self._maybe_save(meta, new.req_id, new.num_computed_tokens,
                                  scheduler_output.num_scheduled_tokens.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
@@ -174,13 +181,20 @@ class SchedulerSide:
                              scheduler_output.num_scheduled_tokens.get(req_id, 0))
         return meta
 
+    def _held_blocks(self, held: int, ntokens: int) -> int:
+        """The blocks of a stored part of ``ntokens`` tokens that ``held`` stored
+        tokens cover (a partial last block only when all of them are held)."""
+        if held >= ntokens:
+            return -(-ntokens // self.layout.block_tokens)
+        return held // self.layout.block_tokens
+
     def _maybe_save(self, meta: KVStoreConnectorMetadata, req_id: str, computed: int,
                     scheduled: int) -> None:
         """Order the save in the step that computes the last stored token."""
         tracked = self._tracked[req_id]
         if computed + scheduled >= len(tracked.token_ids):
             meta.saves.append(SaveOrder(req_id, tracked.token_ids, list(tracked.block_ids),
-                                        tracked.scope))
+                                        tracked.scope, tracked.first_block))
             if (request := self._requests.get(req_id)) is not None:
                 self.events.expect_save(request)
             self._saved.add(req_id)
@@ -197,7 +211,7 @@ class SchedulerSide:
         # Not _loads: an order vLLM is waiting on (WAITING_FOR_REMOTE_KVS) must reach
         # the worker, whose report is what lets vLLM free the request's blocks.
         for state in (self._tracked, self._matched, self._scopes, self._requests,
-                      self._looked):
+                      self._looked, self._held):
             state.pop(rid, None)
         self._claims_used.discard(rid)
         if rid not in self._saved:

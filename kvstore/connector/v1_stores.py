@@ -7,7 +7,8 @@ producers' servers a consumer loads from). Every method here returns normally
 whatever the store or the network does: a lookup that fails is 0 tokens, a load
 that fails names the blocks vLLM must recompute, a save that fails is logged and
 skipped (a later reader recomputes). A server that timed out or is gone is skipped
-for ``_DOWN_S`` seconds, so a dead peer costs one timeout, not one per request.
+for ``down_s`` seconds (v1_config), so a dead peer costs one timeout, not one per
+request.
 
 Addresses come from requests (``kv_transfer_params``), so ``source`` admits only the
 configured ones; clients are kept for at most ``_CLIENTS_KEPT`` addresses (least
@@ -21,7 +22,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -34,8 +35,12 @@ from kvstore.core.layout import KVLayout
 
 log = logging.getLogger(__name__)
 
-_DOWN_S = 10.0
 _CLIENTS_KEPT = 32
+
+
+class Fetched(NamedTuple):
+    tokens: int  # the prompt's tokens whose entries are there (skipped blocks included)
+    moved: int  # bytes that came over (the skipped blocks' are not)
 
 
 class StoreClients:
@@ -111,13 +116,13 @@ class StoreClients:
         else:
             log.warning("kvstore %s via %s: %s (recomputing)", what, server, exc)
         if mark_down and isinstance(exc, (PeerUnavailableError, KVTimeoutError)):
-            self._down_until[server] = time.monotonic() + _DOWN_S
+            self._down_until[server] = time.monotonic() + self.settings.down_s
 
     # ------------------------------------------------------------------ calls
     def lookup(self, server: str, tokens: Sequence[int], scope: str = "",
                timeout_s: float | None = None, mark_down: bool = True) -> int:
         """Prompt tokens the store holds (a non-binding answer); 0 on any failure.
-        ``mark_down``: a server that did not answer is skipped for ``_DOWN_S``."""
+        ``mark_down``: a server that did not answer is skipped for ``down_s``."""
         if not tokens or not self._usable(server):
             return 0
         try:
@@ -127,19 +132,28 @@ class StoreClients:
             self._failed(server, "lookup", exc, mark_down)
             return 0
 
-    def fetch(self, order: Any, into: torch.Tensor) -> int:
-        """Take (drop mode) or read (keep mode) ``order``'s stored tokens into ``into``;
-        the tokens whose entries arrived (0 on any failure: logged, never raised)."""
+    def fetch(self, order: Any, into: torch.Tensor) -> Fetched:
+        """Take (drop mode) or read (keep mode) ``order``'s stored tokens into ``into``
+        (the prompt's entry bytes, in entry order): the tokens whose entries are
+        there and the bytes that moved (nothing on any failure: logged, never
+        raised). The blocks before ``order.first_block`` (vLLM holds them) are taken
+        but not moved: that part of ``into`` is left as it was. An order without
+        blocks (a drop of entries vLLM needs none of) moves nothing."""
+        bt = self.layout.block_tokens
+        skip = order.first_block if order.block_ids else -(-len(order.token_ids) // bt)
+        into = into[self.layout.nbytes(min(len(order.token_ids), skip * bt)):]
         for attempt in (1, 2):
             try:
                 if not self._usable(order.server):
                     raise MissError(f"{order.server} failed recently")
                 client = self.client(order.server)
                 fetch = client.drop_select if self.settings.load_mode == "drop" else client.get
-                return fetch(order.token_ids, scope=order.scope, into=into).matched_tokens
+                got = fetch(order.token_ids, scope=order.scope, into=into, skip_blocks=skip)
+                return Fetched(got.matched_tokens,
+                               0 if got.kv is None else int(got.kv.numel()))
             except (KVTimeoutError, TransferError) as exc:
                 # One slow or failed move is no verdict on the server: try once more
-                # before remembering it as down (which fails every load for _DOWN_S).
+                # before remembering it as down (which fails every load for down_s).
                 if attempt == 2:
                     self._failed(order.server, f"load of {order.req_id}", exc)
                 else:
@@ -147,16 +161,18 @@ class StoreClients:
                                 order.server, exc)
             except Exception as exc:  # noqa: BLE001 - reported as load errors, never raised
                 self._failed(order.server, f"load of {order.req_id}", exc)
-                return 0
-        return 0
+                return Fetched(0, 0)
+        return Fetched(0, 0)
 
-    def insert(self, order: Any, data: torch.Tensor) -> bool:
-        """Insert a prompt's entry bytes into this node's server; False if skipped."""
+    def insert(self, order: Any, data: torch.Tensor, skip_blocks: int = 0) -> bool:
+        """Insert a prompt's entry bytes into this node's server (``data`` from block
+        ``skip_blocks`` on: the server holds the ones before); False if skipped."""
         server = self.settings.server
         if not self._usable(server):
             return False
         try:
-            self.client(server).insert(order.token_ids, data, scope=order.scope)
+            self.client(server).insert(order.token_ids, data, scope=order.scope,
+                                       skip_blocks=skip_blocks)
             return True
         except Exception as exc:  # noqa: BLE001 - a failed save only costs a later miss
             self._failed(server, f"save of {order.req_id}", exc)

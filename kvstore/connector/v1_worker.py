@@ -32,7 +32,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -102,6 +102,7 @@ class _SaveJob:
     order: SaveOrder
     host: torch.Tensor
     gathered: set[int] = field(default_factory=set)  # layers already copied
+    first_block: int = 0  # the blocks before it are on the server: not copied, not sent
 
 
 class WorkerSide:
@@ -117,6 +118,9 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._loaded: set[str] = set()  # background loads done, not yet reported
         self._load_errors: dict[str, set[int]] = {}  # their failed blocks
+        # Tokens a keep-mode load found stored, per request, until its save starts
+        # copying or it finishes: a save never skips more than its own load saw.
+        self._held_by_load: dict[str, int] = {}
         self._ready_errors: set[int] = set()  # for get_block_ids_with_load_errors
         self._step_loads: list[_LoadJob] = []  # same-step loads of the bound step
         self._step_saves: list[_SaveJob] = []
@@ -145,6 +149,17 @@ class WorkerSide:
         """A step begins (before its forward): its saves get their host buffers."""
         self._step_saves = [_SaveJob(o, self.buffers.take(self.layout.nbytes(len(o.token_ids))))
                             for o in meta.saves]
+
+    def _skippable(self, job: _SaveJob) -> int:
+        """The blocks of a save the server holds: what the scheduler's lookup found,
+        but no more than this request's load found (same-step loads have fetched
+        before any layer is saved: each layer waits for its load first)."""
+        order = job.order
+        with self._lock:
+            held = self._held_by_load.pop(order.req_id, None)
+        if held is None or held >= len(order.token_ids):
+            return order.first_block
+        return min(order.first_block, held // self.layout.block_tokens)
 
     def start(self, meta: KVStoreConnectorMetadata) -> None:
         """Queue the step's loads (vLLM calls this before the forward when it has
@@ -190,20 +205,24 @@ class WorkerSide:
     def _gather(self, job: _SaveJob, layer: int) -> None:
         if layer in job.gathered:
             return
+        if not job.gathered:
+            job.first_block = self._skippable(job)
         job.gathered.add(layer)
         order = job.order
         try:
             gather_layer(self.layout, self._format(), self.caches[layer], layer,
-                         order.block_ids, len(order.token_ids), job.host)
+                         order.block_ids, len(order.token_ids), job.host, job.first_block)
         except Exception:  # noqa: BLE001 - a save that cannot be made is skipped
             log.exception("save of %s: copying layer %d failed; not saved", order.req_id, layer)
             job.gathered.add(-1)
 
     # ------------------------------------------------------------ reports
-    def finished_loads(self) -> set[str]:
+    def finished_loads(self, finished_req_ids: Collection[str] = frozenset()) -> set[str]:
         """Background loads done since the last call; their failed blocks become this
-        pass's load errors."""
+        pass's load errors. ``finished_req_ids``: requests vLLM finished since."""
         with self._lock:
+            for rid in finished_req_ids:
+                self._held_by_load.pop(rid, None)
             done, self._loaded = self._loaded, set()
             for rid in done:
                 self._ready_errors |= self._load_errors.pop(rid, set())
@@ -273,14 +292,17 @@ class WorkerSide:
     def _load(self, job: _LoadJob) -> None:
         order, lay = job.order, self.layout
         host = None
-        got = held = 0
+        got = held = moved = 0
         start = time.perf_counter()
         try:
             if order.wait and not self._arrived(job):
                 return  # queued again; nothing of it is done yet
             start = time.perf_counter()  # the load's time is the transfer's, not the wait
             host = self.buffers.take(lay.nbytes(len(order.token_ids)))
-            held = self.stores.fetch(order, host)
+            held, moved = self.stores.fetch(order, host)
+            if self.settings.load_mode == "keep":
+                with self._lock:
+                    self._held_by_load[order.req_id] = held
             got = self._scatter(job, host, held) if order.block_ids else held
         except Exception:  # noqa: BLE001 - reported as load errors, never raised
             log.exception("load of %s failed", order.req_id)
@@ -290,17 +312,18 @@ class WorkerSide:
         try:
             # Recorded before the load is done: a same-step load's stats go out with
             # its step.
-            self._record_load(order, held, got, time.perf_counter() - start)
+            self._record_load(order, held, moved, got, time.perf_counter() - start)
         finally:
             for event in job.layers:
                 event.set()
             self._finish_load(job, got)  # always: vLLM waits for this report
 
-    def _record_load(self, order: LoadOrder, held: int, got: int, seconds: float) -> None:
+    def _record_load(self, order: LoadOrder, held: int, moved: int, got: int,
+                     seconds: float) -> None:
         into_cache = max(0, got - order.first_block * self.layout.block_tokens) \
             if order.block_ids else 0
         with self._lock:
-            self._stats.record_load(into_cache, self.layout.nbytes(held), seconds,
+            self._stats.record_load(into_cache, moved, seconds,
                                     failed=bool(order.block_ids) and got < order.ntokens,
                                     count_request=self._first_rank)
             if self.settings.load_mode == "drop":
@@ -340,14 +363,15 @@ class WorkerSide:
 
     def _save(self, job: _SaveJob) -> None:
         ok, start = False, time.perf_counter()
+        lay, ntokens = self.layout, len(job.order.token_ids)
+        skipped = lay.nbytes(min(ntokens, job.first_block * lay.block_tokens))
         try:
             if -1 not in job.gathered:
-                ok = self.stores.insert(job.order, job.host)
+                ok = self.stores.insert(job.order, job.host[skipped:], job.first_block)
         finally:
             self.buffers.give(job.host)
-            ntokens = len(job.order.token_ids)
             with self._lock:
-                self._stats.record_save(ntokens, self.layout.nbytes(ntokens),
+                self._stats.record_save(ntokens, lay.nbytes(ntokens) - skipped,
                                         time.perf_counter() - start, ok,
                                         count_request=self._first_rank)
                 self._reports.saved.setdefault(job.order.req_id, []).append(

@@ -220,7 +220,7 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                 set[str] | None]:
-        return None, self._worker_side.finished_loads()
+        return None, self._worker_side.finished_loads(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side.load_errors()

@@ -223,3 +223,27 @@ def test_small_or_scattered_te_inserts_use_staging(clean_server, client_factory)
     assert scattered._data.engine._stage is not None
     got = scattered.drop_select(prompt(64, seed=2))
     assert np.array_equal(got.kv.numpy(), kv)
+
+
+def test_an_insert_that_skips_blocks_the_server_holds_sends_only_the_rest(clean_server,
+                                                                          client_factory):
+    """A prefix cache saving a prompt whose head it found stored sends only the rest
+    (``skip_blocks``); the whole prompt reads back. If the server lost a skipped block
+    meanwhile, nothing is stored and no reservation stays."""
+    client = client_factory(clean_server)
+    bt = LAYOUT.block_tokens
+    head, whole = prompt(2 * bt, 31), prompt(2 * bt, 31) + prompt(bt + 3, 32)
+    kv = make_kv(len(whole), 33)
+    client.insert(head, kv[:LAYOUT.nbytes(2 * bt)])
+    res = client.insert(whole, kv[LAYOUT.nbytes(2 * bt):], skip_blocks=2)
+    assert (res.new_blocks, res.existing_blocks) == (2, 2)
+    assert res.nbytes == kv.size - LAYOUT.nbytes(2 * bt)
+    assert np.array_equal(client.get(whole).kv.numpy(), kv)
+
+    client.evict(keys=client.keys_for(whole)[1:2])  # the server loses block 1
+    other = prompt(2 * bt, 31) + prompt(bt, 34)
+    with pytest.raises(NotFoundError, match="lacks block 1"):
+        client.insert(other, make_kv(bt, 35), skip_blocks=2)
+    stats = client.stats()
+    assert stats["reservations"] == 0
+    assert client.lookup(other).matched_tokens == bt  # block 0 only: nothing of it stored

@@ -51,3 +51,28 @@ def test_bad_into_is_refused_and_the_prompt_stays(clean_server, client_factory, 
         client.drop_select(prompt(16, 3), into=bad)
     got = client.drop_select(prompt(16, 3))
     assert got.matched_tokens == 16 and np.array_equal(got.kv.numpy(), kv)
+
+
+@PATHS
+def test_skipped_blocks_are_taken_but_not_moved(clean_server, client_factory, same_node):
+    """A reader that already holds a prompt's first blocks (an engine's own prefix
+    cache) skips them: they count in matched_tokens and are dropped with the rest,
+    but no byte of them moves, so ``into`` there is untouched and ``kv`` starts at
+    the first block it did not skip."""
+    client = client_factory(clean_server, same_node=same_node)
+    bt = LAYOUT.block_tokens
+    n, skip = 3 * bt + 2, 2
+    kv = make_kv(n, 11)
+    client.insert(prompt(n, 11), kv)
+    head = LAYOUT.nbytes(skip * bt)
+    buf = np.full(LAYOUT.nbytes(n), 0xAB, np.uint8)
+    got = client.drop_select(prompt(n, 11), into=buf[head:], skip_blocks=skip)
+    assert got.matched_tokens == n
+    assert np.array_equal(got.kv.numpy(), kv[head:]) and np.array_equal(buf[head:], kv[head:])
+    assert (buf[:head] == 0xAB).all()
+    assert client.stats()["entries"] == 0  # the skipped blocks were taken too
+
+    client.insert(prompt(n, 12), make_kv(n, 12))  # skipping them all moves nothing
+    got = client.get(prompt(n, 12), skip_blocks=10)
+    assert got.matched_tokens == n and got.kv.numel() == 0
+    assert client.stats()["leases"] == 0

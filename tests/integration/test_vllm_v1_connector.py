@@ -289,6 +289,33 @@ def test_entry_lost_between_lookup_and_load_fails_only_the_blocks_from_there(cle
     worker.shutdown(), sched.shutdown()
 
 
+def test_a_load_moves_no_block_vllm_already_holds(clean_server):
+    """vLLM's own prefix cache holds the first block: the load takes all three
+    entries but moves only the other two. When vLLM takes nothing from the store
+    (it keeps its own hit of both full blocks), the order still takes the entries
+    and moves no byte."""
+    prompt = list(range(600, 611))  # 11 tokens: 10 stored, blocks of 4, 4, 2
+    caches_p, params = prefill(clean_server, prompt, [3, 7, 1])
+    sched, worker, caches = make_connectors("kv_consumer", server=clean_server.address)
+    req = request("h1", prompt, params)
+    assert sched.get_num_new_matched_tokens(req, 4) == (6, True)
+    assert schedule(sched, worker, req, [8, 5, 2], 6, local=4) == set()
+    assert not caches[LAYERS[0]][8].any()  # vLLM's block: not written
+    assert torch.equal(caches[LAYERS[0]][5], caches_p[LAYERS[0]][7])
+    assert worker.get_kv_connector_stats().data["loaded_bytes"] == \
+        sched.layout.nbytes(6)
+    assert entries(clean_server) == 0
+
+    prefill(clean_server, prompt, [3, 7, 1], req_id="p2")
+    req = request("h2", prompt)  # no params: a lookup, then nothing new to load
+    assert sched.get_num_new_matched_tokens(req, 8) == (2, False)
+    assert schedule(sched, worker, req, [8, 5], 0, local=8) == set()
+    stats = worker.get_kv_connector_stats()
+    assert stats is None or stats.data["loaded_bytes"] == 0
+    assert entries(clean_server) == 0
+    worker.shutdown(), sched.shutdown()
+
+
 def test_bad_extra_config_is_a_clear_error_at_start(clean_server):
     from kvstore.core.errors import ConfigError
 

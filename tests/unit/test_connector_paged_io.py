@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.connector.block_format import truthful
-from kvstore.connector.paged_io import gather_blocks, scatter_blocks
+from kvstore.connector.paged_io import gather_blocks, gather_layer, scatter_blocks
 from kvstore.core.layout import KVLayout, pack_hf
 
 LAYOUT = KVLayout(num_layers=3, kv_heads=2, head_dim=4, dtype="float16", block_tokens=4)
@@ -55,6 +55,22 @@ def test_first_block_skips_local_prefix_blocks():
     scatter_blocks(LAYOUT, FMT, data, dst, [0, 1, 2], 10, first_block=1)
     for s, d in zip(src, dst):
         assert not d[0].any() and torch.equal(d[1], s[6])
+
+
+@settings(max_examples=30, deadline=None)
+@given(ntokens=st.integers(1, 16), first=st.integers(0, 4), seed=st.integers(0, 99))
+def test_gather_from_first_block_copies_only_the_rest(ntokens, first, seed):
+    """A save whose first blocks the server holds copies only the others; their
+    bytes sit where a whole gather puts them, the rest of the buffer is untouched."""
+    first = min(first, -(-ntokens // 4))
+    src = _caches(seed)
+    whole = gather_blocks(LAYOUT, FMT, src, [3, 1, 4, 0], ntokens)
+    host = torch.full_like(whole, 0xAB)
+    for layer, cache in enumerate(src):
+        gather_layer(LAYOUT, FMT, cache, layer, [3, 1, 4, 0], ntokens, host, first)
+    skipped = LAYOUT.nbytes(min(ntokens, first * 4))
+    assert torch.equal(host[skipped:], whole[skipped:])
+    assert (host[:skipped] == 0xAB).all()
 
 
 def test_kvstore_and_its_connector_helpers_import_without_vllm():
