@@ -87,6 +87,8 @@ SECTIONS: list[Section] = [
             "two nodes: kvstore vs Mooncake Store vs raw TE, prompts of growing length"),
     Section("entries", "tools.bench.cluster:bench_entries",
             "two nodes: put/get latency as the stores hold more entries"),
+    Section("spread", "tools.bench.spread:bench_spread",
+            "cluster placement: per-node load of prompts sharing a 512-token template, per rule"),
 ]
 # Run only when asked (--gpu, or --only by name): they need a CUDA GPU.
 GPU_SECTIONS: list[Section] = [
