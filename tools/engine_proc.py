@@ -106,6 +106,9 @@ class Completion(NamedTuple):
     num_cached_tokens: int  # prompt tokens vLLM did not compute (local prefix cache + connector)
     kv_transfer_params: dict[str, Any] | None  # what the connector returned for the request
     finish_reason: str | None = None  # vLLM's: "length", "abort", "error", ...
+    # With generate(logprobs=k): per output position, the k most likely tokens and
+    # their logprobs, most likely first (what a near-tie looks like).
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 # vLLM applies this logging config in each of its processes (VLLM_LOGGING_CONFIG_PATH):
@@ -257,7 +260,8 @@ class EngineProc:
                  kv_transfer_params: Sequence[dict | None] | None = None,
                  cache_salts: Sequence[str | None] | None = None,
                  timeout: float = GENERATE_TIMEOUT_S,
-                 aborts: dict[int, Abort | float] | None = None) -> list[Completion]:
+                 aborts: dict[int, Abort | float] | None = None,
+                 logprobs: int | None = None) -> list[Completion]:
         n = len(prompts)
         params = list(kv_transfer_params) if kv_transfer_params is not None else [None] * n
         salts = list(cache_salts) if cache_salts is not None else [None] * n
@@ -265,11 +269,14 @@ class EngineProc:
             raise ValueError("kv_transfer_params and cache_salts need one entry per prompt")
         res = self._call({"cmd": "generate", "prompts": [list(map(int, p)) for p in prompts],
                           "max_tokens": max_tokens, "kv_transfer_params": params,
-                          "cache_salts": salts,
+                          "cache_salts": salts, "logprobs": logprobs,
                           "aborts": {str(i): list(a if isinstance(a, Abort) else Abort(a))
                                      for i, a in (aborts or {}).items()}}, timeout)
         return [Completion(o["token_ids"], o["num_cached_tokens"], o["kv_transfer_params"],
-                           o["finish_reason"]) for o in res["outputs"]]
+                           o["finish_reason"],
+                           None if o.get("top") is None else
+                           [[(int(t), float(lp)) for t, lp in pos] for pos in o["top"]])
+                for o in res["outputs"]]
 
     def stats(self, server: str, timeout: float = 30.0) -> dict[str, Any]:
         return self._call({"cmd": "stats", "server": server}, timeout)["stats"]
@@ -405,6 +412,7 @@ def _generate(llm, msg: dict) -> dict:
         prompts.append(prompt)
         sampling.append(SamplingParams(
             temperature=0.0, max_tokens=msg["max_tokens"], ignore_eos=True, detokenize=False,
+            logprobs=msg.get("logprobs"),
             extra_args={"kv_transfer_params": params} if params is not None else None))
     aborts = {int(i): Abort(*a) for i, a in (msg.get("aborts") or {}).items()}
     outs = (_step_with_aborts(llm, prompts, sampling, aborts) if aborts
@@ -413,8 +421,17 @@ def _generate(llm, msg: dict) -> dict:
                          "num_cached_tokens": int(o.num_cached_tokens or 0),
                          "kv_transfer_params": o.kv_transfer_params,
                          "finish_reason": (o.outputs[0].finish_reason if o.outputs else None)
-                         or ("abort" if getattr(o, "aborted", False) else None)}
+                         or ("abort" if getattr(o, "aborted", False) else None),
+                         "top": _top(o, msg.get("logprobs"))}
                         for o in outs]}
+
+
+def _top(out, k: int | None) -> list[list[list[float]]] | None:
+    """Per output position, the ``k`` most likely [token, logprob], most likely first."""
+    if not k or not out.outputs or out.outputs[0].logprobs is None:
+        return None
+    return [[[tok, lp.logprob] for tok, lp in sorted(pos.items(), key=lambda kv: -kv[1].logprob)
+             ][:k] for pos in out.outputs[0].logprobs]
 
 
 class _Aborted(NamedTuple):

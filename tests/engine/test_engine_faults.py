@@ -147,7 +147,7 @@ def paused(server: ServerProc, seconds: float) -> Iterator[Callable[[], bool]]:
 def corrupt_at_rest(rig: Rig, tokens: list[int], block: int) -> None:
     """Flip one byte of the stored entry of ``tokens``' block ``block`` in the server's
     DRAM arena, behind the server's back (a stray writer, a bad DIMM)."""
-    from tiers.dram import map_shared
+    from kvstore.client.shm import map_shared
 
     with rig.client() as c:
         key = c.keys_for(tokens[:-1])[block]
