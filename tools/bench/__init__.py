@@ -87,6 +87,9 @@ SECTIONS: list[Section] = [
             "two nodes: kvstore vs Mooncake Store vs raw TE, prompts of growing length"),
     Section("entries", "tools.bench.cluster:bench_entries",
             "two nodes: put/get latency as the stores hold more entries"),
+    Section("load", "tools.bench.load:bench_load",
+            "8 producer + 8 consumer processes on one server, eviction + demotion: "
+            "kvstore vs Mooncake Store"),
     Section("spread", "tools.bench.spread:bench_spread",
             "cluster placement: per-node load of prompts sharing a 512-token template, per rule"),
 ]
