@@ -5,7 +5,8 @@ PIP := .venv/bin/pip
 STAMP := .venv/.kvstore-installed
 SYS_PACKAGES := libibverbs1 librdmacm1 etcd-server iproute2
 PYTEST_ARGS ?=
-# make bench BENCH_ARGS="--quick --only dram,nvme" (python -m tools.bench --help)
+# make bench BENCH_ARGS="--quick --only dram,nvme" (python -m tools.bench --help); results go to
+# bench-results/, the committed plots in docs/img only with BENCH_ARGS="--plots docs/img"
 BENCH_ARGS ?=
 
 .PHONY: all setup sys venv test run bench clean
