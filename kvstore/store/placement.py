@@ -197,8 +197,8 @@ class Placement:
     # ------------------------------------------------------------ writeback
     def plan_writeback(self, limit: int) -> list[tuple[Record, Extent]]:
         """The next background writeback round: the least-recently-used entries of
-        the tier right above NVMe that the next demotion (down to the low
-        watermark, one round ahead) would take and that have no NVMe copy yet,
+        the tier right above NVMe that the next demotions (down to the low
+        watermark, three rounds ahead) would take and that have no NVMe copy yet,
         each with a free NVMe extent for its copy, at most ``limit`` bytes. Free
         NVMe space only: writeback never evicts anything. The entries are held
         (they cannot move or go) until ``finish_writeback``; their bytes are read
@@ -208,9 +208,11 @@ class Placement:
             return []
         name, nvme, pol = names[-1], self.tiers["nvme"], self.config.policy
         tier = self.tiers[name]
-        # A shed frees down to low; the next one comes after (high - low) more
-        # bytes: copy what both would take, so neither writes on the request path.
-        ahead = tier.used - int(tier.capacity * (2 * pol.low_watermark - pol.high_watermark))
+        # A shed frees down to low (plus what the reserve that triggers it needs);
+        # the next ones come after (high - low) more bytes each: copy what the next
+        # three would take, so none of them writes on the request path.
+        start = max(0.0, pol.low_watermark - 2 * (pol.high_watermark - pol.low_watermark))
+        ahead = tier.used - int(tier.capacity * start)
         if ahead <= 0:
             return []
         plan: list[tuple[Record, Extent]] = []

@@ -18,13 +18,13 @@ def _rounds(store):
 
 def test_copies_what_the_next_two_demotions_take_then_demotion_writes_nothing(make_store,
                                                                               monkeypatch):
-    # DRAM 20, high 0.95 / low 0.85: copying starts above 15 (2 * low - high) entries.
+    # DRAM 20, high 0.95 / low 0.85: copying starts above 13 (low - 2 (high - low)).
     store = make_store(dram=20, nvme=40, high=0.95, low=0.85)
     for i in range(1, 19):
         put(store, [i])
     _rounds(store)
-    assert _copies(store) == {1, 2, 3}  # the three LRU entries: 18 - 15
-    assert store.stats()["writebacks"] == 3 and all(t == "dram" for t in where(store).values())
+    assert _copies(store) == {1, 2, 3, 4, 5}  # the five LRU entries: 18 - 13
+    assert store.stats()["writebacks"] == 5 and all(t == "dram" for t in where(store).values())
     store.check_integrity()
     nvme = store.place.tiers["nvme"]
     writes = []
@@ -41,7 +41,7 @@ def test_copies_what_the_next_two_demotions_take_then_demotion_writes_nothing(ma
 
 def test_nothing_below_the_start(make_store):
     store = make_store(dram=20, nvme=40, high=0.95, low=0.85)
-    for i in range(1, 16):  # 15 of 20: not above 2 * low - high
+    for i in range(1, 14):  # 13 of 20: not above low - 2 (high - low)
         put(store, [i])
     assert store.writeback_step() == 0 and _copies(store) == set()
 
@@ -53,7 +53,7 @@ def test_nothing_without_nvme(make_store):
 
 
 def test_writeback_never_evicts_and_skips_pinned_and_leased(make_store):
-    store = make_store(dram=8, nvme=2, high=0.9, low=0.6)  # start above 0.3 * 8
+    store = make_store(dram=8, nvme=2, high=0.9, low=0.6)  # copies due from 0 %
     for i in range(1, 3):
         put(store, [i])
     store.demote([key(1), key(2)])  # NVMe is full of real entries
@@ -72,17 +72,17 @@ def test_an_entry_that_changes_during_the_round_keeps_no_copy(make_store):
     for i in range(1, 7):
         put(store, [i])
     plan = store.place.plan_writeback(1 << 30)
-    assert [int.from_bytes(r.key, "little") for r, _ in plan] == [1, 2, 3, 4]
+    assert [int.from_bytes(r.key, "little") for r, _ in plan] == [1, 2, 3, 4, 5, 6]
     store.check_integrity()  # mid-round: the held entries and their copy extents balance
     # While the bytes are written, 1 is consumed: it stays until the round lets go,
     # then goes with its copy. A held entry cannot move meanwhile (demote skips it).
     acq = store.acquire([key(1)], [toks(1)], claim=True)
     store.release(acq.id, drop=True)
     assert 1 in where(store) and store.demote([key(2)]) == 0
-    assert store.place.finish_writeback(plan, written=True) == 4
-    assert 1 not in where(store) and _copies(store) == {2, 3, 4}
+    assert store.place.finish_writeback(plan, written=True) == 6
+    assert 1 not in where(store) and _copies(store) == {2, 3, 4, 5, 6}
     nvme_used = store.place.tiers["nvme"].used
-    assert nvme_used == 3 * 4096  # 1's extent went back
+    assert nvme_used == 5 * 4096  # 1's extent went back
     store.check_integrity()
 
 
@@ -101,7 +101,7 @@ def test_rounds_are_bounded(make_store):
     store = make_store(dram=20, nvme=40, high=0.95, low=0.85)
     for i in range(1, 19):
         put(store, [i])
-    plan = store.place.plan_writeback(2 * 4096)  # three are due, two fit the round
+    plan = store.place.plan_writeback(2 * 4096)  # five are due, two fit the round
     assert [int.from_bytes(r.key, "little") for r, _ in plan] == [1, 2]
     assert store.place.finish_writeback(plan, written=True) == 2
     assert store.config.policy.writeback_batch_bytes == 64 << 20  # the default round
@@ -113,11 +113,11 @@ def test_an_entry_with_a_writeback_copy_survives_a_restart(tmp_path):
         for i in range(1, 7):
             put(store, [i])
         _rounds(store)
-        assert _copies(store) == {1, 2, 3, 4}
+        assert _copies(store) == {1, 2, 3, 4, 5, 6}
     with Store(cfg) as store:  # the DRAM tier is gone; the copies are NVMe entries now
-        assert where(store) == {1: "nvme", 2: "nvme", 3: "nvme", 4: "nvme"}
-        acq = store.acquire([key(i) for i in range(1, 5)], [toks(i) for i in range(1, 5)])
-        assert [store.read(acq.id, j) for j in range(4)] == [data(i) for i in range(1, 5)]
+        assert where(store) == {i: "nvme" for i in range(1, 7)}
+        acq = store.acquire([key(i) for i in range(1, 7)], [toks(i) for i in range(1, 7)])
+        assert [store.read(acq.id, j) for j in range(6)] == [data(i) for i in range(1, 7)]
         store.release(acq.id)
         store.check_integrity()
 
@@ -130,7 +130,7 @@ def test_the_thread_runs_the_rounds_and_close_waits_for_it(make_store):
         put(store, [i])
     store.start_writeback(idle_s=0.01)
     deadline = time.monotonic() + 10
-    while _copies(store) != {1, 2, 3}:
+    while _copies(store) != {1, 2, 3, 4, 5}:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     store.close()

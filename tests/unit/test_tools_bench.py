@@ -272,3 +272,15 @@ def test_the_pattern_sweep_names_the_winner_per_point_and_scores_each_pattern():
     assert lines[0] == ["small", "512", "1.00", "2.00", "slices-2"]
     assert lines[1] == ["small", "4096", "1.00", "0.50", "coalesced"]
     assert lines[2] == ["geomean / best", "", "0.71", "0.71", ""]  # sqrt(0.5 * 1)
+
+
+def test_writeback_section_rows_compare_both_modes_on_the_same_puts(tmp_path):
+    from tools.bench.writeback import bench_writeback
+
+    rows = bench_writeback(bench.BenchOptions(quick=True, workdir=tmp_path))
+    off, on = rows
+    assert off["writeback"].startswith("off") and on["writeback"] == "on"
+    assert off["copies written ahead"] == 0 and on["copies written ahead"] > 0
+    # Both runs demoted the same prompts (same sizes, same order): only how differs.
+    assert off["demotions"] == on["demotions"] > 0
+    assert off["median x off"] == 1.0 and on["median x off"] > 0

@@ -81,6 +81,8 @@ SECTIONS: list[Section] = [
             "ops/s and index size at 10k / 100k (/ 1M with --full) entries"),
     Section("victims", "tools.bench.victims:bench_victims",
             "single-entry insert into a full DRAM tier (victim choice) vs one with room"),
+    Section("writeback", "tools.bench.writeback:bench_writeback",
+            "puts into a full DRAM tier: demotion to copies written ahead vs inline writes"),
     Section("limits", "tools.bench.cluster:bench_limits",
             "the machine: memcpy and plain file write/read GB/s"),
     Section("transfer", "tools.bench.cluster:bench_transfer",
