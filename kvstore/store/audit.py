@@ -5,7 +5,7 @@ Checked, each raising ``IntegrityError`` with what is wrong:
 * every extent is owned once: no two records / reservations share an offset, and
   per tier the page-rounded sizes of records plus open reservations equal
   ``tier.used`` (so no extent is leaked or owned twice);
-* the per-tier membership lists match the records exactly;
+* the per-tier membership lists and the pinned count match the records exactly;
 * hold counts equal the holds of open acquisitions, reservation dedups and
   writeback rounds, and
   every held key is stored; pins and pending counts are never negative;
@@ -45,6 +45,9 @@ class Audit(Operations):
                 raise IntegrityError(f"{name}: membership list differs from records by "
                                      f"{len(members ^ expected)} keys")
 
+        pinned = sum(1 for r in self.catalog.records.values() if r.pins)
+        if pinned != self.catalog.pinned:
+            raise IntegrityError(f"pinned count {self.catalog.pinned}, records say {pinned}")
         copies = {k for k, r in self.catalog.records.items() if r.nvme_copy is not None}
         if copies != set(self.catalog.copies):
             raise IntegrityError("NVMe copy list differs from the records")

@@ -61,6 +61,7 @@ class Catalog:
         self.records: dict[bytes, Record] = {}
         self.by_tier: dict[str, dict[bytes, None]] = {name: {} for name in tiers}
         self.copies: dict[bytes, None] = {}
+        self.pinned = 0  # records with pins > 0 (stats reads it: no scan of the records)
         self.orders = {name: GroupOrder(sort_key, self._member_of(name),
                                         self._members_of(name))
                        for name in tiers}
@@ -71,6 +72,7 @@ class Catalog:
         for rec in sorted(recovered, key=lambda r: r.last_access):
             self.records[rec.key] = rec
             self.by_tier[rec.tier][rec.key] = None
+            self.pinned += rec.pins > 0
             if rec.nvme_copy is not None:
                 self.copies[rec.key] = None
         for order in self.orders.values():
@@ -144,6 +146,7 @@ class Catalog:
         for rec in put:
             old = records.get(rec.key)
             records[rec.key] = rec
+            self.pinned += (rec.pins > 0) - (old is not None and old.pins > 0)
             if old is None and rec.nvme_copy is None:  # a new entry (commit): the short way
                 by_tier[rec.tier][rec.key] = None
                 orders[rec.tier].push(rec)
@@ -163,6 +166,7 @@ class Catalog:
     def _drop_records(self, drop: list[bytes]) -> None:
         for key in drop:
             rec = self.records.pop(key)
+            self.pinned -= rec.pins > 0
             del self.by_tier[rec.tier][key]
             self.copies.pop(key, None)
             for ext in owned(rec):

@@ -335,7 +335,7 @@ class Store:
                 "tiers": tiers, "entries": len(records), "hits": sum(c.hits.values()),
                 "reservations": len(self.holds.reservations), "leases": len(self.holds.leases),
                 "leased_entries": len(self.holds.leased),
-                "pinned_entries": sum(1 for r in records.values() if r.pins),
+                "pinned_entries": self.catalog.pinned,
                 "nvme_copies": len(self.catalog.copies)}
             for name in _COUNTED:
                 out[name] = c.events[name]
