@@ -6,8 +6,7 @@ Checked, each raising ``IntegrityError`` with what is wrong:
   per tier the page-rounded sizes of records plus open reservations equal
   ``tier.used`` (so no extent is leaked or owned twice);
 * the per-tier membership lists and the pinned count match the records exactly;
-* hold counts equal the holds of open acquisitions, reservation dedups and
-  writeback rounds, and
+* hold counts equal the holds of open acquisitions plus reservation dedups, and
   every held key is stored; pins and pending counts are never negative;
 * the in-flight key map matches the open reservations;
 * the LMDB indexes hold exactly the committed records, those naming NVMe bytes in
@@ -86,7 +85,6 @@ class Audit(Operations):
         holds: collections.Counter[bytes] = collections.Counter()
         for lease in self.holds.leases.values():
             holds.update(lease.keys)
-        holds.update(self.holds.copying)
         inflight = {}
         for op in self.holds.reservations.values():
             holds.update(op.held)

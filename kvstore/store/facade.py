@@ -300,7 +300,7 @@ class Store:
             written = False
             try:
                 nvme = self.place.tiers["nvme"]
-                # Held entries: nothing frees or rewrites their bytes meanwhile.
+                # Not held: an entry that moves meanwhile loses its copy at finish.
                 nvme.write_many([ext for _, ext in plan],
                                 [memoryview(self.place.io.read_bytes(r)) for r, _ in plan])
                 if self.config.tiers.nvme_fsync != "never":

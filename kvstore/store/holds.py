@@ -9,8 +9,7 @@ reservation), ``leases`` (id -> Lease), ``leased`` (key -> number of holds),
 
 Invariants kept here (``check_integrity`` checks them):
 * ``leased[key]`` is the number of holds on ``key``: one per open lease that lists
-  it, one per open reservation that dedups onto it, one per writeback round
-  copying it (``copying``). A held entry never moves and
+  it, one per open reservation that dedups onto it. A held entry never moves and
   never goes;
 * a key is in ``inflight`` exactly while one open reservation holds an extent for
   it, so two writers never store the same key twice;
@@ -70,7 +69,6 @@ class Holds:
         self.leased: dict[bytes, int] = {}
         self.claims: dict[bytes, int] = {}
         self.end_claims: dict[bytes, int] = {}
-        self.copying: dict[bytes, int] = {}  # key -> background writeback rounds copying it
         self.next_reap = float("inf")
         self._expired: collections.OrderedDict[int, None] = collections.OrderedDict()
 
@@ -84,17 +82,6 @@ class Holds:
         uncount(self.leased, keys)
         return [k for k in dict.fromkeys(keys)
                 if k in self._records and self.idle_at_zero(self._records[k])]
-
-    def hold_copying(self, keys: Sequence[bytes]) -> None:
-        """Hold entries a background writeback round is copying to NVMe."""
-        self.hold(keys)
-        for key in keys:
-            self.copying[key] = self.copying.get(key, 0) + 1
-
-    def unhold_copying(self, keys: Sequence[bytes]) -> list[bytes]:
-        """The round is done; returns the keys now due to be freed."""
-        uncount(self.copying, keys)
-        return self.unhold(keys)
 
     def idle_at_zero(self, rec: Record) -> bool:
         """Nothing needs ``rec`` any more: no consumer pending, no pin, no hold."""

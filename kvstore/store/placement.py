@@ -200,9 +200,12 @@ class Placement:
         the tier right above NVMe that the next demotions (down to the low
         watermark, three rounds ahead) would take and that have no NVMe copy yet,
         each with a free NVMe extent for its copy, at most ``limit`` bytes. Free
-        NVMe space only: writeback never evicts anything. The entries are held
-        (they cannot move or go) until ``finish_writeback``; their bytes are read
-        and written by the caller without the store's lock."""
+        NVMe space only: writeback never evicts anything. The caller reads and
+        writes their bytes without the store's lock. The entries are *not* held:
+        a round must never keep room-making from demoting or evicting them (a
+        reserve that needs the room would fail), so an entry may move or go while
+        its copy is written; ``finish_writeback`` then throws that copy away. (The
+        arena stays mapped, so such a read is only stale, never a fault.)"""
         names = [n for n in self.tiers if n != "nvme"]
         if "nvme" not in self.tiers or not names or not self.config.policy.background_writeback:
             return []
@@ -229,15 +232,15 @@ class Placement:
                 break
             plan.append((rec, ext))
             planned += rec.nbytes
-        self.holds.hold_copying([r.key for r, _ in plan])
         self.copies_in_flight += [ext for _, ext in plan]
         return plan
 
     def finish_writeback(self, plan: list[tuple[Record, Extent]], written: bool) -> int:
         """Record the copies ``plan``'s writes made (``written``: they reached NVMe,
-        flushed per ``nvme_fsync``) on the entries that are still as they were;
-        every other extent goes back. Returns how many copies were recorded."""
-        keys = [r.key for r, _ in plan]
+        flushed per ``nvme_fsync``) on the entries that are still where they were
+        when the round read them (same tier, offset and checksum: the bytes read
+        are theirs); every other extent goes back. Returns how many copies were
+        recorded."""
         done = {ext.offset for _, ext in plan}
         self.copies_in_flight = [e for e in self.copies_in_flight if e.offset not in done]
         put, unused = [], []
@@ -257,7 +260,6 @@ class Placement:
         finally:
             for ext in unused:
                 self.tiers["nvme"].free(ext)
-            self.catalog.drop_idle(self.holds.unhold_copying(keys))
         self.counts["writebacks"] += len(put)
         return len(put)
 
