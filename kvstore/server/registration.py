@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvstore.cluster.membership import NodeInfo, Registration
 from kvstore.core.config import KVStoreConfig
 from kvstore.core.errors import ConfigError, PeerUnavailableError
 from kvstore.cluster.etcd import EtcdClient
+
+if TYPE_CHECKING:
+    from kvstore.server.loop import Server
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +40,7 @@ def connect_etcd(cfg: KVStoreConfig) -> EtcdClient | None:
     return etcd
 
 
-def node_info(cfg: KVStoreConfig, server: Any) -> NodeInfo:
+def node_info(cfg: KVStoreConfig, server: Server) -> NodeInfo:
     """What clients need to reach this node: control address, TE segment, tiers."""
     srv = cfg.server
     # A wildcard bind is not an address anyone can dial; TE's advertised host is.
@@ -48,7 +51,7 @@ def node_info(cfg: KVStoreConfig, server: Any) -> NodeInfo:
                     tiers=server.capacities(), started=time.time())
 
 
-def register_server(etcd: EtcdClient, cfg: KVStoreConfig, server: Any) -> Registration:
+def register_server(etcd: EtcdClient, cfg: KVStoreConfig, server: Server) -> Registration:
     if cfg.server.te_metadata != "P2PHANDSHAKE":
         # Clients adopt the metadata named in hello, but one client process has one
         # TE engine: a node whose metadata differs from the others' is unreachable

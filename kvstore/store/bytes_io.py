@@ -1,5 +1,5 @@
-"""Reading an entry's bytes where it lives, and their checksums. Owns no state:
-it reads the tiers it is given (never allocates or frees)."""
+"""An entry's bytes where they live, and their checksums. Owns no state: it reads
+and writes the extents it is given (never allocates or frees: Placement does)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,10 @@ class ByteIO:
     @staticmethod
     def extent(rec: Record) -> Extent:
         return Extent(rec.tier, rec.offset, rec.nbytes)
+
+    def write(self, ext: Extent, data: memoryview) -> None:
+        """A local writer's bytes into its reserved extent."""
+        self._tiers[ext.tier].write(ext, data)
 
     def bytes_at(self, ext: Extent) -> memoryview | bytearray:
         """The extent's bytes: a zero-copy view where the tier has one, else a copy."""

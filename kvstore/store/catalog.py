@@ -1,23 +1,6 @@
 """The catalog: every committed record, its two LMDB indexes, and the per-tier
-membership and victim orders kept in step with them. The one place records change.
-
-Owner of: ``records`` (key -> Record), ``by_tier`` (tier -> its keys, in insertion
-order), ``copies`` (keys served from memory that keep an NVMe copy), the durable
-``index`` and the ``vindex`` (volatile), ``orders`` (one ``GroupOrder`` per tier)
-and ``copy_order`` (the NVMe copies). Others read these; only ``apply`` (and
-``touch``, for access times) writes them.
-
-Invariants kept here:
-* ``apply`` is the only place records change: the index transactions first (the
-  volatile environment's, then the durable one's), then memory, then the freeing
-  of every extent no record points at any more. Freeing after the transaction
-  means a crash can never leave two records on one extent. If the index refuses
-  (``StorageError``: full, read-only, failing disk), nothing changed.
-* ``by_tier`` and ``copies`` list exactly the records of that tier / with a copy;
-  every member has an item in its order whose key is at most its sort key
-  (kvstore/store/order.py).
-* records naming NVMe bytes live in the durable index, the rest in the volatile one.
-"""
+membership and victim orders kept in step with them. The one place records
+change; the class says what it owns and keeps."""
 
 from __future__ import annotations
 
@@ -38,6 +21,24 @@ _STORAGE_LOG_EVERY_S = 10.0  # a full disk fails every write: one log line per t
 
 
 class Catalog:
+    """Owner of: ``records`` (key -> Record), ``by_tier`` (tier -> its keys, in insertion
+    order), ``copies`` (keys served from memory that keep an NVMe copy), the durable
+    ``index`` and the ``vindex`` (volatile), ``orders`` (one ``GroupOrder`` per tier)
+    and ``copy_order`` (the NVMe copies). Others read these; only ``apply`` (and
+    ``touch``, for access times) writes them.
+
+    Invariants kept here:
+    * ``apply`` is the only place records change: the index transactions first (the
+      volatile environment's, then the durable one's), then memory, then the freeing
+      of every extent no record points at any more. Freeing after the transaction
+      means a crash can never leave two records on one extent. If the index refuses
+      (``StorageError``: full, read-only, failing disk), nothing changed.
+    * ``by_tier`` and ``copies`` list exactly the records of that tier / with a copy;
+      every member has an item in its order whose key is at most its sort key
+      (kvstore/store/order.py).
+    * records naming NVMe bytes live in the durable index, the rest in the volatile one.
+    """
+
     def __init__(self, data_dir: Path, map_bytes: int, sync: bool,
                  tiers: Mapping[str, Tier], sort_key: Callable[[Record], tuple],
                  counts: Counter) -> None:

@@ -253,11 +253,7 @@ class Store:
                 holds.remember_expired(aid)
                 counts["leases_expired"] += 1
                 done += 1
-            holds.next_reap = min([o.expires_at for o in holds.reservations.values()]
-                                  + [le.expires_at for le in holds.leases.values()],
-                                  default=float("inf"))
-            if holds.next_reap <= now:  # a lease the index refused to end: retry soon
-                holds.next_reap = now + 1.0
+            holds.reaped(now)
             try:
                 self.place.restore_watermarks()
             except StorageError:  # counted and logged; demotion resumes when space does

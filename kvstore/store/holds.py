@@ -1,20 +1,5 @@
 """Holds: what keeps entries in place while someone works on them, and the open
-reservations and read leases that make them.
-
-Owner of: ``reservations`` (id -> Open), ``inflight`` (key being written -> its
-reservation), ``leases`` (id -> Lease), ``leased`` (key -> number of holds),
-``claims`` (key -> pending consumers claimed by open leases), ``end_claims`` (key
--> its prompt ends claimed by open leases), the ids recently reaped (for a clear
-"expired" error) and when the next lease runs out (``next_reap``).
-
-Invariants kept here (``check_integrity`` checks them):
-* ``leased[key]`` is the number of holds on ``key``: one per open lease that lists
-  it, one per open reservation that dedups onto it. A held entry never moves and
-  never goes;
-* a key is in ``inflight`` exactly while one open reservation holds an extent for
-  it, so two writers never store the same key twice;
-* every count is positive: a key whose count reaches zero leaves its map.
-"""
+reservations and read leases that make them; the class says what it owns and keeps."""
 
 from __future__ import annotations
 
@@ -59,6 +44,21 @@ class Lease(NamedTuple):
 
 
 class Holds:
+    """Owner of: ``reservations`` (id -> Open), ``inflight`` (key being written -> its
+    reservation), ``leases`` (id -> Lease), ``leased`` (key -> number of holds),
+    ``claims`` (key -> pending consumers claimed by open leases), ``end_claims`` (key
+    -> its prompt ends claimed by open leases), the ids recently reaped (for a clear
+    "expired" error) and when the next lease runs out (``next_reap``).
+
+    Invariants kept here (``check_integrity`` checks them):
+    * ``leased[key]`` is the number of holds on ``key``: one per open lease that lists
+      it, one per open reservation that dedups onto it. A held entry never moves and
+      never goes;
+    * a key is in ``inflight`` exactly while one open reservation holds an extent for
+      it, so two writers never store the same key twice;
+    * every count is positive: a key whose count reaches zero leaves its map.
+    """
+
     def __init__(self, records: Mapping[bytes, Record]) -> None:
         """``records``: the catalog's records (read only), to tell which released
         keys are due to go."""
@@ -105,6 +105,24 @@ class Holds:
                 del self.inflight[key]
         del self.reservations[op.id]
         return self.unhold(op.held)
+
+    def dedup_onto(self, op: Open, key: bytes, end: bool, pin: bool) -> None:
+        """Another reservation dedups onto ``op``'s in-flight ``key``: one more
+        pending consumer at ``op``'s commit (and a prompt end, a pin)."""
+        op.extra[key] = op.extra.get(key, 0) + 1
+        if end:
+            op.extra_ends[key] = op.extra_ends.get(key, 0) + 1
+        if pin:
+            op.extra_pins[key] = op.extra_pins.get(key, 0) + 1
+
+    def reaped(self, now: float) -> None:
+        """After a reap: the next one is due when the first open lease or
+        reservation runs out (soon again if one could not be ended now)."""
+        self.next_reap = min([o.expires_at for o in self.reservations.values()]
+                             + [le.expires_at for le in self.leases.values()],
+                             default=float("inf"))
+        if self.next_reap <= now:  # a lease the index refused to end: retry soon
+            self.next_reap = now + 1.0
 
     def writer_of(self, key: bytes) -> Open | None:
         """The open reservation writing ``key``, if any."""

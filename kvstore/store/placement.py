@@ -1,27 +1,14 @@
 """How entries change place: allocation with room-making, demotion down the tiers,
-and staging of NVMe hits into memory.
-
-Owner of: the tiers (``tiers``, fastest first; it closes them) and the victim
-policy (``policy``). Runs under the store's lock; every record change goes
-through ``Catalog.apply``, every hold through ``Holds``.
-
-Invariants kept here:
-* Room is made by policy victims only; leased and pinned entries are never
-  victims, so when they fill a tier the caller gets ``TierFullError``.
-* Demotion writes (and flushes, per ``nvme_fsync``) the lower tier before the
-  index points there; a crash in between leaves the old record, which restart
-  drops with its volatile tier.
-"""
+and staging of NVMe hits into memory; the class says what it owns and keeps."""
 
 from __future__ import annotations
 
 import logging
-
-from kvstore.core.errors import MissError, TierFullError
-from kvstore.core.hashing import checksum
 from collections import Counter
 
 from kvstore.core.config import KVStoreConfig
+from kvstore.core.errors import MissError, TierFullError
+from kvstore.core.hashing import checksum
 from kvstore.store.bytes_io import ByteIO
 from kvstore.store.catalog import Catalog
 from kvstore.store.holds import Holds
@@ -41,6 +28,18 @@ log = logging.getLogger(__name__)
 
 
 class Placement:
+    """Owner of: the tiers (``tiers``, fastest first; it closes them) and the victim
+    policy (``policy``). Runs under the store's lock; every record change goes
+    through ``Catalog.apply``, every hold through ``Holds``.
+
+    Invariants kept here:
+    * Room is made by policy victims only; leased and pinned entries are never
+      victims, so when they fill a tier the caller gets ``TierFullError``.
+    * Demotion writes (and flushes, per ``nvme_fsync``) the lower tier before the
+      index points there; a crash in between leaves the old record, which restart
+      drops with its volatile tier.
+    """
+
     def __init__(self, config: KVStoreConfig, tiers: dict[str, Tier], policy: EvictionPolicy,
                  catalog: Catalog, holds: Holds, io: ByteIO, counts: Counter) -> None:
         self.config = config
@@ -60,6 +59,11 @@ class Placement:
         return [Candidate(k, -(-recs[k].nbytes // ps) * ps, recs[k].last_access,
                           recs[k].created, recs[k].pins, self.holds.leased.get(k, 0))
                 for k in self.catalog.by_tier[name]]
+
+    def free(self, extents: list[Extent]) -> None:
+        """Give extents no record owns back to their tiers (a reservation given up)."""
+        for ext in extents:
+            self.tiers[ext.tier].free(ext)
 
     def close(self) -> None:
         for tier in self.tiers.values():

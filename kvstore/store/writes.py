@@ -89,7 +89,7 @@ class Writes(Operations):
             ext = op.extents[index] if 0 <= index < len(op.extents) else None
             if ext is None:
                 raise InvalidRequestError(f"reservation has no placement {index} to write")
-            self.place.tiers[ext.tier].write(ext, memoryview(data))
+            self.io.write(ext, memoryview(data))
 
     def commit(self, reservation_id: int, checksums: Sequence[int],
                pin: bool = False) -> CommitResult:
@@ -142,12 +142,9 @@ class Writes(Operations):
                 deduped += 1
             elif rec is None and (other := self.holds.writer_of(key)) is not None \
                     and other is not op:
-                other.extra[key] = other.extra.get(key, 0) + 1
-                if key == end:
-                    other.extra_ends[key] = other.extra_ends.get(key, 0) + 1
-                if pin and key not in pinned:  # one pin per key, as for committed keys
-                    pinned.add(key)
-                    other.extra_pins[key] = other.extra_pins.get(key, 0) + 1
+                pin_it = pin and key not in pinned  # one pin per key, as for committed keys
+                pinned.add(key)
+                self.holds.dedup_onto(other, key, end=key == end, pin=pin_it)
                 deduped += 1
             else:  # its writer gave up, or a different block under the same key
                 lost += 1
@@ -162,9 +159,7 @@ class Writes(Operations):
     def close_reservation(self, op: Open) -> None:
         """Give a reservation up (abort, expiry, bad checksum): its extents are free
         at once, nothing of it becomes visible."""
-        for ext in op.extents:
-            if ext is not None:
-                self.place.tiers[ext.tier].free(ext)
+        self.place.free([ext for ext in op.extents if ext is not None])
         self.catalog.drop_idle(self.holds.end_reservation(op))
 
 
