@@ -89,6 +89,9 @@ SECTIONS: list[Section] = [
             "two nodes: kvstore vs Mooncake Store vs raw TE, prompts of growing length"),
     Section("entries", "tools.bench.cluster:bench_entries",
             "two nodes: put/get latency as the stores hold more entries"),
+    Section("connector", "tools.bench.connector:bench_connector",
+            "real vLLM engines: decode TTFT, exposed save, inter-token latency; "
+            "kvstore vs recompute vs vLLM's ExampleConnector"),
     Section("load", "tools.bench.load:bench_load",
             "8 producer + 8 consumer processes on one server, eviction + demotion: "
             "kvstore vs Mooncake Store"),
