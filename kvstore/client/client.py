@@ -24,7 +24,7 @@ import torch
 
 from kvstore.core import protocol as p
 from kvstore.core.config import ClientConfig, parse_te_devices
-from kvstore.client.datapath import DataPath, Segment, TeEngine
+from kvstore.client.datapath import DataPath, Segment, TeEngine, flat_buffer
 from kvstore.core.errors import (ChecksumError, ConfigError, InvalidRequestError, KVStoreError,
                                  KVTimeoutError, NotFoundError, PeerUnavailableError)
 from kvstore.core.hashing import block_keys, block_token_bytes, hidden_key, namespace_of, tokens_to_array
@@ -462,14 +462,7 @@ def _rest_of(into: Any, offset: int) -> np.ndarray | None:
     of a select lands after the rounds before it)."""
     if into is None:
         return None
-    if not isinstance(into, np.ndarray) and hasattr(into, "numpy"):  # a CPU tensor
-        if into.device.type != "cpu" or not into.is_contiguous():
-            raise InvalidRequestError("into: a tensor must be contiguous and on the CPU")
-        into = into.reshape(-1).view(torch.uint8).numpy()
-    if not isinstance(into, np.ndarray) or not into.flags.c_contiguous \
-            or not into.flags.writeable:
-        raise InvalidRequestError("into: need a writable, contiguous numpy array or tensor")
-    return into.reshape(-1).view(np.uint8)[offset:]
+    return flat_buffer(into)[offset:]
 
 
 def _check_shared_engine(engine: TeEngine, protocol: str | None, devices: str | None) -> None:

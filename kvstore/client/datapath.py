@@ -453,6 +453,15 @@ def _output(into: Any, nbytes: int) -> np.ndarray:
     """``nbytes`` of output: new, or the first bytes of the caller's buffer."""
     if into is None:
         return np.empty(nbytes, dtype=np.uint8)
+    flat = flat_buffer(into)
+    if flat.size < nbytes:
+        raise InvalidRequestError(f"into holds {flat.size} bytes; these entries need {nbytes}")
+    return flat[:nbytes]
+
+
+def flat_buffer(into: Any) -> np.ndarray:
+    """A caller's output buffer (contiguous writable numpy array or CPU tensor) as
+    flat uint8; InvalidRequestError for anything else."""
     if not isinstance(into, np.ndarray) and hasattr(into, "numpy"):  # a torch tensor
         import torch
 
@@ -462,10 +471,7 @@ def _output(into: Any, nbytes: int) -> np.ndarray:
     if not isinstance(into, np.ndarray) or not into.flags.c_contiguous \
             or not into.flags.writeable:
         raise InvalidRequestError("into: need a writable, contiguous numpy array or tensor")
-    flat = into.reshape(-1).view(np.uint8)
-    if flat.size < nbytes:
-        raise InvalidRequestError(f"into holds {flat.size} bytes; these entries need {nbytes}")
-    return flat[:nbytes]
+    return into.reshape(-1).view(np.uint8)
 
 
 def _address(item: list) -> int:
