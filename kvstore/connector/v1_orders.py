@@ -57,6 +57,9 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadOrder] = field(default_factory=list)
     saves: list[SaveOrder] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
+    # The step computes nothing (vLLM's no-forward step: every request is waiting,
+    # e.g. for its remote KV): the worker may pause in it for a load to finish.
+    idle: bool = False
 
 
 def stored_part(prompt: list[int]) -> list[int]:

@@ -157,7 +157,9 @@ class SchedulerSide:
         meta = KVStoreConnectorMetadata(loads=list(self._loads.values()),
                                         preempted=set(getattr(scheduler_output,
                                                               "preempted_req_ids", None)
-                                                      or ()))
+                                                      or ()),
+                                        idle=not getattr(scheduler_output,
+                                                         "total_num_scheduled_tokens", 1))
         self._loads.clear()
         for new in scheduler_output.scheduled_new_reqs:
             tokens = stored_part(list(new.prompt_token_ids or []))

@@ -49,6 +49,13 @@ log = logging.getLogger(__name__)
 
 _SYNC, _OTHER = 0, 1  # job priorities
 _KEEP_BUFFERS = 4  # host buffers kept for reuse
+# The longest an idle step (nothing scheduled: every request waits for its KV) waits
+# in get_finished for a background load to finish. Without it vLLM's loop steps
+# empty steps back to back, and the Python thread that runs them keeps the GIL from
+# the transfer thread, which takes it again after each of its hundreds of short
+# torch and socket calls: on 2 cores a 25 ms scatter took 0.4-1.5 s that way
+# (docs/benchmarks.md, "connector"). A load that finishes wakes the step at once.
+IDLE_STEP_WAIT_S = 0.02
 
 
 class HostBuffers:
@@ -130,6 +137,9 @@ class WorkerSide:
         self._reports = TransferReports()
         self._first_rank = stores.tp_rank == 0 and stores.pp_rank == 0
         self._idle = threading.Condition(self._lock)
+        self._reported_pending = 0  # background loads queued whose report is not out
+        self._load_finished = threading.Condition(self._lock)
+        self._step_idle = False  # the bound step computes nothing
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvstore-connector",
                                         daemon=True)
@@ -138,6 +148,38 @@ class WorkerSide:
     def register(self, caches: list[torch.Tensor], fmt: BlockFormat) -> None:
         self.caches, self.fmt = caches, fmt
         self.buffers = HostBuffers(pinned=caches[0].device.type == "cuda")
+        if caches[0].device.type == "cpu":
+            self._one_intraop_thread()
+
+    def _one_intraop_thread(self) -> None:
+        """Make the transfer thread run its torch ops on one OpenMP thread.
+
+        On a CPU engine the forward's matmuls use every core through the main
+        thread's OpenMP team. A torch op on another thread starts a second team on
+        the same cores, and from then on the engine's decode steps took 2.7x as
+        long (21 vs 8 ms per step of 4 requests, 24 layers; tools/bench/connector.py,
+        "inter-token latency"), for good. The copies this thread makes are
+        memory-bound: one thread loses nothing.
+
+        ``torch.set_num_threads`` sets the calling thread's OpenMP thread count and
+        also the process's default for threads that have not run a torch op yet;
+        vLLM's CPU worker forbids it after binding its threads to cores, so the C
+        function is called: here on the transfer thread (after its own first op),
+        then on this thread with its own count, so that default is as it was."""
+        mine = torch.get_num_threads()  # also fixes this thread's count before the change
+        done = threading.Event()
+
+        def pin() -> None:
+            torch.get_num_threads()  # the thread's own lazy init, before the change
+            torch._C.set_num_threads(1)
+            done.set()
+
+        self._submit(_SYNC, pin)
+        if not done.wait(timeout=10.0):
+            log.warning("kvstore connector: transfer thread did not start; torch threads "
+                        "left as they are")
+            return
+        torch._C.set_num_threads(mine)
 
     def _format(self) -> BlockFormat:
         # vLLM registers the caches before its first step, so before any load or save.
@@ -147,6 +189,7 @@ class WorkerSide:
     # ------------------------------------------------------------ per step
     def bind(self, meta: KVStoreConnectorMetadata) -> None:
         """A step begins (before its forward): its saves get their host buffers."""
+        self._step_idle = meta.idle
         self._step_saves = [_SaveJob(o, self.buffers.take(self.layout.nbytes(len(o.token_ids))))
                             for o in meta.saves]
 
@@ -169,6 +212,9 @@ class WorkerSide:
             same_step = not order.background and bool(order.block_ids)
             if same_step:
                 self._step_loads.append(job)
+            if job.reported:
+                with self._lock:
+                    self._reported_pending += 1
             self._submit(_SYNC if same_step else _OTHER, functools.partial(self._load, job))
 
     def wait_for_layer(self, layer_name: str) -> None:
@@ -219,8 +265,14 @@ class WorkerSide:
     # ------------------------------------------------------------ reports
     def finished_loads(self, finished_req_ids: Collection[str] = frozenset()) -> set[str]:
         """Background loads done since the last call; their failed blocks become this
-        pass's load errors. ``finished_req_ids``: requests vLLM finished since."""
+        pass's load errors. ``finished_req_ids``: requests vLLM finished since.
+
+        In an idle step with loads in flight it first waits (``IDLE_STEP_WAIT_S`` at
+        most) for one to finish, so vLLM's empty steps do not starve the transfer
+        thread they wait for."""
         with self._lock:
+            if self._step_idle and self._reported_pending and not self._loaded:
+                self._load_finished.wait(IDLE_STEP_WAIT_S)
             for rid in finished_req_ids:
                 self._held_by_load.pop(rid, None)
             done, self._loaded = self._loaded, set()
@@ -359,6 +411,8 @@ class WorkerSide:
                 self._loaded.add(order.req_id)
                 if job.failed_blocks:
                     self._load_errors[order.req_id] = job.failed_blocks
+                self._reported_pending -= 1
+                self._load_finished.notify_all()
         job.done.set()
 
     def _save(self, job: _SaveJob) -> None:
