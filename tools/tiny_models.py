@@ -19,14 +19,20 @@ from typing import NamedTuple
 
 import torch
 
-ARCHS = ("llama", "qwen2")
+# "gemma2": Gemma 2's attention, alternating a 64-token sliding window and full
+# attention layer by layer (a hybrid model: two KV cache groups where vLLM's hybrid
+# allocator runs).
+# "deepseek2": DeepSeek-V2 attention (MLA: one 576-wide latent per token and layer,
+# the only width vLLM's CPU MLA kernel takes), dense MLPs, no MoE.
+ARCHS = ("llama", "qwen2", "gemma2", "deepseek2")
+SLIDING_WINDOW = 64
 DTYPES = ("float32", "bfloat16")
 VOCAB = 1024
 _STAMP = "kvstore-tiny-model.json"
 
 
 class ModelSpec(NamedTuple):
-    arch: str = "llama"  # "llama" | "qwen2"
+    arch: str = "llama"  # one of ARCHS
     dtype: str = "float32"  # "float32" | "bfloat16"
     layers: int = 2
     seed: int = 0
@@ -52,6 +58,21 @@ def _config(spec: ModelSpec):
     if spec.arch == "qwen2":
         from transformers import Qwen2Config
         return Qwen2Config(**common)
+    if spec.arch == "gemma2":
+        from transformers import Gemma2Config
+        common["tie_word_embeddings"] = True  # vLLM's Gemma 2 has no lm_head of its own
+        return Gemma2Config(head_dim=spec.hidden // 4, sliding_window=SLIDING_WINDOW,
+                            layer_types=["sliding_attention", "full_attention"]
+                            * (spec.layers // 2) + ["sliding_attention"] * (spec.layers % 2),
+                            **common)
+    if spec.arch == "deepseek2":
+        from transformers import DeepseekV2Config
+        common.pop("num_key_value_heads")
+        return DeepseekV2Config(num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None,
+                                qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+                                first_k_dense_replace=spec.layers, n_routed_experts=4,
+                                moe_intermediate_size=spec.hidden, num_experts_per_tok=2,
+                                **common)
     raise ValueError(f"arch must be one of {ARCHS}, got {spec.arch!r}")
 
 

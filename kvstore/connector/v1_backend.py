@@ -39,7 +39,12 @@ def layer_writer(vllm_config: Any, layer_name: str) -> tuple[str, Writer]:
     name = backend.get_name()
     impl = getattr(layer, "impl", None)
     update = getattr(impl, "do_kv_cache_update", None)
-    if update is None or getattr(backend, "forward_includes_kv_cache_update", True):
+    # vLLM's MLA layer always writes its latent through the impl's update op (its own
+    # do_kv_cache_update); an ordinary attention layer does only where the backend
+    # says its forward leaves the write out.
+    separate = hasattr(layer, "kv_lora_rank") or \
+        not getattr(backend, "forward_includes_kv_cache_update", True)
+    if update is None or not separate:
         raise ConfigError(f"attention backend {name} writes its KV cache inside the forward "
                           "(no do_kv_cache_update): kvstore cannot learn its block layout; "
                           "choose another backend (VLLM_ATTENTION_BACKEND / attention_config)")
@@ -47,8 +52,12 @@ def layer_writer(vllm_config: Any, layer_name: str) -> tuple[str, Writer]:
         mla: Any = layer  # vLLM's MLA layer: attributes AttentionLayerBase does not declare
         rank = int(mla.kv_lora_rank)
 
-        def write_mla(latent: torch.Tensor, _: torch.Tensor | None, cache: torch.Tensor,
+        def write_mla(latent: torch.Tensor, second: torch.Tensor | None, cache: torch.Tensor,
                       slots: torch.Tensor) -> None:
+            # A [blocks, 1, N, C] view is probed as one "head" of K and V halves
+            # ([T, 1, C/2] each); the latent is the two side by side.
+            if second is not None:
+                latent = torch.cat((latent[:, 0], second[:, 0]), dim=-1)
             update(latent[:, :rank], latent[:, rank:].unsqueeze(1), cache, slots,
                    mla.kv_cache_dtype, mla._k_scale)
         return name, write_mla
