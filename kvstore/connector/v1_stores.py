@@ -53,25 +53,32 @@ class StoreClients:
         staging = settings.staging_bytes if worker else 1 << 20
         self._engine = TeEngine(settings.te_host, staging, settings.timeout_s,
                                 settings.te_protocol, settings.te_devices)
-        self._clients: OrderedDict[str, KVStoreClient | ClusterClient] = OrderedDict()
+        self._clients: OrderedDict[tuple[str, int, int], KVStoreClient | ClusterClient] = \
+            OrderedDict()
+        self.worker = worker
         self._down_until: dict[str, float] = {}
         self._lock = threading.Lock()
         self.rejected_sources = 0  # request-named addresses nobody configured
 
-    def client(self, server: str) -> KVStoreClient | ClusterClient:
+    def client(self, server: str, rank: tuple[int, int] | None = None
+               ) -> KVStoreClient | ClusterClient:
+        """The client of ``server`` for this process's (TP, PP) rank, or for ``rank``
+        (the scheduler looks up every rank's entries)."""
+        tp_rank, pp_rank = rank if rank is not None else (self.tp_rank, self.pp_rank)
+        key = (server, tp_rank, pp_rank)
         with self._lock:
-            client = self._clients.get(server)
+            client = self._clients.get(key)
             if client is not None:
-                self._clients.move_to_end(server)
+                self._clients.move_to_end(key)
                 return client
             s = self.settings
-            client = self._clients[server] = connect(
+            client = self._clients[key] = connect(
                 server, self.layout, prefix=s.cluster_prefix, model_id=s.model_id,
-                tp_rank=self.tp_rank, tp_size=self.tp_size, salt=s.salt,
-                pp_rank=self.pp_rank, pp_size=self.pp_size,
+                tp_rank=tp_rank, tp_size=self.tp_size, salt=s.salt,
+                pp_rank=pp_rank, pp_size=self.pp_size,
                 timeout_s=s.timeout_s, same_node=s.same_node, te_engine=self._engine)
-            old = self._clients.popitem(last=False)[1] \
-                if len(self._clients) > _CLIENTS_KEPT else None
+            kept = _CLIENTS_KEPT * self.tp_size * self.pp_size
+            old = self._clients.popitem(last=False)[1] if len(self._clients) > kept else None
         if old is not None:
             _close(old)
         return client
@@ -125,9 +132,20 @@ class StoreClients:
         ``mark_down``: a server that did not answer is skipped for ``down_s``."""
         if not tokens or not self._usable(server):
             return 0
+        # A worker holds one rank's part of each block; the scheduler counts a token
+        # only where every rank's part is there (the least any rank holds).
+        ranks = [None] if self.worker else \
+            [(t, p) for p in range(self.pp_size) for t in range(self.tp_size)]
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        held = len(tokens)
         try:
-            return self.client(server).lookup(tokens, scope=scope,
-                                              timeout_s=timeout_s).matched_tokens
+            for rank in ranks:
+                left = None if deadline is None else max(0.001, deadline - time.monotonic())
+                held = min(held, self.client(server, rank).lookup(
+                    tokens, scope=scope, timeout_s=left).matched_tokens)
+                if not held:
+                    break
+            return held
         except Exception as exc:  # noqa: BLE001 - never into the scheduler
             self._failed(server, "lookup", exc, mark_down)
             return 0

@@ -478,8 +478,41 @@ def test_client_cache_is_bounded(server_factory, monkeypatch):
     for i, srv in enumerate(servers):
         req = request(f"b{i}", list(range(10)), {PARAM_SERVER: srv.address})
         assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
-    assert list(sched.stores._clients) == [servers[1].address, servers[2].address]
+    assert [key[0] for key in sched.stores._clients] == [servers[1].address,
+                                                         servers[2].address]
     worker.shutdown(), sched.shutdown()
+
+
+def test_scheduler_lookup_counts_only_what_every_tp_rank_holds(clean_server):
+    """With TP = 2 each rank stores its own part of a block under its own keys: the
+    scheduler's lookup is the least any rank holds, so a rank that lost (or never
+    saved) its part makes a miss there, not a load that fails on that rank."""
+    from kvstore.connector.v1_config import ConnectorSettings
+    from kvstore.connector.v1_stores import StoreClients
+    from tests.integration.conftest import make_kv
+
+    sched, worker, _ = make_connectors("kv_consumer", server=clean_server.address)
+    layout = sched.layout
+    worker.shutdown(), sched.shutdown()
+    settings = ConnectorSettings.from_extra("kv_consumer", {
+        "server": clean_server.address, "model_id": "tiny-llama", "timeout_s": 3.0},
+        "tiny-llama")
+    stores = StoreClients(settings, layout, 0, 2, worker=False)
+    prompt = list(range(100, 100 + 4 * BS + 1))  # 4 full blocks + 1 token
+    ranks = [KVStoreClient(clean_server.address, layout=layout, model_id="tiny-llama",
+                           tp_rank=r, tp_size=2, timeout_s=5.0) for r in (0, 1)]
+    try:
+        assert stores.lookup(clean_server.address, prompt) == 0
+        ranks[0].insert(prompt, make_kv(len(prompt), layout=layout))
+        assert stores.lookup(clean_server.address, prompt) == 0  # rank 1 has nothing
+        ranks[1].insert(prompt[:2 * BS], make_kv(2 * BS, layout=layout))
+        assert stores.lookup(clean_server.address, prompt) == 2 * BS
+        ranks[1].insert(prompt, make_kv(len(prompt) - 2 * BS, layout=layout), skip_blocks=2)
+        assert stores.lookup(clean_server.address, prompt) == len(prompt)
+    finally:
+        for c in ranks:
+            c.close()
+        stores.close()
 
 
 def test_one_token_prompt_stores_nothing(clean_server):
@@ -564,3 +597,23 @@ def test_a_load_waiting_for_its_producer_does_not_hold_up_the_others(clean_serve
     assert worker.get_block_ids_with_load_errors() == set()
     assert entries(clean_server) == 0  # it took its entries
     worker.shutdown(), sched.shutdown()
+
+
+def test_transfer_thread_runs_torch_on_one_thread_and_leaves_the_engines(clean_server):
+    """On a CPU engine the transfer thread's ops must not start a second OpenMP team
+    on the cores the forward uses (it made every later decode step 2.7x slower); the
+    engine thread's own count and the process default stay as they were."""
+    import threading
+
+    before = torch.get_num_threads()
+    sched, worker, _ = make_connectors("kv_consumer", server=clean_server.address)
+    seen, done = [], threading.Event()
+    worker.worker._submit(0, lambda: (seen.append(torch.get_num_threads()), done.set()))
+    assert done.wait(10)
+    fresh = []
+    t = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+    t.start(), t.join()
+    worker.shutdown(), sched.shutdown()
+    assert seen == [1]
+    assert torch.get_num_threads() == before
+    assert fresh == [before]  # a thread that starts later gets the process default
