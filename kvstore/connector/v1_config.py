@@ -45,7 +45,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+import re
+from typing import Any, NamedTuple
 
 from kvstore.core.config import check_te_protocol, parse_size, parse_te_devices
 from kvstore.core.errors import ConfigError
@@ -151,29 +152,96 @@ def _flag(value: Any) -> bool:
     return bool(value)
 
 
-def layout_from_kv_cache_config(kv_cache_config: Any) -> tuple[KVLayout, list[str]]:
-    """The entry layout and the ordered attention layer names of a vLLM KVCacheConfig.
+class KVGroups(NamedTuple):
+    """Where each layer's blocks come from when vLLM keeps several KV cache groups
+    (its hybrid allocator: a group per attention kind, each with its own block table).
+
+    ``layer_names``: every transferred layer, in the model's layer order (an entry's
+    layer order: the same whether vLLM groups the layers or not); ``layer_group``:
+    the group of each (vLLM's group number); ``windowed``: per vLLM group, whether it
+    frees its blocks once they fall out of a sliding window or attention chunk (they
+    become its null block)."""
+
+    layout: KVLayout
+    layer_names: list[str]
+    layer_group: list[int]
+    windowed: tuple[bool, ...]
+
+    @property
+    def many(self) -> bool:
+        return len(self.windowed) > 1 or any(self.windowed)
+
+
+def kv_groups_of(kv_cache_config: Any) -> KVGroups:
+    """The entry layout and the layers' groups of a vLLM KVCacheConfig.
 
     vLLM 0.33 views each layer's cache as ``[blocks, kv_heads, block_size, C]`` with
     ``C = head_size + head_size_v`` (K then V). An entry keeps ``C`` split in two
     halves as ``[layers, 2, tokens, kv_heads, C/2]``: for ordinary attention that is
     exactly K and V; for MLA (one latent vector) it is a byte-exact split that the
-    loading side joins back. Only a single cache group of one spec is supported.
+    loading side joins back. Several groups (full and sliding-window attention)
+    must agree on heads, head size, dtype and block size: one entry holds a block
+    of every layer. A group that is not attention (Mamba state) is refused.
     """
-    groups = [g for g in kv_cache_config.kv_cache_groups
-              if getattr(g, "enable_kv_transfer", True)]
-    if len(groups) != 1:
-        raise ConfigError(f"KVStoreConnectorV1 supports one KV cache group, got {len(groups)} "
-                          "(hybrid models are not supported)")
-    spec = groups[0].kv_cache_spec
-    heads, head = getattr(spec, "num_kv_heads", None), getattr(spec, "head_size", None)
-    if heads is None or head is None:
-        raise ConfigError(f"KV cache spec {type(spec).__name__} is not an attention spec")
-    head_v = getattr(spec, "head_size_v", head)
-    channels = head + (head if head_v is None else head_v)
+    every = list(kv_cache_config.kv_cache_groups)
+    # vLLM's block-id tuples cover every group: keep its own group numbers.
+    groups = [(gi, g) for gi, g in enumerate(every) if getattr(g, "enable_kv_transfer", True)]
+    if not groups:
+        raise ConfigError("no KV cache group to transfer")
+    shapes = []
+    for _, g in groups:
+        spec = g.kv_cache_spec
+        odd = {c.__name__ for c in type(spec).__mro__} & _REFUSED_SPECS
+        if odd:
+            raise ConfigError(f"KV cache spec {type(spec).__name__}: its blocks do not map "
+                              "tokens in order; the connector cannot move them")
+        heads, head = getattr(spec, "num_kv_heads", None), getattr(spec, "head_size", None)
+        if heads is None or head is None:
+            raise ConfigError(f"KV cache spec {type(spec).__name__} is not an attention spec "
+                              "(models with Mamba or other state layers are not supported)")
+        head_v = getattr(spec, "head_size_v", head)
+        channels = head + (head if head_v is None else head_v)
+        shapes.append((int(heads), channels, dtype_name(spec.dtype), int(spec.block_size)))
+    if len(set(shapes)) != 1:
+        raise ConfigError("KV cache groups differ in heads, K+V channels, dtype or block size "
+                          f"({sorted(set(shapes))}); one entry layout must fit every layer "
+                          "(vLLM's --disable-hybrid-kv-cache-manager puts them in one group)")
+    heads, channels, dtype, block = shapes[0]
     if channels % 2:
         raise ConfigError(f"K+V channels {channels} are odd; cannot split into K/V halves")
-    layout = KVLayout(num_layers=len(groups[0].layer_names), kv_heads=int(heads),
-                      head_dim=channels // 2, dtype=dtype_name(spec.dtype),
-                      block_tokens=int(spec.block_size))
-    return layout, list(groups[0].layer_names)
+    named = [(name, gi) for gi, g in groups for name in g.layer_names]
+    if len({n for n, _ in named}) != len(named):
+        raise ConfigError("a layer is in more than one KV cache group")
+    named.sort(key=lambda item: _layer_order(item[0]))
+    moved = {gi for gi, _ in groups}
+    windowed = tuple(gi in moved and _windowed(g.kv_cache_spec) for gi, g in enumerate(every))
+    layout = KVLayout(num_layers=len(named), kv_heads=heads, head_dim=channels // 2,
+                      dtype=dtype, block_tokens=block)
+    return KVGroups(layout, [n for n, _ in named], [gi for _, gi in named], windowed)
+
+
+def layout_from_kv_cache_config(kv_cache_config: Any) -> tuple[KVLayout, list[str]]:
+    """``kv_groups_of`` without the groups: the layout and the ordered layer names."""
+    groups = kv_groups_of(kv_cache_config)
+    return groups.layout, groups.layer_names
+
+
+def _layer_order(name: str) -> tuple[int, str]:
+    """A layer's place in the model: the first number in its name (vLLM names them
+    ``model.layers.N...``), then the name."""
+    digits = re.search(r"\.(\d+)(\.|$)", name)
+    return (int(digits.group(1)) if digits else -1, name)
+
+
+# Block tables that are not "block i holds tokens [i*B, (i+1)*B)": a ring buffer, a
+# decode-time window over generated tokens, caches of another sequence.
+_REFUSED_SPECS = {"CircularBufferSpec", "RSWASpec", "CrossAttentionSpec",
+                  "EncoderOnlyAttentionSpec", "HiSparseHotSpec", "HiSparseResidentSpec"}
+_WINDOWED_SPECS = {"SlidingWindowSpec", "ChunkedLocalAttentionSpec", "SlidingWindowMLASpec"}
+
+
+def _windowed(spec: Any) -> bool:
+    """vLLM frees this group's blocks behind the window (sliding window, chunked local
+    attention). Not so for a full-attention spec that only carries a window for the
+    kernel (a sliding layer with the hybrid allocator off keeps every block)."""
+    return any(c.__name__ in _WINDOWED_SPECS for c in type(spec).__mro__)

@@ -36,20 +36,30 @@ class LoadOrder:
     scope: str = ""  # request_scope(): part of the keys
     wait: bool = False
     background: bool = False
+    # Per KV cache group, when vLLM keeps several (its hybrid allocator): the
+    # request's blocks of each, ``block_ids`` being the first's. Empty: one group.
+    groups: tuple[list[int], ...] = ()
 
 
 @dataclass(frozen=True)
 class SaveOrder:
     """Save a request's stored part. ``first_block``: the blocks before it were on
-    the server when the scheduler looked (a prefix-cache hit, keep mode): they are
-    neither copied off the device nor sent, and the save fails whole (a later
-    miss) if the server lost one of them since."""
+    the server when the scheduler looked (a prefix-cache hit, keep mode) or were
+    saved by the request's earlier chunk orders: they are neither copied off the
+    device nor sent, and the save fails whole (a later miss) if the server lost one
+    of them since."""
 
     req_id: str
-    token_ids: list[int]  # the stored part of the prompt: all but its last token
+    token_ids: list[int]  # the stored part of the prompt (or of it so far): see ``last``
     block_ids: list[int]
     scope: str = ""
     first_block: int = 0
+    groups: tuple[list[int], ...] = ()  # as LoadOrder.groups
+    # False: a chunk's save, of the full blocks one step of a chunked prefill computed
+    # (where vLLM frees a sliding window's blocks before the last chunk, each chunk
+    # is saved in its own step); the prompt's stored part is complete only with the
+    # order whose ``last`` is True.
+    last: bool = True
 
 
 @dataclass

@@ -56,15 +56,22 @@ class _Tracked:
     """A running request whose prompt may need saving."""
 
     token_ids: list[int]  # what will be saved: the prompt but its last token
-    block_ids: list[int]
+    groups: list[list[int]]  # its blocks, per KV cache group
     scope: str
     first_block: int = 0  # blocks before it were on the server at the lookup
+    ordered: int = 0  # blocks its chunk orders have saved (chunk saves only)
 
 
 class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, layout: KVLayout,
-                 stores: StoreClients, events: StoreEvents | None = None) -> None:
+                 stores: StoreClients, events: StoreEvents | None = None,
+                 windowed: tuple[bool, ...] = (False,)) -> None:
         self.settings, self.layout, self.stores = settings, layout, stores
+        self.many_groups = len(windowed) > 1
+        self.windowed = windowed
+        # vLLM frees a sliding window's blocks as the prefill moves on, so each step
+        # of a chunked prefill saves the blocks it computed (SaveOrder.last).
+        self.chunk_saves = any(windowed)
         self.events = events or StoreEvents(False, 1, layout.block_tokens, None)
         self._stats = KVStoreConnectorStats()
         self._rejected_seen = 0  # stores.rejected_sources already counted
@@ -108,7 +115,10 @@ class SchedulerSide:
         new = max(0, stored - num_computed_tokens)
         self._matched[request.request_id] = _Match(num_computed_tokens, server, stored,
                                                    claimed is not None)
-        return new, bool(new) and claimed is not None
+        # With several groups vLLM cannot map failed block ids back to a request
+        # (block ids repeat across groups): every load is then a background one,
+        # whose failure is reported per request (failed_recving) and recomputed.
+        return new, bool(new) and (claimed is not None or self.many_groups)
 
     def _lookup(self, rid: str, server: str, tokens: list[int], scope: str) -> int:
         """The store's answer for a request, remembered for ``_LOOKUP_MEMO_S``: vLLM
@@ -140,11 +150,14 @@ class SchedulerSide:
             return
         # With nothing new to load, a drop still takes the entries (an order that
         # writes no block): left behind, they would wait for a consumer forever.
-        background = num_external_tokens > 0 and match.claimed
+        background = num_external_tokens > 0 and (match.claimed or self.many_groups)
+        per_group = [list(ids) for ids in blocks.get_block_ids()] \
+            if num_external_tokens > 0 else [[]]
         self._loads[request.request_id] = LoadOrder(
             req_id=request.request_id,
             token_ids=stored_part(list(request.prompt_token_ids or [])),
-            block_ids=list(blocks.get_block_ids()[0]) if num_external_tokens > 0 else [],
+            block_ids=per_group[0],
+            groups=tuple(per_group) if self.many_groups and num_external_tokens > 0 else (),
             ntokens=match.local + max(0, num_external_tokens),
             first_block=match.local // self.layout.block_tokens,
             server=match.server, scope=self._scopes.get(request.request_id, ""),
@@ -165,7 +178,8 @@ class SchedulerSide:
             tokens = stored_part(list(new.prompt_token_ids or []))
             if self.settings.save and tokens:
                 self._tracked[new.req_id] = _Tracked(
-                    tokens, list(new.block_ids[0]), self._scopes.get(new.req_id, ""),
+                    tokens, [list(ids) for ids in new.block_ids],
+                    self._scopes.get(new.req_id, ""),
                     self._held_blocks(self._held.pop(new.req_id, 0), len(tokens)))
                 self._maybe_save(meta, new.req_id, new.num_computed_tokens,
                                  scheduler_output.num_scheduled_tokens.get(new.req_id, 0))
@@ -176,9 +190,12 @@ class SchedulerSide:
                 continue
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids and new_blocks is not None:
-                tracked.block_ids = list(new_blocks[0])  # a resumed request's whole list
+                # A resumed request's whole lists. Its chunk orders so far stay
+                # done: their blocks are on the server (else the rest fails whole).
+                tracked.groups = [list(ids) for ids in new_blocks]
             elif new_blocks is not None:
-                tracked.block_ids.extend(new_blocks[0])
+                for ids, more in zip(tracked.groups, new_blocks):
+                    ids.extend(more)
             self._maybe_save(meta, req_id, cached.num_computed_tokens[i],
                              scheduler_output.num_scheduled_tokens.get(req_id, 0))
         return meta
@@ -192,15 +209,43 @@ class SchedulerSide:
 
     def _maybe_save(self, meta: KVStoreConnectorMetadata, req_id: str, computed: int,
                     scheduled: int) -> None:
-        """Order the save in the step that computes the last stored token."""
+        """Order the save in the step that computes the last stored token (and, with
+        chunk saves, each earlier step's newly full blocks in that step)."""
         tracked = self._tracked[req_id]
-        if computed + scheduled >= len(tracked.token_ids):
-            meta.saves.append(SaveOrder(req_id, tracked.token_ids, list(tracked.block_ids),
-                                        tracked.scope, tracked.first_block))
-            if (request := self._requests.get(req_id)) is not None:
-                self.events.expect_save(request)
-            self._saved.add(req_id)
-            del self._tracked[req_id]
+        stored, bt = len(tracked.token_ids), self.layout.block_tokens
+        done = computed + scheduled
+        if done < stored:
+            full = done // bt
+            if self.chunk_saves and full > max(tracked.ordered, tracked.first_block):
+                if self._freed(tracked, full):
+                    del self._tracked[req_id]
+                    return
+                meta.saves.append(self._order(req_id, tracked, full * bt, last=False))
+                tracked.ordered = full
+            return
+        if self._freed(tracked, -(-stored // bt)):
+            del self._tracked[req_id]  # never saved: no params claim it
+            return
+        meta.saves.append(self._order(req_id, tracked, stored, last=True))
+        if (request := self._requests.get(req_id)) is not None:
+            self.events.expect_save(request)
+        self._saved.add(req_id)
+        del self._tracked[req_id]
+
+    def _freed(self, tracked: _Tracked, nblocks: int) -> bool:
+        """Whether a block to save (below ``nblocks``, past what the server has) is
+        one vLLM already freed behind a sliding window (its null block, id 0): the
+        request came with a local prefix hit longer than the window, or was
+        resumed with one; its KV there is gone, so the prompt is not saved."""
+        first = max(tracked.first_block, tracked.ordered)
+        return any(self.windowed[g] and 0 in ids[first:nblocks]
+                   for g, ids in enumerate(tracked.groups) if g < len(self.windowed))
+
+    def _order(self, req_id: str, tracked: _Tracked, ntokens: int, last: bool) -> SaveOrder:
+        groups = [list(ids) for ids in tracked.groups]
+        return SaveOrder(req_id, tracked.token_ids[:ntokens], groups[0], tracked.scope,
+                         max(tracked.first_block, tracked.ordered),
+                         groups=tuple(groups) if self.many_groups else (), last=last)
 
     # ------------------------------------------------------------ finishing
     def request_finished(self, request: Any,

@@ -43,11 +43,13 @@ from kvstore.connector.v1_config import ConnectorSettings
 from kvstore.connector.v1_orders import KVStoreConnectorMetadata, LoadOrder, SaveOrder
 from kvstore.connector.v1_stats import KVStoreConnectorStats, TransferReports
 from kvstore.connector.v1_stores import StoreClients
+from kvstore.core.errors import InvalidRequestError
 from kvstore.core.layout import KVLayout
 
 log = logging.getLogger(__name__)
 
 _SYNC, _OTHER = 0, 1  # job priorities
+_NULL_BLOCK = 0  # vLLM's null block (BlockPool.null_block): a freed window's place
 _KEEP_BUFFERS = 4  # host buffers kept for reuse
 # The longest an idle step (nothing scheduled: every request waits for its KV) waits
 # in get_finished for a background load to finish. Without it vLLM's loop steps
@@ -114,9 +116,15 @@ class _SaveJob:
 
 class WorkerSide:
     def __init__(self, settings: ConnectorSettings, layout: KVLayout, stores: StoreClients,
-                 layer_names: Sequence[str]) -> None:
+                 layer_names: Sequence[str], layer_group: Sequence[int] | None = None,
+                 windowed: Sequence[bool] = (False,)) -> None:
         self.settings, self.layout, self.stores = settings, layout, stores
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
+        # Per layer, its KV cache group; per group, whether vLLM replaces its blocks
+        # behind a sliding window with its null block (block id 0).
+        self.layer_group = list(layer_group) if layer_group is not None \
+            else [0] * len(layer_names)
+        self.windowed = tuple(windowed)
         self.caches: list[torch.Tensor] = []
         self.fmt: BlockFormat | None = None
         self.buffers = HostBuffers(pinned=False)
@@ -129,6 +137,10 @@ class WorkerSide:
         # copying or it finishes: a save never skips more than its own load saw.
         self._held_by_load: dict[str, int] = {}
         self._ready_errors: set[int] = set()  # for get_block_ids_with_load_errors
+        # With several KV cache groups block ids are not unique, so a failed load is
+        # reported by request (failed_recving) and vLLM recomputes all of it.
+        self._failed_loads: set[str] = set()  # background loads done, failed
+        self._ready_failed: set[str] = set()  # for this pass's failed_recving
         self._step_loads: list[_LoadJob] = []  # same-step loads of the bound step
         self._step_saves: list[_SaveJob] = []
         self._busy = 0  # jobs queued or running (for drain)
@@ -249,18 +261,39 @@ class WorkerSide:
         self._step_saves = []
 
     def _gather(self, job: _SaveJob, layer: int) -> None:
-        if layer in job.gathered:
+        if layer in job.gathered or -1 in job.gathered:
             return
         if not job.gathered:
             job.first_block = self._skippable(job)
         job.gathered.add(layer)
         order = job.order
         try:
+            ids = self._ids(order.block_ids, order.groups, layer)
+            if self._freed(ids, layer, job.first_block, len(order.token_ids)):
+                raise InvalidRequestError("blocks to save were freed behind the sliding "
+                                          "window (null blocks)")
             gather_layer(self.layout, self._format(), self.caches[layer], layer,
-                         order.block_ids, len(order.token_ids), job.host, job.first_block)
+                         ids, len(order.token_ids), job.host, job.first_block)
         except Exception:  # noqa: BLE001 - a save that cannot be made is skipped
             log.exception("save of %s: copying layer %d failed; not saved", order.req_id, layer)
             job.gathered.add(-1)
+
+    def _ids(self, block_ids: list[int], groups: tuple[list[int], ...],
+             layer: int) -> list[int]:
+        """The blocks of ``layer``: its group's, when the order has several."""
+        return groups[self.layer_group[layer]] if groups else block_ids
+
+    def _nulls(self, ids: Sequence[int], layer: int) -> int:
+        """Leading null blocks of a windowed group's list (the window's past)."""
+        if not self.windowed[self.layer_group[layer]]:
+            return 0
+        return next((i for i, b in enumerate(ids) if b != _NULL_BLOCK), len(ids))
+
+    def _freed(self, ids: Sequence[int], layer: int, first_block: int, ntokens: int) -> bool:
+        """Whether a block of ``layer`` to save (from ``first_block``) is a null block."""
+        need = -(-ntokens // self.layout.block_tokens)
+        return self.windowed[self.layer_group[layer]] and \
+            _NULL_BLOCK in list(ids[first_block:need])
 
     # ------------------------------------------------------------ reports
     def finished_loads(self, finished_req_ids: Collection[str] = frozenset()) -> set[str]:
@@ -278,7 +311,17 @@ class WorkerSide:
             done, self._loaded = self._loaded, set()
             for rid in done:
                 self._ready_errors |= self._load_errors.pop(rid, set())
+                if rid in self._failed_loads:
+                    self._failed_loads.discard(rid)
+                    self._ready_failed.add(rid)
             return done
+
+    def failed_loads(self) -> set[str]:
+        """Requests reported done by ``finished_loads`` whose load failed (several KV
+        cache groups only: then their blocks are not named in load errors)."""
+        with self._lock:
+            failed, self._ready_failed = self._ready_failed, set()
+            return failed
 
     def load_errors(self) -> set[int]:
         with self._lock:
@@ -391,8 +434,12 @@ class WorkerSide:
             return good
         fmt = self._format()
         for i, cache in enumerate(self.caches):
-            scatter_layer(lay, fmt, host, cache, i, order.block_ids, good,
-                          order.first_block, data_tokens=held)
+            ids = self._ids(order.block_ids, order.groups, i)
+            # A sliding window's layers get only the blocks vLLM gave them (the rest
+            # is behind the window: null blocks, never read).
+            first = max(order.first_block, self._nulls(ids, i))
+            if first * lay.block_tokens < good:
+                scatter_layer(lay, fmt, host, cache, i, ids, good, first, data_tokens=held)
             if cache.device.type == "cuda":
                 torch.cuda.current_stream(cache.device).synchronize()
             job.layers[i].set()
@@ -403,13 +450,18 @@ class WorkerSide:
         if order.block_ids and got < order.ntokens:
             nblocks = -(-order.ntokens // bt)
             first_bad = max(order.first_block, got // bt)
-            job.failed_blocks = set(order.block_ids[first_bad:nblocks])
+            for g, ids in enumerate(order.groups or (order.block_ids,)):
+                bad = ids[first_bad:nblocks]
+                job.failed_blocks |= {b for b in bad if b != _NULL_BLOCK} \
+                    if self.windowed[g] else set(bad)
             log.info("request %s: %d of %d tokens loaded; %d blocks to recompute",
                      order.req_id, got, order.ntokens, nblocks - first_bad)
         with self._lock:
             if job.reported:
                 self._loaded.add(order.req_id)
-                if job.failed_blocks:
+                if job.failed_blocks and len(self.windowed) > 1:
+                    self._failed_loads.add(order.req_id)
+                elif job.failed_blocks:
                     self._load_errors[order.req_id] = job.failed_blocks
                 self._reported_pending -= 1
                 self._load_finished.notify_all()
@@ -424,12 +476,14 @@ class WorkerSide:
                 ok = self.stores.insert(job.order, job.host[skipped:], job.first_block)
         finally:
             self.buffers.give(job.host)
+            last = job.order.last
             with self._lock:
                 self._stats.record_save(ntokens, lay.nbytes(ntokens) - skipped,
                                         time.perf_counter() - start, ok,
-                                        count_request=self._first_rank)
-                self._reports.saved.setdefault(job.order.req_id, []).append(
-                    ntokens if ok else 0)
+                                        count_request=self._first_rank and last)
+                if last:  # a chunk's save is not the prompt's (its KV events wait)
+                    self._reports.saved.setdefault(job.order.req_id, []).append(
+                        ntokens if ok else 0)
 
     # ------------------------------------------------------------ lifecycle
     def drain(self, timeout_s: float) -> bool:

@@ -40,10 +40,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvstore.connector.v1_backend import block_format_of
-from kvstore.connector.v1_config import ConnectorSettings, layout_from_kv_cache_config
+from kvstore.connector.v1_config import ConnectorSettings, kv_groups_of
 from kvstore.connector.v1_orders import (  # noqa: F401 - re-exported for users and tests
     PARAM_SERVER,
     PARAM_TOKENS,
@@ -85,14 +87,15 @@ log = logging.getLogger(__name__)
 _IDLE_STEP_PAUSE_S = 0.002  # between vLLM's empty steps while transfer reports are due
 
 
-class KVStoreConnectorV1(KVConnectorBase_V1):
+class KVStoreConnectorV1(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         kvt = self._kv_transfer_config
         self.settings = ConnectorSettings.from_extra(kvt.kv_role, kvt.kv_connector_extra_config,
                                                      _model_name(vllm_config))
-        self.layout, self.layer_names = layout_from_kv_cache_config(kv_cache_config)
+        groups = kv_groups_of(kv_cache_config)
+        self.layout, self.layer_names = groups.layout, groups.layer_names
         parallel = vllm_config.parallel_config
         worker = role == KVConnectorRole.WORKER
         tp_rank, pp_rank = (_tp_rank(), _pp_rank()) if worker else (0, 0)
@@ -103,9 +106,10 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
             self.settings, self.layout, self.stores,
             StoreEvents(_kv_events_enabled(vllm_config), parallel.world_size,
                         self.layout.block_tokens,
-                        getattr(kv_cache_config, "hash_block_size", None)))
-        self.worker = WorkerSide(self.settings, self.layout, self.stores,
-                                 self.layer_names) if worker else None
+                        getattr(kv_cache_config, "hash_block_size", None)),
+            windowed=groups.windowed)
+        self.worker = WorkerSide(self.settings, self.layout, self.stores, self.layer_names,
+                                 groups.layer_group, groups.windowed) if worker else None
 
     # vLLM calls each side's methods only on that role's instance.
     @property
@@ -133,6 +137,15 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side.request_finished(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """A load restores every transferred group (an entry holds every layer)."""
+        return tuple(self._kv_cache_config.transfer_group_ids)
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid allocator (SupportsHMA): the same answer for every group."""
+        return self._scheduler_side.request_finished(request, list(block_ids[0]))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._scheduler_side.observe_reports(connector_output.kv_connector_worker_meta)
@@ -221,6 +234,13 @@ class KVStoreConnectorV1(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                 set[str] | None]:
         return None, self._worker_side.finished_loads(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """get_finished's loads, and of those the ones that failed where block ids
+        cannot name them (several KV cache groups): vLLM recomputes those whole."""
+        done = self._worker_side.finished_loads(finished_req_ids)
+        return KVConnectorTransferResults(finished_recving=set(done),
+                                          failed_recving=self._worker_side.failed_loads())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side.load_errors()
