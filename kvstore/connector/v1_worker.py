@@ -98,7 +98,10 @@ class _LoadJob:
     done: threading.Event = field(default_factory=threading.Event)
     failed_blocks: set[int] = field(default_factory=set)
     deadline: float | None = None  # waiting for the producer's entries until then
-    pause: float = 0.002  # before the next look, doubling to 50 ms
+    # Before the next look: 1 ms, growing by half to 20 ms. A save's tail is 10-40 ms
+    # (docs/benchmarks.md, "exposed transfer"): finer looks find it sooner, and a
+    # look is one lookup round trip (<1 ms), ~50 a second at most while it waits.
+    pause: float = 0.001
 
     @property
     def reported(self) -> bool:
@@ -375,7 +378,7 @@ class WorkerSide:
         if held >= want or time.monotonic() >= job.deadline or \
                 not self.stores.usable(order.server):
             return True  # (a server known to be down: the load fails at once)
-        delay, job.pause = job.pause, min(job.pause * 2, 0.05)
+        delay, job.pause = job.pause, min(job.pause * 1.5, 0.02)
         with self._lock:
             self._busy += 1  # still pending: drain() must wait for it
         timer = threading.Timer(delay, lambda: self._jobs.put(

@@ -617,3 +617,36 @@ def test_transfer_thread_runs_torch_on_one_thread_and_leaves_the_engines(clean_s
     assert seen == [1]
     assert torch.get_num_threads() == before
     assert fresh == [before]  # a thread that starts later gets the process default
+
+
+def test_an_idle_step_waits_for_a_background_load_and_wakes_when_it_lands(clean_server,
+                                                                        monkeypatch):
+    """A step with nothing scheduled (every request waits for its KV) pauses in
+    get_finished until a load finishes, so vLLM's empty steps do not spin against
+    the transfer thread; the pause ends the moment the load does (with a 60 s
+    bound here, a missed wake-up would hold the step for all of it)."""
+    from kvstore.connector import v1_worker
+
+    monkeypatch.setattr(v1_worker, "IDLE_STEP_WAIT_S", 60.0)
+    prompt = list(range(2000, 2011))
+    _, params = prefill(clean_server, prompt, [3, 7, 1])
+    sched, worker, _ = make_connectors("kv_consumer", server=clean_server.address)
+    req = request("i1", prompt, params)
+    assert sched.get_num_new_matched_tokens(req, 0) == (len(prompt) - 1, True)
+    sched.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(b) for b in (5, 9, 2)],)),
+                                   len(prompt) - 1)
+    meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+    assert meta.idle and meta.loads
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    worker.wait_for_save()
+    start = time.monotonic()
+    _, done = worker.get_finished(set())  # the first idle call: the load is in flight
+    assert done == {"i1"} and time.monotonic() - start < 30
+    worker.clear_connector_metadata()
+    # Nothing in flight: an idle step does not wait at all.
+    worker.bind_connector_metadata(sched.build_connector_meta(SchedulerOutput.make_empty()))
+    start = time.monotonic()
+    assert worker.get_finished(set()) == (None, set())
+    assert time.monotonic() - start < 30
+    worker.shutdown(), sched.shutdown()
