@@ -27,7 +27,8 @@ from kvstore.core.config import ClientConfig, parse_te_devices
 from kvstore.client.datapath import DataPath, Segment, TeEngine, flat_buffer
 from kvstore.core.errors import (ChecksumError, ConfigError, InvalidRequestError, KVStoreError,
                                  KVTimeoutError, NotFoundError, PeerUnavailableError)
-from kvstore.core.hashing import block_keys, block_token_bytes, hidden_key, namespace_of, tokens_to_array
+from kvstore.core.hashing import (block_keys, block_token_bytes, checksummer, hidden_key,
+                                  namespace_of, tokens_to_array)
 from kvstore.core.layout import KVLayout, dtype_name, pack_hf
 from kvstore.client.rpc import Channel, CurveKeys
 
@@ -208,16 +209,8 @@ class KVStoreClient:
             buffers.append(hbuf)
             metas.append(hmeta)
             sizes = [*sizes, hbuf.size]
-        self._segment()
-        res = self._call(p.Reserve(keys=tuple(keys), sizes=tuple(sizes), tokens=tuple(toks),
-                                   meta=tuple(metas) if hidden is not None else None,
-                                   namespace=self.namespace))
-        rid, placements = res["rid"], res["placements"]
-        lacking = [i for i, pl in enumerate(placements[:skip]) if pl is not None]
-        if lacking:
-            self._abort(rid)
-            raise NotFoundError(f"the server lacks block {lacking[0]} of the {skip} the "
-                                f"insert skipped (evicted since it was found): not stored")
+        res, rid, placements = self._reserve(keys, sizes, toks, skip,
+                                             tuple(metas) if hidden is not None else None)
         try:
             seg = self._segment(res["segment"])
             # (a placement for a skipped block, with no bytes here, was refused above)
@@ -246,6 +239,50 @@ class KVStoreClient:
                         done["lost"], nblocks)
         return InsertResult(new_blocks, nblocks - new_blocks, prompt.ntokens,
                             sum(pl[2] for pl in placements if pl is not None))
+
+    def _reserve(self, keys: list[bytes], sizes: list[int], toks: list[bytes], skip: int,
+                 metas: tuple | None = None) -> tuple[dict, int, list]:
+        """Reserve room for an insert's entries; NotFoundError (nothing reserved) if
+        the server lacks one of the ``skip`` blocks the caller said it holds."""
+        self._segment()
+        res = self._call(p.Reserve(keys=tuple(keys), sizes=tuple(sizes), tokens=tuple(toks),
+                                   meta=metas, namespace=self.namespace))
+        rid, placements = res["rid"], res["placements"]
+        lacking = [i for i, pl in enumerate(placements[:skip]) if pl is not None]
+        if lacking:
+            self._abort(rid)
+            raise NotFoundError(f"the server lacks block {lacking[0]} of the {skip} the "
+                                f"insert skipped (evicted since it was found): not stored")
+        return res, rid, placements
+
+    def begin_insert(self, tokens: Sequence[int] | np.ndarray, scope: bytes | str = b"",
+                     skip_blocks: int = 0) -> PendingInsert | None:
+        """An insert whose bytes come layer by layer (a connector saving each layer as
+        the forward computes it): the room is reserved now, ``write_layer`` copies
+        one layer of every entry into it, ``commit`` writes what is left, checks and
+        commits. Only where the server is on this node and every entry lands in its
+        shared DRAM arena; else None (nothing reserved) and the caller inserts whole.
+        Same rules as ``insert`` (``skip_blocks``, NotFoundError)."""
+        prompt = self._prompt(tokens, scope)
+        skip = min(max(0, int(skip_blocks)), len(prompt.keys))
+        sizes = [self._token_nbytes * n for n in prompt.counts]
+        res, rid, placements = self._reserve(list(prompt.keys), sizes, list(prompt.tokens),
+                                             skip)
+        seg = self._segment(res["segment"])
+        new = [i for i in range(skip, len(sizes)) if placements[i] is not None]
+        if seg.shm is None or any(placements[i][0] != "dram" for i in new):
+            self._abort(rid)
+            return None
+        assert self.layout is not None  # _prompt checked it
+        return PendingInsert(self, seg.shm, rid, prompt, placements, skip, self.layout)
+
+    def _commit_parts(self, rid: int, sums: list[int], moved_s: float, nbytes: int) -> dict:
+        try:
+            return self._call(p.Commit(rid=rid, checksums=tuple(sums), xfer_s=moved_s,
+                                       xfer_bytes=nbytes, pin=False))
+        except BaseException:
+            self._abort(rid)
+            raise
 
     def _entry_bytes(self, kv: Any, ntokens: int) -> np.ndarray:
         if isinstance(kv, (list, tuple)):
@@ -500,3 +537,89 @@ def _hidden_tensor(raw: np.ndarray, meta: bytes) -> torch.Tensor | None:
         return torch.from_numpy(raw.copy()).view(dtype).reshape(info["shape"])
     except Exception as exc:  # noqa: BLE001 - bad meta means the entry is unusable
         raise ChecksumError(f"hidden entry has unusable meta: {exc}") from None
+
+
+class PendingInsert:
+    """``KVStoreClient.begin_insert``'s reservation, filled in parts.
+
+    An entry is ``[layers, 2, tokens, heads, D]``, so layer i of each entry is one
+    contiguous slice of it: ``write_layer(data, i)`` copies those slices from
+    ``data`` (the prompt's entry bytes from block ``skip_blocks`` on, as ``insert``
+    takes them) into the reserved extents of the server's shared arena, and feeds
+    each entry's checksum with them while layers come in order (the checksum is of
+    ``data``: what the caller meant to store; the server verifies its arena bytes
+    against it, as for any insert). ``commit(data)`` copies and hashes the layers
+    not done yet and commits; ``abort`` gives the room back. The same ``data`` must
+    be passed each time. Not thread-safe: one thread drives it."""
+
+    def __init__(self, client: KVStoreClient, shm: np.ndarray, rid: int, prompt: _Prompt,
+                 placements: list, skip: int, layout: KVLayout) -> None:
+        self._client, self._shm, self.rid = client, shm, rid
+        self._layers = layout.num_layers
+        per_token = layout.token_nbytes
+        # (offset in data, entry bytes, arena offset) of each entry this insert writes.
+        self._new: list[tuple[int, int, int]] = []
+        at = 0
+        for i in range(skip, len(prompt.counts)):
+            n = per_token * prompt.counts[i]
+            if placements[i] is not None:
+                self._new.append((at, n, placements[i][1]))
+            at += n
+        self.nbytes = at  # what ``data`` must hold
+        self._written: set[int] = set()
+        self._sums = [checksummer() for _ in self._new]
+        self._hashed = 0  # layers fed to the checksums, in order
+        self._moved_s = 0.0
+        self._placements, self._nblocks = placements, len(prompt.keys)
+        self._ntokens = prompt.ntokens
+        self.closed = False
+
+    def _check(self, data: np.ndarray) -> np.ndarray:
+        flat = np.asarray(data).reshape(-1).view(np.uint8)
+        if flat.size < self.nbytes:
+            raise InvalidRequestError(f"{flat.size} bytes for an insert of {self.nbytes}")
+        return flat
+
+    def write_layer(self, data: np.ndarray, layer: int) -> None:
+        if self.closed or layer in self._written or not 0 <= layer < self._layers:
+            return
+        flat = self._check(data)
+        start = time.perf_counter()
+        for at, n, arena in self._new:
+            part = n // self._layers
+            lo = layer * part
+            self._shm[arena + lo:arena + lo + part] = flat[at + lo:at + lo + part]
+        self._written.add(layer)
+        while self._hashed in self._written:  # a checksum takes its layers in order
+            for (at, n, _), summer in zip(self._new, self._sums):
+                part = n // self._layers
+                summer.update(flat[at + self._hashed * part:
+                                   at + (self._hashed + 1) * part].data)
+            self._hashed += 1
+        self._moved_s += time.perf_counter() - start
+
+    def commit(self, data: np.ndarray) -> InsertResult:
+        if self.closed:
+            raise InvalidRequestError("this insert is already committed or aborted")
+        try:
+            flat = self._check(data)
+            for layer in range(self._layers):
+                self.write_layer(flat, layer)
+            sums = [summer.intdigest() for summer in self._sums]
+        except BaseException:
+            self.abort()
+            raise
+        self.closed = True
+        done = self._client._commit_parts(self.rid, sums, self._moved_s,
+                                          sum(n for _, n, _ in self._new))
+        if done.get("lost"):
+            log.warning("%d of %d blocks not stored: their other writer aborted",
+                        done["lost"], self._nblocks)
+        new_blocks = sum(pl is not None for pl in self._placements[:self._nblocks])
+        return InsertResult(new_blocks, self._nblocks - new_blocks, self._ntokens,
+                            sum(n for _, n, _ in self._new))
+
+    def abort(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._client._abort(self.rid)

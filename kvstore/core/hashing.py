@@ -145,3 +145,8 @@ def hidden_key(last_key: bytes) -> bytes:
 def checksum(data) -> int:
     """xxh3_64 of a buffer (bytes, memoryview, or a contiguous numpy array)."""
     return xxhash.xxh3_64_intdigest(data)
+
+
+def checksummer() -> xxhash.xxh3_64:
+    """``checksum`` fed in pieces, in order (``update``, then ``intdigest``)."""
+    return xxhash.xxh3_64()
