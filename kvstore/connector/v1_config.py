@@ -39,6 +39,11 @@ Every key (docs/vllm.md lists them with examples):
   "keep" (prefix cache: non-destructive reads). ["drop" for kv_consumer, else "keep"]
 * ``save`` — save finished prompts' KV. [true for kv_producer / kv_both]
 * ``load`` — load prompt KV from the store. [true for kv_consumer / kv_both]
+* ``layerwise_saves`` — copy each layer of a saved prompt off the device as soon as
+  the forward has computed it (``save_kv_layer``), so on a GPU the copies overlap
+  the later layers; false copies the whole prompt at the step's end
+  (``wait_for_save``), which only ``tools/bench/connector.py`` uses, to compare.
+  [true]
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ from kvstore.core.layout import KVLayout, dtype_name
 SERVER_SCHEMES = ("tcp://", "etcd://")  # one server / a cluster's registry
 _KEYS = {"server", "allowed_servers", "cluster_prefix", "model_id", "salt", "timeout_s",
          "lookup_timeout_s", "load_wait_s", "down_s", "te_host", "te_protocol", "te_devices",
-         "staging_bytes", "same_node", "load_mode", "save", "load"}
+         "staging_bytes", "same_node", "load_mode", "save", "load", "layerwise_saves"}
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,7 @@ class ConnectorSettings:
     load_mode: str
     save: bool
     load: bool
+    layerwise_saves: bool = True
 
     @classmethod
     def from_extra(cls, role: str | None, extra: Mapping[str, Any] | None,
@@ -110,6 +116,7 @@ class ConnectorSettings:
             load_mode=str(extra.get("load_mode", "drop" if role == "kv_consumer" else "keep")),
             save=_flag(extra.get("save", role != "kv_consumer")),
             load=_flag(extra.get("load", role != "kv_producer")),
+            layerwise_saves=_flag(extra.get("layerwise_saves", True)),
         )
         settings.check()
         return settings

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kvstore.client.client import KVStoreClient
+from kvstore.client.client import KVStoreClient, PendingInsert
 from kvstore.cluster.client import ClusterClient, connect
 from kvstore.client.datapath import TeEngine
 from kvstore.connector.v1_config import ConnectorSettings
@@ -194,6 +194,32 @@ class StoreClients:
             return True
         except Exception as exc:  # noqa: BLE001 - a failed save only costs a later miss
             self._failed(server, f"save of {order.req_id}", exc)
+            return False
+
+    def begin_insert(self, order: Any, skip_blocks: int = 0) -> PendingInsert | None:
+        """Reserve a save whose layers are written as they are computed (a server on
+        this node); None where that cannot be (a remote or cluster server, a failure:
+        logged), and the save is then inserted whole."""
+        server = self.settings.server
+        if not self._usable(server):
+            return None
+        client = self.client(server)
+        if not isinstance(client, KVStoreClient):
+            return None
+        try:
+            return client.begin_insert(order.token_ids, scope=order.scope,
+                                       skip_blocks=skip_blocks)
+        except Exception as exc:  # noqa: BLE001 - the whole insert at the end decides
+            self._failed(server, f"reserving the save of {order.req_id}", exc)
+            return None
+
+    def commit_insert(self, order: Any, pending: PendingInsert, data: torch.Tensor) -> bool:
+        """Write what is left of ``pending`` and commit it; False if that failed."""
+        try:
+            pending.commit(data.numpy())
+            return True
+        except Exception as exc:  # noqa: BLE001 - a failed save only costs a later miss
+            self._failed(self.settings.server, f"save of {order.req_id}", exc)
             return False
 
     def close(self) -> None:

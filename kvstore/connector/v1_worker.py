@@ -42,6 +42,7 @@ from kvstore.connector.paged_io import gather_layer, scatter_layer
 from kvstore.connector.v1_config import ConnectorSettings
 from kvstore.connector.v1_orders import KVStoreConnectorMetadata, LoadOrder, SaveOrder
 from kvstore.connector.v1_stats import KVStoreConnectorStats, TransferReports
+from kvstore.client.client import PendingInsert
 from kvstore.connector.v1_stores import StoreClients
 from kvstore.core.errors import InvalidRequestError
 from kvstore.core.layout import KVLayout
@@ -115,6 +116,10 @@ class _SaveJob:
     host: torch.Tensor
     gathered: set[int] = field(default_factory=set)  # layers already copied
     first_block: int = 0  # the blocks before it are on the server: not copied, not sent
+    # Layer-wise saves to a server on this node: the room is reserved while the
+    # forward goes on and each copied layer goes into it at once (thread only).
+    opened: bool = False  # the reservation job was queued
+    pending: PendingInsert | None = None
 
 
 class WorkerSide:
@@ -241,8 +246,8 @@ class WorkerSide:
 
     def save_layer(self, layer_name: str) -> None:
         i = self.layer_index.get(layer_name)
-        if i is None:
-            return
+        if i is None or not self.settings.layerwise_saves:
+            return  # (not layer-wise: finish_step copies every layer)
         for job in self._step_saves:
             self._gather(job, i)
 
@@ -280,6 +285,42 @@ class WorkerSide:
         except Exception:  # noqa: BLE001 - a save that cannot be made is skipped
             log.exception("save of %s: copying layer %d failed; not saved", order.req_id, layer)
             job.gathered.add(-1)
+            return
+        if self.settings.layerwise_saves:
+            self._stream(job, layer)
+
+    def _stream(self, job: _SaveJob, layer: int) -> None:
+        """Hand layer ``layer`` of a save to the thread as soon as it is on the host:
+        it goes into the server's reserved room while the next layers compute."""
+        if not job.opened:
+            job.opened = True
+            self._submit(_OTHER, functools.partial(self._open, job))
+        ready = None
+        if self.caches[layer].device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.caches[layer].device))
+        self._submit(_OTHER, functools.partial(self._write_layer, job, layer, ready))
+
+    def _sent(self, job: _SaveJob) -> torch.Tensor:
+        """The part of a save's host bytes that is sent (from its first block on)."""
+        lay = self.layout
+        ntokens = len(job.order.token_ids)
+        return job.host[lay.nbytes(min(ntokens, job.first_block * lay.block_tokens)):]
+
+    def _open(self, job: _SaveJob) -> None:
+        if -1 not in job.gathered:
+            job.pending = self.stores.begin_insert(job.order, job.first_block)
+
+    def _write_layer(self, job: _SaveJob, layer: int, ready: torch.cuda.Event | None) -> None:
+        if job.pending is None or -1 in job.gathered:
+            return
+        if ready is not None:
+            ready.synchronize()
+        try:
+            job.pending.write_layer(self._sent(job).numpy(), layer)
+        except Exception:  # noqa: BLE001 - the commit writes what is missing, or fails
+            log.exception("save of %s: writing layer %d early failed", job.order.req_id,
+                          layer)
 
     def _ids(self, block_ids: list[int], groups: tuple[list[int], ...],
              layer: int) -> list[int]:
@@ -475,7 +516,12 @@ class WorkerSide:
         lay, ntokens = self.layout, len(job.order.token_ids)
         skipped = lay.nbytes(min(ntokens, job.first_block * lay.block_tokens))
         try:
-            if -1 not in job.gathered:
+            if -1 in job.gathered:
+                if job.pending is not None:
+                    job.pending.abort()
+            elif job.pending is not None:
+                ok = self.stores.commit_insert(job.order, job.pending, job.host[skipped:])
+            else:
                 ok = self.stores.insert(job.order, job.host[skipped:], job.first_block)
         finally:
             self.buffers.give(job.host)

@@ -1,6 +1,6 @@
 """The ``connector`` bench section (tools/bench/connector.py) at its smallest size.
 
-Five real engines on a 2-layer model and one 96-token prompt: the rows are
+Six real engines on a 2-layer model and one 96-token prompt: the rows are
 well-formed, every table is there, and the tokens the decode engines produce from
 loaded KV (kvstore's and vLLM's example connector's) are the plain engine's. No
 timing is asserted: speeds are only reported by ``make bench``.
@@ -40,4 +40,7 @@ def test_connector_section_smallest(tmp_path):
     for row in by_table[TTFT]:
         if row["system"] != "recompute":
             assert row["loaded_tokens"] >= 96 // 32 * 32 - 32, row
+    # Asked at once, the decode waited for each producer's save and loaded all of it.
+    for row in by_table[EXPOSED]:
+        assert row["at_once_loaded"] == row["whole_loaded"] == 95, row
     assert not list(tmp_path.glob("bench-connector-*")), "the run left its work dir"

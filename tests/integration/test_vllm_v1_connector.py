@@ -35,6 +35,7 @@ from vllm.v1.request import Request
 from kvstore.client.client import KVStoreClient
 from kvstore.connector import vllm_v1
 from kvstore.connector.block_format import truthful
+from kvstore.connector.paged_io import gather_blocks
 from kvstore.connector.vllm_v1 import PARAM_SERVER, KVStoreConnectorV1
 from tests.integration.conftest import free_port
 
@@ -650,3 +651,39 @@ def test_an_idle_step_waits_for_a_background_load_and_wakes_when_it_lands(clean_
     assert worker.get_finished(set()) == (None, set())
     assert time.monotonic() - start < 30
     worker.shutdown(), sched.shutdown()
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_saves_layer_by_layer_or_at_the_steps_end_store_the_same_bytes(clean_server,
+                                                                       layerwise):
+    """``layerwise_saves``: each layer is copied in its save_kv_layer hook, or none is
+    until wait_for_save; either way the server gets exactly the caches' bytes."""
+    prompt = list(range(3000, 3011))
+    sched, worker, caches = make_connectors("kv_producer", server=clean_server.address,
+                                            layerwise_saves=layerwise)
+    fill_random(caches, seed=5)
+    req = request("s1", prompt)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    blocks = [3, 7, 1]
+    sched.update_state_after_alloc(req, KVCacheBlocks(([],)), 0)
+    out = SchedulerOutput.make_empty()
+    out.scheduled_new_reqs = [NewRequestData.from_request(req, (blocks,))]
+    out.num_scheduled_tokens = {"s1": len(prompt)}
+    out.total_num_scheduled_tokens = len(prompt)
+    worker.bind_connector_metadata(sched.build_connector_meta(out))
+    worker.start_load_kv(None)
+    for name in LAYERS:
+        worker.save_kv_layer(name, caches[name], None)
+    (job,) = worker.worker._step_saves
+    assert job.gathered == (set(range(len(LAYERS))) if layerwise else set())
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    assert worker.worker.drain(30)
+    worker.shutdown(), sched.shutdown()
+    with KVStoreClient(clean_server.address, layout=sched.layout, model_id="tiny-llama",
+                       timeout_s=5.0) as reader:
+        got = reader.get(prompt[:-1])
+    assert got.matched_tokens == len(prompt) - 1
+    want = gather_blocks(sched.layout, truthful(caches[LAYERS[0]], "test-view"),
+                         [caches[n] for n in LAYERS], blocks, len(prompt) - 1)
+    assert torch.equal(torch.as_tensor(got.kv).reshape(-1).view(torch.uint8), want)
