@@ -178,7 +178,8 @@ class KVStoreClient:
     # ---------------------------------------------------------------- insert
     def insert(self, tokens: Sequence[int] | np.ndarray, kv: Any,
                hidden: torch.Tensor | None = None, pin: bool = False,
-               scope: bytes | str = b"", skip_blocks: int = 0) -> InsertResult:
+               scope: bytes | str = b"", skip_blocks: int = 0,
+               count_skipped: bool = True) -> InsertResult:
         """Store the KV of ``tokens``: per-layer HF ``(k, v)`` pairs, or the flat entry
         bytes (uint8 torch tensor / numpy array of exactly ``layout.nbytes(n)``).
         ``pin``: the entries are pinned by the commit itself (unpin to release).
@@ -186,7 +187,11 @@ class KVStoreClient:
         ``skip_blocks``: the caller knows the server holds the prompt's first blocks
         (a lookup found them), so ``kv`` is flat entry bytes from that block on; the
         insert still counts for every block, as a whole one would. If the server
-        lacks one of them after all, nothing is stored (``NotFoundError``)."""
+        lacks one of them after all, nothing is stored (``NotFoundError``).
+        ``count_skipped`` False: the skipped blocks were stored, and counted, by this
+        caller's own earlier insert of the prompt's first part (a chunked prefill
+        saved chunk by chunk): only the new blocks are reserved and counted, and the
+        skipped ones are not checked."""
         prompt = self._prompt(tokens, scope)
         skip = min(max(0, int(skip_blocks)), len(prompt.keys))
         # token_nbytes once: layout.entry_sizes costs a torch call per block.
@@ -210,7 +215,8 @@ class KVStoreClient:
             metas.append(hmeta)
             sizes = [*sizes, hbuf.size]
         res, rid, placements = self._reserve(keys, sizes, toks, skip,
-                                             tuple(metas) if hidden is not None else None)
+                                             tuple(metas) if hidden is not None else None,
+                                             count_skipped)
         try:
             seg = self._segment(res["segment"])
             # (a placement for a skipped block, with no bytes here, was refused above)
@@ -241,13 +247,19 @@ class KVStoreClient:
                             sum(pl[2] for pl in placements if pl is not None))
 
     def _reserve(self, keys: list[bytes], sizes: list[int], toks: list[bytes], skip: int,
-                 metas: tuple | None = None) -> tuple[dict, int, list]:
+                 metas: tuple | None = None, count_skipped: bool = True
+                 ) -> tuple[dict, int, list]:
         """Reserve room for an insert's entries; NotFoundError (nothing reserved) if
-        the server lacks one of the ``skip`` blocks the caller said it holds."""
+        the server lacks one of the ``skip`` blocks the caller said it holds. Not
+        ``count_skipped``: the skipped blocks are left out of the reservation (their
+        placements come back None)."""
         self._segment()
-        res = self._call(p.Reserve(keys=tuple(keys), sizes=tuple(sizes), tokens=tuple(toks),
-                                   meta=metas, namespace=self.namespace))
-        rid, placements = res["rid"], res["placements"]
+        first = 0 if count_skipped else skip
+        res = self._call(p.Reserve(keys=tuple(keys[first:]), sizes=tuple(sizes[first:]),
+                                   tokens=tuple(toks[first:]),
+                                   meta=None if metas is None else metas[first:],
+                                   namespace=self.namespace))
+        rid, placements = res["rid"], [None] * first + list(res["placements"])
         lacking = [i for i, pl in enumerate(placements[:skip]) if pl is not None]
         if lacking:
             self._abort(rid)
@@ -256,22 +268,28 @@ class KVStoreClient:
         return res, rid, placements
 
     def begin_insert(self, tokens: Sequence[int] | np.ndarray, scope: bytes | str = b"",
-                     skip_blocks: int = 0) -> PendingInsert | None:
+                     skip_blocks: int = 0, count_skipped: bool = True) -> PendingInsert | None:
         """An insert whose bytes come layer by layer (a connector saving each layer as
         the forward computes it): the room is reserved now, ``write_layer`` copies
         one layer of every entry into it, ``commit`` writes what is left, checks and
         commits. Only where the server is on this node and every entry lands in its
         shared DRAM arena; else None (nothing reserved) and the caller inserts whole.
-        Same rules as ``insert`` (``skip_blocks``, NotFoundError)."""
+        Same rules as ``insert`` (``skip_blocks``, ``count_skipped``, NotFoundError)."""
         prompt = self._prompt(tokens, scope)
         skip = min(max(0, int(skip_blocks)), len(prompt.keys))
         sizes = [self._token_nbytes * n for n in prompt.counts]
+        if self._segment().shm is None:
+            return None  # not on the server's node: nothing to write into early
         res, rid, placements = self._reserve(list(prompt.keys), sizes, list(prompt.tokens),
-                                             skip)
-        seg = self._segment(res["segment"])
+                                             skip, count_skipped=count_skipped)
+        try:
+            seg = self._segment(res["segment"])
+        except BaseException:
+            self._abort(rid)
+            raise
         new = [i for i in range(skip, len(sizes)) if placements[i] is not None]
         if seg.shm is None or any(placements[i][0] != "dram" for i in new):
-            self._abort(rid)
+            self._abort(rid)  # (room on NVMe: the whole insert after the step)
             return None
         assert self.layout is not None  # _prompt checked it
         return PendingInsert(self, seg.shm, rid, prompt, placements, skip, self.layout)

@@ -79,3 +79,22 @@ def test_no_parts_without_the_shared_arena(server, client_factory):
     client = client_factory(server, same_node=False)
     assert client.begin_insert(list(range(64))) is None
     assert stats(client)["reservations"] == 0
+
+
+@pytest.mark.parametrize("count_skipped", [True, False])
+def test_a_prompt_saved_in_two_parts_is_taken_whole_by_one_drop(server, client_factory,
+                                                                count_skipped):
+    """A chunked prefill saves its first part, then the rest with ``skip_blocks``. As a
+    continuation (``count_skipped`` False) the first part is not counted again, so
+    one decode's drop_select takes every entry; counted again (a keep-mode skip over
+    another writer's blocks), the first part waits for a second consumer."""
+    client = client_factory(server)
+    bt = LAYOUT.block_tokens
+    tokens = list(range(1200, 1200 + 4 * bt))
+    data = make_kv(len(tokens), seed=4)
+    client.insert(tokens[:2 * bt], data[:LAYOUT.nbytes(2 * bt)])
+    client.insert(tokens, data[LAYOUT.nbytes(2 * bt):], skip_blocks=2,
+                  count_skipped=count_skipped)
+    got = client.drop_select(tokens)
+    assert got.matched_tokens == len(tokens) and np.array_equal(got.kv.numpy(), data)
+    assert stats(client)["entries"] == (0 if not count_skipped else 2)
