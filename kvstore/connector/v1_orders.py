@@ -60,6 +60,11 @@ class SaveOrder:
     # is saved in its own step); the prompt's stored part is complete only with the
     # order whose ``last`` is True.
     last: bool = True
+    # The blocks before first_block were stored, and counted as waiting for a
+    # consumer, by this request's own earlier chunk orders: only the new ones are
+    # reserved (a whole insert would count those again, and a decode that takes
+    # the prompt once would leave them behind).
+    continues: bool = False
 
 
 @dataclass

@@ -70,8 +70,11 @@ class SchedulerSide:
         self.many_groups = len(windowed) > 1
         self.windowed = windowed
         # vLLM frees a sliding window's blocks as the prefill moves on, so each step
-        # of a chunked prefill saves the blocks it computed (SaveOrder.last).
-        self.chunk_saves = any(windowed)
+        # of a chunked prefill saves the blocks it computed (SaveOrder.last). Not to
+        # an etcd cluster: it places a prompt by its blocks, so its chunks could land
+        # on other nodes than the whole; there a prompt whose window was freed is not
+        # saved (_freed), and a decode recomputes it.
+        self.chunk_saves = any(windowed) and not settings.server.startswith("etcd://")
         self.events = events or StoreEvents(False, 1, layout.block_tokens, None)
         self._stats = KVStoreConnectorStats()
         self._rejected_seen = 0  # stores.rejected_sources already counted
@@ -245,7 +248,8 @@ class SchedulerSide:
         groups = [list(ids) for ids in tracked.groups]
         return SaveOrder(req_id, tracked.token_ids[:ntokens], groups[0], tracked.scope,
                          max(tracked.first_block, tracked.ordered),
-                         groups=tuple(groups) if self.many_groups else (), last=last)
+                         groups=tuple(groups) if self.many_groups else (), last=last,
+                         continues=tracked.ordered > 0)
 
     # ------------------------------------------------------------ finishing
     def request_finished(self, request: Any,

@@ -189,8 +189,13 @@ class StoreClients:
         if not self._usable(server):
             return False
         try:
-            self.client(server).insert(order.token_ids, data, scope=order.scope,
-                                       skip_blocks=skip_blocks)
+            client = self.client(server)
+            if getattr(order, "continues", False) and isinstance(client, KVStoreClient):
+                client.insert(order.token_ids, data, scope=order.scope,
+                              skip_blocks=skip_blocks, count_skipped=False)
+            else:
+                client.insert(order.token_ids, data, scope=order.scope,
+                              skip_blocks=skip_blocks)
             return True
         except Exception as exc:  # noqa: BLE001 - a failed save only costs a later miss
             self._failed(server, f"save of {order.req_id}", exc)
@@ -208,7 +213,8 @@ class StoreClients:
             return None
         try:
             return client.begin_insert(order.token_ids, scope=order.scope,
-                                       skip_blocks=skip_blocks)
+                                       skip_blocks=skip_blocks,
+                                       count_skipped=not getattr(order, "continues", False))
         except Exception as exc:  # noqa: BLE001 - the whole insert at the end decides
             self._failed(server, f"reserving the save of {order.req_id}", exc)
             return None

@@ -148,6 +148,7 @@ class WorkerSide:
         # With several KV cache groups block ids are not unique, so a failed load is
         # reported by request (failed_recving) and vLLM recomputes all of it.
         self._failed_loads: set[str] = set()  # background loads done, failed
+        self._chunks_failed: set[str] = set()  # requests whose chunk save failed
         self._ready_failed: set[str] = set()  # for this pass's failed_recving
         self._step_loads: list[_LoadJob] = []  # same-step loads of the bound step
         self._step_saves: list[_SaveJob] = []
@@ -308,7 +309,9 @@ class WorkerSide:
         return job.host[lay.nbytes(min(ntokens, job.first_block * lay.block_tokens)):]
 
     def _open(self, job: _SaveJob) -> None:
-        if -1 not in job.gathered:
+        with self._lock:
+            broken = job.order.continues and job.order.req_id in self._chunks_failed
+        if -1 not in job.gathered and not broken:
             job.pending = self.stores.begin_insert(job.order, job.first_block)
 
     def _write_layer(self, job: _SaveJob, layer: int, ready: torch.cuda.Event | None) -> None:
@@ -352,6 +355,7 @@ class WorkerSide:
                 self._load_finished.wait(IDLE_STEP_WAIT_S)
             for rid in finished_req_ids:
                 self._held_by_load.pop(rid, None)
+                self._chunks_failed.discard(rid)
             done, self._loaded = self._loaded, set()
             for rid in done:
                 self._ready_errors |= self._load_errors.pop(rid, set())
@@ -515,8 +519,12 @@ class WorkerSide:
         ok, start = False, time.perf_counter()
         lay, ntokens = self.layout, len(job.order.token_ids)
         skipped = lay.nbytes(min(ntokens, job.first_block * lay.block_tokens))
+        order = job.order
+        with self._lock:
+            broken = order.continues and order.req_id in self._chunks_failed
         try:
-            if -1 in job.gathered:
+            if -1 in job.gathered or broken:
+                # (after a failed chunk the rest would be stored unreachable)
                 if job.pending is not None:
                     job.pending.abort()
             elif job.pending is not None:
@@ -527,6 +535,10 @@ class WorkerSide:
             self.buffers.give(job.host)
             last = job.order.last
             with self._lock:
+                if last:
+                    self._chunks_failed.discard(order.req_id)
+                elif not ok:
+                    self._chunks_failed.add(order.req_id)
                 self._stats.record_save(ntokens, lay.nbytes(ntokens) - skipped,
                                         time.perf_counter() - start, ok,
                                         count_request=self._first_rank and last)

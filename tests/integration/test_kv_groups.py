@@ -2,10 +2,9 @@
 sliding-window layers with block tables of their own, against vLLM's CPU attention
 kernel's own cache writes and a real kvstore-server.
 
-vLLM runs its hybrid allocator only on GPUs (on CPU it turns it off and a hybrid
-model gets one group: tests/engine/test_model_shapes.py runs Gemma 2 that way), so
-no engine here can hand the connector two groups. These tests build them as vLLM's
-scheduler would, through its own objects (KVCacheConfig with a FullAttentionSpec and
+tests/engine/test_model_shapes.py runs a real hybrid model (Gemma 2, two groups);
+these tests take its paths one at a time, with the bytes checked exactly. They build
+the groups as vLLM's scheduler would, through its own objects (KVCacheConfig with a FullAttentionSpec and
 a SlidingWindowSpec group, SchedulerOutput, KVCacheBlocks), and fill the caches with
 ``cpu_attn_reshape_and_cache``, the kernel the CPU backend's forward writes with. What
 the hybrid allocator does that matters here is reproduced: a sliding-window group's
@@ -41,6 +40,7 @@ from vllm.v1.core.sched.output import (  # noqa: E402
     SchedulerOutput,
 )
 from vllm.v1.kv_cache_interface import (  # noqa: E402
+    CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -172,6 +172,11 @@ def test_groups_follow_the_model_order_and_odd_specs_are_refused():
     mamba = MambaSpec(block_size=BS, shapes=((4, 8),), dtypes=(DTYPE,))
     cfg.kv_cache_groups[1] = KVCacheGroupSpec(SLIDING, mamba)
     with pytest.raises(ConfigError, match="not an attention spec"):
+        kv_groups_of(cfg)
+    cross = CrossAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD,
+                               dtype=DTYPE)
+    cfg.kv_cache_groups[1] = KVCacheGroupSpec(SLIDING, cross)
+    with pytest.raises(ConfigError, match="do not map tokens in order"):
         kv_groups_of(cfg)
 
 

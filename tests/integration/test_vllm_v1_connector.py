@@ -676,6 +676,12 @@ def test_saves_layer_by_layer_or_at_the_steps_end_store_the_same_bytes(clean_ser
         worker.save_kv_layer(name, caches[name], None)
     (job,) = worker.worker._step_saves
     assert job.gathered == (set(range(len(LAYERS))) if layerwise else set())
+    assert worker.worker.drain(30)  # the thread has had every layer handed to it
+    if layerwise:  # reserved at the first layer, every layer in the arena already
+        assert job.pending is not None and job.pending._written == set(range(len(LAYERS)))
+        assert entries(clean_server) == 0  # not visible before the commit
+    else:
+        assert job.pending is None
     worker.wait_for_save()
     worker.clear_connector_metadata()
     assert worker.worker.drain(30)
