@@ -37,7 +37,9 @@ class WorkerError(RuntimeError):
 
 
 class WorkerProc:
-    def __init__(self, node, cfg: dict, log_path: Path, start_timeout: float = 60.0) -> None:
+    # A start imports torch and starts TE: ~10 s here, over 60 s when the 2 cores run
+    # a dozen other processes (a CI run beside real engines timed out at 60).
+    def __init__(self, node, cfg: dict, log_path: Path, start_timeout: float = 180.0) -> None:
         self.name = f"{cfg['system']}-{cfg['role']}"
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in close()
