@@ -56,6 +56,12 @@ HELP = {
                                  "reclaimed (its writer is presumed dead).",
     "store.read_lease_s": "A drop_select/get not released within this many seconds loses "
                           "its pin; the entry becomes evictable again.",
+    "store.verify_commits": "When the server hashes a commit's bytes against the writer's "
+                            "checksums. background: the commit answers at once and a "
+                            "low-priority thread checks the entries just after (a bad one "
+                            "is dropped and counted; readers verify what they receive "
+                            "anyway). inline: before answering; a mismatch fails the "
+                            "commit and stores nothing.",
     "store.index_map_bytes": "LMDB map size: upper bound of the index file, not "
                              "preallocated (about 200 B per entry).",
     "server.host": "Address of the control socket (and of TE and metrics by default).",
@@ -80,6 +86,9 @@ HELP = {
     "client.te_devices": "RDMA NICs the client's TE may use (those nearest its GPU); "
                          "empty: every NIC TE finds.",
     "client.staging_bytes": "Client staging buffer registered with TE.",
+    "client.te_piece_bytes": "How a move is handed to TE: 0, one TE transfer per entry "
+                             "(at least 64 KiB together), so TE keeps many in flight; N, "
+                             "the entries' contiguous runs cut into N-byte transfers.",
     "client.curve_server_public_key": "Server public key file (CURVE); empty: no CURVE.",
     "client.curve_secret_key": "Client key pair file written by `kvstore keys`.",
     "client.etcd": "etcd of a cluster; the client finds nodes there instead of `server`.",

@@ -130,10 +130,18 @@ class StoreConfig:
     reservation_lease_s: float = 30.0
     read_lease_s: float = 30.0
     index_map_bytes: Size = 8 << 30
+    # When the server hashes a commit's bytes against the writer's checksums:
+    # "background" (the commit answers at once; a scrub thread checks the entries
+    # soon after, and every reader verifies what it receives anyway) or "inline"
+    # (the commit fails on a mismatch and stores nothing). docs/operations.md.
+    verify_commits: str = "background"
 
     def __post_init__(self) -> None:
         _sizes(self, "index_map_bytes")
         _positive(self, "block_tokens", "reservation_lease_s", "read_lease_s")
+        if self.verify_commits not in ("background", "inline"):
+            raise ConfigError(f"store.verify_commits: {self.verify_commits!r} is not "
+                              "'background' or 'inline'")
 
 
 @dataclass(frozen=True)
@@ -179,12 +187,13 @@ class ClientConfig:
     te_protocol: str = "tcp"  # tcp | rdma; the same as the servers'
     te_devices: str = ""  # RDMA NICs this client's TE may use; empty: all
     staging_bytes: Size = 256 << 20
+    te_piece_bytes: Size = 0  # 0: one TE transfer per entry; N: runs cut into N-byte pieces
     curve_server_public_key: str = ""
     curve_secret_key: str = ""
     etcd: str = ""
 
     def __post_init__(self) -> None:
-        _sizes(self, "staging_bytes")
+        _sizes(self, "staging_bytes", "te_piece_bytes")
         _positive(self, "timeout_s")
         _te_settings(self, "client")
 

@@ -33,6 +33,7 @@ _FLAGS = {
     "curve_authorized_keys": ("server", "curve_authorized_keys"),
     "data_dir": ("store", "data_dir"), "block_tokens": ("store", "block_tokens"),
     "reservation_lease": ("store", "reservation_lease_s"), "read_lease": ("store", "read_lease_s"),
+    "verify_commits": ("store", "verify_commits"),
     "dram": ("tiers", "dram_bytes"), "dram_shared": ("tiers", "dram_shared"),
     "nvme": ("tiers", "nvme_bytes"), "nvme_path": ("tiers", "nvme_path"),
     "nvme_direct": ("tiers", "nvme_direct"), "nvme_fsync": ("tiers", "nvme_fsync"),
@@ -86,6 +87,7 @@ def open_server(cfg: KVStoreConfig):
                               protocol=srv.te_protocol, devices=srv.te_devices)
         server = Server(cfg, store, transport)
         store.start_writeback()  # NVMe copies ahead of demotion, off the request thread
+        store.start_scrub()  # commits hashed off the request thread (verify_commits)
         return server
     except BaseException:
         for part in (transport, store):
@@ -155,6 +157,9 @@ def _serve(cfg: KVStoreConfig) -> int:
 @click.option("--block-tokens", type=int, help="Tokens per block (entry). [16]")
 @click.option("--reservation-lease", type=float, help="Seconds an uncommitted insert lives. [30]")
 @click.option("--read-lease", type=float, help="Seconds an acquired entry stays leased. [30]")
+@click.option("--verify-commits", type=click.Choice(["background", "inline"]),
+              help="Hash committed bytes off the request path, or before answering. "
+                   "[background]")
 @click.option("--high-watermark", type=float, help="Demote above this fill fraction. [0.95]")
 @click.option("--low-watermark", type=float, help="...until under this one. [0.85]")
 @click.option("--max-message-bytes", help="Largest control message accepted. [16MiB]")

@@ -63,6 +63,10 @@ class Catalog:
         self.by_tier: dict[str, dict[bytes, None]] = {name: {} for name in tiers}
         self.copies: dict[bytes, None] = {}
         self.pinned = 0  # records with pins > 0 (stats reads it: no scan of the records)
+        # Records committed without the server hashing their bytes
+        # (store.verify_commits = "background"): key -> the checksum the writer gave.
+        # Store.scrub_step checks them off the request path; a dropped record leaves.
+        self.unchecked: dict[bytes, int] = {}
         self.orders = {name: GroupOrder(sort_key, self._member_of(name),
                                         self._members_of(name))
                        for name in tiers}
@@ -152,6 +156,8 @@ class Catalog:
                 by_tier[rec.tier][rec.key] = None
                 orders[rec.tier].push(rec)
                 continue
+            if rec.tier == "nvme":  # every read from NVMe verifies it
+                self.unchecked.pop(rec.key, None)
             if old is not None and old.tier != rec.tier:
                 del by_tier[old.tier][rec.key]
             by_tier[rec.tier][rec.key] = None
@@ -168,6 +174,7 @@ class Catalog:
         for key in drop:
             rec = self.records.pop(key)
             self.pinned -= rec.pins > 0
+            self.unchecked.pop(key, None)
             del self.by_tier[rec.tier][key]
             self.copies.pop(key, None)
             for ext in owned(rec):

@@ -29,6 +29,7 @@ Invariants across the parts (``check_integrity`` checks them):
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -37,6 +38,7 @@ from typing import Any
 
 from kvstore.core.config import KVStoreConfig
 from kvstore.core.errors import ConfigError, StorageError
+from kvstore.core.hashing import checksum
 from kvstore.store.admin import Admin
 from kvstore.store.audit import Audit
 from kvstore.store.bytes_io import ByteIO
@@ -68,6 +70,9 @@ __all__ = ["Acquisition", "CommitResult", "DemoteResult", "EntryInfo", "EntryPla
 
 log = logging.getLogger(__name__)
 
+# The server's scrub hashes an entry committed unhashed once it is this old (seconds).
+SCRUB_AFTER_S = 1.0
+
 _COUNTED = ("misses", "bytes_in", "bytes_out", "evictions", "demotions", "stagings",
             "checksum_failures", "commit_checksum_failures", "collisions", "commits",
             "aborts", "dropped", "reservations_expired", "leases_expired", "storage_errors",
@@ -98,6 +103,7 @@ class Store:
         self._writeback_round = threading.Lock()
         self._writeback_stop = threading.Event()
         self._writeback_thread: threading.Thread | None = None
+        self._scrub_thread: threading.Thread | None = None
         self._dir_lock = DataDirLock(self.data_dir)
         try:
             self._open(tiers, policy)
@@ -313,6 +319,61 @@ class Store:
                         written = False  # counted and logged by the catalog
             return sum(rec.nbytes for rec, _ in plan) if written else 0
 
+    # ------------------------------------------------------------ scrub
+    def start_scrub(self, idle_s: float = 0.05, batch_bytes: int = 64 << 20,
+                    min_age_s: float = SCRUB_AFTER_S) -> None:
+        """Run ``scrub_step`` in a background thread at low CPU priority until
+        ``close`` (the server does, with ``store.verify_commits = "background"``; a
+        store used in-process calls the step itself). Entries are hashed once they
+        are ``min_age_s`` old: most of a disaggregated store's entries are taken by
+        their consumer, which verifies them, well before that, and are never hashed
+        by the server at all."""
+        if self.config.store.verify_commits != "background" or self._scrub_thread is not None:
+            return
+
+        def run() -> None:
+            try:  # this thread only: requests keep the CPU when both want it
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+            except (OSError, AttributeError):
+                pass
+            while not self._writeback_stop.is_set():
+                try:
+                    done = self.scrub_step(batch_bytes, min_age_s)
+                except Exception:  # never let the thread die
+                    log.exception("background commit check failed")
+                    done = 0
+                if not done:
+                    self._writeback_stop.wait(idle_s)
+
+        self._scrub_thread = threading.Thread(target=run, name="kvstore-scrub", daemon=True)
+        self._scrub_thread.start()
+
+    def scrub_step(self, batch_bytes: int = 64 << 20, min_age_s: float = 0.0) -> int:
+        """Hash the next entries that were committed unhashed (up to ``batch_bytes``)
+        and drop those that do not match what their writer claimed. The hashing runs
+        without the lock, so requests go on meanwhile (``Writes.finish_check`` says
+        how a record that changes in between is settled). Returns how many were
+        hashed."""
+        with self._lock:
+            if self._closed:
+                return 0
+            batch = self._writes.unchecked_batch(batch_bytes, min_age_s)
+            if not batch:
+                return 0
+            # Taken under the lock: a view of a DRAM extent stays valid memory (the
+            # arena outlives the store's records), only its bytes can change.
+            views = [self.place.io.read_bytes(rec) for rec in batch]
+        sums = [checksum(view) for view in views]
+        del views
+        with self._lock:
+            if self._closed:
+                return 0
+            bad = self._writes.finish_check(batch, sums)
+        if bad:
+            log.warning("%d committed entries did not match their writer's checksum "
+                        "(first %s): dropped", len(bad), bad[0].hex())
+        return len(batch)
+
     def _maybe_reap(self) -> None:
         if time.time() >= self.holds.next_reap:
             self.reap()
@@ -332,15 +393,17 @@ class Store:
                 "reservations": len(self.holds.reservations), "leases": len(self.holds.leases),
                 "leased_entries": len(self.holds.leased),
                 "pinned_entries": self.catalog.pinned,
-                "nvme_copies": len(self.catalog.copies)}
+                "nvme_copies": len(self.catalog.copies),
+                "unchecked_entries": len(self.catalog.unchecked)}
             for name in _COUNTED:
                 out[name] = c.events[name]
             return out
 
     def close(self) -> None:
         self._writeback_stop.set()
-        if self._writeback_thread is not None:
-            self._writeback_thread.join()
+        for thread in (self._writeback_thread, self._scrub_thread):
+            if thread is not None:
+                thread.join()
         with self._writeback_round, self._lock:
             if self._closed:
                 return

@@ -16,9 +16,9 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from kvstore.core.errors import ChecksumError, InvalidRequestError
+from kvstore.core.errors import ChecksumError, InvalidRequestError, StorageError
+from kvstore.core.hashing import checksum, hidden_key
 from kvstore.store.index import Record
-from kvstore.core.hashing import hidden_key
 from kvstore.store.holds import Open
 from kvstore.store.parts import Operations
 from kvstore.store.types import (
@@ -102,6 +102,11 @@ class Writes(Operations):
             op = self.holds.open_reservation(reservation_id)
             new = [i for i, e in enumerate(op.extents) if e is not None]
             sums = _match_checksums(checksums, len(op.keys), new)
+            if self.config.store.verify_commits == "background":
+                result = self._commit_verified(op, new, sums, pin)
+                for i, s in zip(new, sums):  # Store.scrub_step hashes them soon
+                    self.catalog.unchecked[op.keys[i]] = s
+                return result
             got = self.io.checksums([e for e in op.extents if e is not None])
             bad = [op.keys[i] for i, s, g in zip(new, sums, got) if g != s]
             if bad:
@@ -110,6 +115,58 @@ class Writes(Operations):
                 raise ChecksumError(f"{len(bad)} of {len(new)} written entries do not match "
                                     f"their checksum (first {bad[0].hex()}); nothing stored")
             return self._commit_verified(op, new, sums, pin)
+
+    # ------------------------------------------------------------ the scrub
+    def unchecked_batch(self, batch_bytes: int, min_age_s: float = 0.0) -> list[Record]:
+        """The next records committed unhashed (oldest first, up to ``batch_bytes``,
+        committed at least ``min_age_s`` ago) that are still in a memory tier; the
+        rest of those looked at leave the list (gone, or moved to NVMe: every read
+        from NVMe is verified)."""
+        picked: list[Record] = []
+        size = 0
+        unchecked = self.catalog.unchecked
+        young = time.time() - min_age_s
+        for key in list(unchecked):
+            if size >= batch_bytes:
+                break
+            rec = self.catalog.records.get(key)
+            if rec is None or rec.tier == "nvme" or rec.checksum != unchecked[key]:
+                unchecked.pop(key, None)
+                continue
+            if rec.created > young:
+                break  # commit order: the rest are younger still
+            picked.append(rec)
+            size += rec.nbytes
+        return picked
+
+    def finish_check(self, checked: list[Record], sums: list[int]) -> list[bytes]:
+        """Settle a scrub round whose hashes ran without the lock: a record that was
+        still the same one throughout and matched is checked; a mismatch is hashed
+        again now, under the lock (its extent may have been freed and rewritten while
+        it was hashed), and if still bad counted in ``commit_checksum_failures`` and
+        dropped (a leased one stays listed: its reader verifies it, the next round
+        drops it). Returns the keys found bad."""
+        bad: list[bytes] = []
+        unchecked = self.catalog.unchecked
+        for rec, got in zip(checked, sums):
+            now = self.catalog.records.get(rec.key)
+            if now is None or unchecked.get(rec.key) != rec.checksum:
+                continue  # gone, or a new record under the key: its own entry decides
+            if (now.tier, now.offset) != (rec.tier, rec.offset):
+                continue  # moved meanwhile: checked again next round (or on NVMe reads)
+            if got != rec.checksum and checksum(self.io.read_bytes(now)) != now.checksum:
+                bad.append(rec.key)
+                if self.holds.leased.get(rec.key):
+                    continue
+            unchecked.pop(rec.key, None)
+        drop = [k for k in bad if not self.holds.leased.get(k)]
+        if drop:
+            try:
+                self.catalog.apply(drop=drop)
+            except StorageError:
+                return bad  # counted and logged by the catalog; the entries stay listed
+            self.counts["commit_checksum_failures"] += len(drop)
+        return bad
 
     def _commit_verified(self, op: Open, new: list[int], sums: list[int],
                          pin: bool = False) -> CommitResult:

@@ -1,9 +1,13 @@
 """TE has no authentication: a stranger's TE engine can write into a server's DRAM
 arena. Bytes written there by anyone but the reservation's owner are never served:
 after commit they fail the reader's checksum (reported: the server counts and drops
-them); before commit they fail the commit's own check (nothing stored)."""
+them); before commit they fail the commit's own check: at once with
+``verify_commits = "inline"`` (nothing stored), in the server's scrub just after the
+commit with "background" (dropped and counted)."""
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
@@ -27,6 +31,14 @@ def stranger():
     te.close()
 
 
+def _wait_checked(client) -> None:
+    """Until the server's scrub has hashed every entry committed unhashed."""
+    deadline = time.monotonic() + 30
+    while client.stats()["unchecked_entries"]:
+        assert time.monotonic() < deadline, "the scrub never ran"
+        time.sleep(0.02)
+
+
 def _overwrite(stranger, hello: dict, offset: int, nbytes: int) -> None:
     te, buf = stranger
     base = hello["te_probe"][0]  # the DRAM arena's first page: its base address
@@ -39,6 +51,7 @@ def test_a_strangers_write_after_commit_is_never_served(server_factory, client_f
     srv = server_factory()
     owner = client_factory(srv, same_node=False)
     owner.insert(prompt_tokens(1, N), prompt_kv(1, N))
+    _wait_checked(owner)  # the commit's bytes are checked: what follows is at rest
     hello = owner.hello()
     keys = owner.keys_for(prompt_tokens(1, N))
     where = {e["key"]: e["offset"] for e in owner.ls()}
@@ -54,9 +67,13 @@ def test_a_strangers_write_after_commit_is_never_served(server_factory, client_f
     assert np.array_equal(got.kv.numpy(), prompt_kv(1, N)[:16 * 128])
 
 
-def test_a_strangers_write_before_commit_fails_the_commit(server_factory, client_factory,
-                                                          stranger):
-    srv = server_factory()
+@pytest.mark.parametrize("mode", ["inline", "background"])
+def test_a_strangers_write_before_commit_is_caught(server_factory, client_factory, stranger,
+                                                   mode):
+    """inline: the commit fails and stores nothing. background (the default): the
+    commit answers, the server's scrub thread finds the entry bad soon after, counts
+    and drops it; a reader in between verifies what it gets and is never served it."""
+    srv = server_factory(extra=("--verify-commits", mode))
     owner = client_factory(srv, same_node=False)
     owner.hello()
     real = owner._data.write
@@ -67,8 +84,21 @@ def test_a_strangers_write_before_commit_fails_the_commit(server_factory, client
         return sums
 
     owner._data.write = write_then_stranger
-    with pytest.raises(ChecksumError):
-        owner.insert(prompt_tokens(2, N), prompt_kv(2, N))
+    if mode == "inline":
+        with pytest.raises(ChecksumError):
+            owner.insert(prompt_tokens(2, N), prompt_kv(2, N))
+        stats = owner.stats()
+        assert stats["commit_checksum_failures"] == 1 and stats["entries"] == 0
+        assert owner.lookup(prompt_tokens(2, N)).matched_tokens == 0
+        return
+    owner.insert(prompt_tokens(2, N), prompt_kv(2, N))
+    deadline = time.monotonic() + 30
+    while owner.stats()["commit_checksum_failures"] < 1:
+        assert time.monotonic() < deadline, "the scrub never found the stranger's bytes"
+        time.sleep(0.05)
     stats = owner.stats()
-    assert stats["commit_checksum_failures"] == 1 and stats["entries"] == 0
-    assert owner.lookup(prompt_tokens(2, N)).matched_tokens == 0
+    assert stats["commit_checksum_failures"] == 1 and stats["entries"] == 15
+    assert stats["unchecked_entries"] == 0
+    got = owner.get(prompt_tokens(2, N))  # the prefix before the bad block, exact
+    assert got.matched_tokens == 3 * 4
+    assert np.array_equal(got.kv.numpy(), prompt_kv(2, N)[:3 * 4 * 128])

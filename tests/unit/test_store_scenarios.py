@@ -168,7 +168,7 @@ def test_uncommitted_entries_are_invisible(make_store):
 
 
 def test_checksum_mismatch_aborts_the_whole_reservation(make_store):
-    store = make_store(dram=4)
+    store = make_store(dram=4, verify_commits="inline")
     res = store.reserve([key(1), key(2)], [ENTRY] * 2, [toks(1), toks(2)])
     store.write(res.id, 0, data(1))
     store.write(res.id, 1, data(2)[:-1] + b"\x00")  # a torn transfer
