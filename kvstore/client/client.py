@@ -116,7 +116,8 @@ class KVStoreClient:
         self._data = DataPath(te_host or cfg.te_host, staging_bytes or cfg.staging_bytes,
                               same_node, observer, timeout_s=self.timeout_s, engine=te_engine,
                               protocol=te_protocol or cfg.te_protocol,
-                              devices=cfg.te_devices if te_devices is None else te_devices)
+                              devices=cfg.te_devices if te_devices is None else te_devices,
+                              piece_bytes=cfg.te_piece_bytes)
         self._rpc = Channel(self.server, self.timeout_s, curve=curve)
         self._hello: dict[str, Any] | None = None
 
@@ -408,7 +409,9 @@ class KVStoreClient:
                     into: Any, skip: int = 0) -> tuple[np.ndarray, bool]:
         """Read one acquisition's entries but its first ``skip`` (verified) and
         release it (all of them); the bytes, and whether the release was
-        acknowledged. Once the bytes are verified they are the caller's: a release
+        acknowledged (sent, when it is the last round: the release is one-way then, and
+        this client's next request is served after it). Once the bytes are verified
+        they are the caller's: a release
         that fails (server stopped, timed out) loses nothing, since the server keeps
         the entries until it applies a drop, or, never hearing it, the lease expires
         and they stay for the next consumer."""
@@ -434,9 +437,13 @@ class KVStoreClient:
         except BaseException:
             self._release(aid, drop=False, timeout=_left(deadline))
             raise
+        release = p.Release(aid=aid, drop=drop, xfer_s=moved,
+                            xfer_bytes=sum(e[2] for e in wanted))
         try:
-            self._call(p.Release(aid=aid, drop=drop, xfer_s=moved,
-                                 xfer_bytes=sum(e[2] for e in wanted)), _left(deadline))
+            if acq.get("short"):  # the next round's acquire needs this one applied
+                self._call(release, _left(deadline))
+            else:  # one-way: the server applies it before this client's next request
+                self._rpc.send(release, timeout_s=max(_left(deadline), 0.5))
         except (KVTimeoutError, PeerUnavailableError) as exc:
             log.warning("release of %d verified entries not acknowledged (%s): returning "
                         "them; the server keeps them if it never applies the release",

@@ -135,6 +135,29 @@ class Channel:
             raise result["error"]
         return result
 
+    def send(self, req: p.Request, timeout_s: float | None = None) -> None:
+        """Send ``req`` and do not wait for its reply (a release the caller needs no
+        answer to): one network trip instead of two. The server still answers; the
+        reply is recognised as stale and dropped by the next ``call``. Raises as
+        ``call`` does when the request cannot be sent."""
+        frame_id = next(self._ids)
+        frame = p.encode_request(frame_id, req)
+        if len(frame) > self.max_bytes:
+            raise InvalidRequestError(f"{req.OP} request of {len(frame)} bytes exceeds the "
+                                      f"server's limit of {self.max_bytes}")
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        with self._lock:
+            sock = self._sock
+            if sock is None:
+                raise PeerUnavailableError("client is closed")
+            try:
+                self._wait(sock, zmq.POLLOUT, time.monotonic() + timeout, req.OP, sent=False,
+                           timeout=timeout)
+                sock.dealer.send(frame, zmq.NOBLOCK)
+            except (KVTimeoutError, PeerUnavailableError, AuthError):
+                self._reset()
+                raise
+
     def _receive(self, sock: _Socket, frame_id: int, deadline: float,
                  op: str) -> dict[str, Any]:
         while True:
