@@ -38,6 +38,7 @@ from kvstore.core.errors import ChecksumError, ConfigError, InvalidRequestError
 from kvstore.core.hashing import checksum
 from kvstore.core.nodeid import host_id
 from kvstore.transport.env import check_protocol
+from kvstore.transport.ranges import coalesce, split
 
 if TYPE_CHECKING:
     from kvstore.transport.te import Transport
@@ -51,6 +52,16 @@ _PAGE = 4096  # tiers.dram.PAGE_SIZE: DRAM extents start on, and are rounded up 
 # From this many bytes a TE write goes straight from the caller's buffers, registered
 # for the call (~0.1 ms/GiB), instead of being copied into staging first.
 DIRECT_WRITE_MIN_BYTES = 8 << 20
+# How a move is handed to TE (``client.te_piece_bytes``): 0 (the default) one TE
+# transfer per entry, as Mooncake Store moves one object per transfer, so that TE
+# keeps many in flight; N > 0 cuts the coalesced runs into pieces of N bytes (a
+# value above the prompt's size gives one transfer per run). Entries under a page
+# stay bridged into their neighbours either way (``_mirror``). docs/benchmarks.md,
+# "Choosing the raw-TE patterns", has the measurements behind the default.
+PER_ENTRY = 0
+# Per entry, smaller entries still travel together in pieces of this size: each TE
+# transfer has a fixed cost (~100 us here), more than a small entry's bytes.
+MIN_PIECE_BYTES = 2 << 20
 
 
 class Segment(NamedTuple):
@@ -65,8 +76,12 @@ class TeEngine:
     also how TE runs fastest here (one transfer thread per process)."""
 
     def __init__(self, te_host: str, staging_bytes: int, timeout_s: float | None = None,
-                 protocol: str = "tcp", devices: str | Sequence[str] = "") -> None:
+                 protocol: str = "tcp", devices: str | Sequence[str] = "",
+                 piece_bytes: int = PER_ENTRY) -> None:
+        if piece_bytes < 0:
+            raise ConfigError(f"te_piece_bytes must be >= 0, got {piece_bytes}")
         self.te_host = te_host
+        self.piece_bytes = piece_bytes
         self.staging_bytes = staging_bytes
         self.timeout_s = timeout_s  # bounds a TE transfer to a stalled peer (TE minimum 5 s)
         # Checked now, though the engine starts on first use: "rdma" without a NIC is
@@ -132,19 +147,21 @@ class DataPath:
 
     ``engine``: a ``TeEngine`` shared with other DataPaths (its owner closes it);
     without one this DataPath makes and owns its own from ``te_host``,
-    ``staging_bytes``, ``timeout_s``, ``protocol`` and ``devices``."""
+    ``staging_bytes``, ``timeout_s``, ``protocol``, ``devices`` and ``piece_bytes``."""
 
     def __init__(self, te_host: str, staging_bytes: int, same_node: bool | str = "auto",
                  observer: Callable[[str, float, bool], None] | None = None,
                  timeout_s: float | None = None, engine: TeEngine | None = None,
-                 protocol: str = "tcp", devices: str | Sequence[str] = "") -> None:
+                 protocol: str = "tcp", devices: str | Sequence[str] = "",
+                 piece_bytes: int = PER_ENTRY) -> None:
         if same_node not in (True, False, "auto"):
             raise ConfigError(f"same_node must be True, False or 'auto', got {same_node!r}")
         self.same_node = same_node
         self.observer = observer
         self.segment: Segment | None = None
         self._owns_engine = engine is None
-        self.engine = engine or TeEngine(te_host, staging_bytes, timeout_s, protocol, devices)
+        self.engine = engine or TeEngine(te_host, staging_bytes, timeout_s, protocol, devices,
+                                         piece_bytes)
         self.staging_bytes = self.engine.staging_bytes
         self.direct_write_min_bytes = DIRECT_WRITE_MIN_BYTES
         self._lock = self.engine.lock
@@ -308,7 +325,8 @@ class DataPath:
         offsets, local, remote, lengths = _mirror(pls, writing=True)
         for (buf, pl), off in zip(items, offsets):
             stage[off:off + pl[_NBYTES]] = buf
-        self._te().write(segment, [base + x for x in local], remote, lengths)
+        self._te().write(segment, *self._pieces([base + x for x in local], remote, lengths,
+                                                pls), merge=False)
 
     def _te_write_direct(self, segment: str, items: list[tuple[np.ndarray, list]]) -> bool:
         """TE straight from the caller's buffers, registered for this write only, when
@@ -332,8 +350,9 @@ class DataPath:
         except InvalidRequestError:  # overlaps registered memory
             return False
         try:
-            te.write(segment, [t[0] for t in transfers], [t[1] for t in transfers],
-                     [t[2] for t in transfers])
+            te.write(segment, *self._pieces([t[0] for t in transfers], [t[1] for t in transfers],
+                                            [t[2] for t in transfers], [pl for _, pl in items]),
+                     merge=False)
         finally:
             for start, _, _ in spans:
                 te.unregister(start)
@@ -342,7 +361,8 @@ class DataPath:
     def _te_read(self, segment: str, out: np.ndarray, items: list[tuple[int, list]]) -> None:
         stage, base = self._staging_buffer()
         offsets, local, remote, lengths = _mirror([e for _, e in items], writing=False)
-        self._te().read(segment, [base + x for x in local], remote, lengths)
+        self._te().read(segment, *self._pieces([base + x for x in local], remote, lengths,
+                                               [e for _, e in items]), merge=False)
         starts = [start for start, _ in items]
         for dst, src, n in _runs(starts, offsets, [e[_NBYTES] for _, e in items]):
             out[dst:dst + n] = stage[src:src + n]
@@ -365,10 +385,19 @@ class DataPath:
         except InvalidRequestError:  # overlaps registered memory (e.g. our staging)
             return False
         try:
-            te.read(segment, [shift + x for x in local], remote, lengths)
+            te.read(segment, *self._pieces([shift + x for x in local], remote, lengths,
+                                           [e for _, e in items]), merge=False)
         finally:
             te.unregister(address)
         return True
+
+    def _pieces(self, local: list[int], remote: list[int], lengths: list[int],
+                entries: list[list]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The runs as TE transfers (``PER_ENTRY`` / ``client.te_piece_bytes``)."""
+        piece = self.engine.piece_bytes
+        if piece == PER_ENTRY:  # entries of one prompt are one size: its largest
+            piece = max(MIN_PIECE_BYTES, max(e[_NBYTES] for e in entries))
+        return split(*coalesce(local, remote, lengths), piece)
 
     # -------------------------------------------------------------- resources
     def _te(self):

@@ -91,3 +91,73 @@ def test_write_refuses_a_buffer_whose_size_is_not_its_placements():
     assert path.write(seg, [np.ones(4096, np.uint8)], [pl("dram", 0, 4096)]) == [
         checksum(np.ones(4096, np.uint8))]
     path.close()
+
+
+# ------------------------------------------------------------ TE pieces
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from kvstore.client import shm as shm_mod  # noqa: E402
+from kvstore.client.datapath import MIN_PIECE_BYTES, DataPath  # noqa: E402
+from kvstore.transport.ranges import split  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1 << 30), st.integers(1, 1 << 22)), max_size=12),
+       st.integers(0, 1 << 21))
+def test_split_moves_every_byte_once_in_pieces_no_longer_than_asked(ranges, piece):
+    loc = np.array([r[0] for r in ranges], dtype=np.int64)
+    rem = loc * 3 + 7
+    ln = np.array([r[1] for r in ranges], dtype=np.int64)
+    sl, sr, sn = split(loc, rem, ln, piece)
+    if piece == 0:
+        assert np.array_equal(sn, ln)
+    # In order, each range's pieces follow one another from its start to its end,
+    # on both sides, none longer than ``piece``.
+    k = 0
+    for a, r, n in zip(loc.tolist(), rem.tolist(), ln.tolist()):
+        at = 0
+        while at < n:
+            assert (sl[k], sr[k]) == (a + at, r + at)
+            assert 0 < sn[k] <= (piece or n)
+            at += int(sn[k])
+            k += 1
+        assert at == n
+    assert k == len(sn)
+
+
+def _entries(n: int, size: int) -> list[list]:
+    return [["dram", i * size, size, 1 << 40 | i * size, 0] for i in range(n)]
+
+
+def test_one_te_transfer_per_entry_by_default_and_small_ones_travel_together():
+    path = DataPath("127.0.0.1", 1 << 20, same_node=False)
+    big = _entries(8, 2 << 20)
+    _, _, lengths = path._pieces([0], [big[0][3]], [8 * (2 << 20)], big)
+    assert lengths.tolist() == [2 << 20] * 8
+    small = _entries(64, 4096)
+    _, _, lengths = path._pieces([0], [small[0][3]], [64 * 4096], small)
+    assert lengths.tolist() == [MIN_PIECE_BYTES] * (64 * 4096 // MIN_PIECE_BYTES)
+    fixed = DataPath("127.0.0.1", 1 << 20, same_node=False, piece_bytes=1 << 30)
+    _, _, lengths = fixed._pieces([0], [big[0][3]], [8 * (2 << 20)], big)
+    assert lengths.tolist() == [8 * (2 << 20)]  # larger than the run: one transfer
+    path.close()
+    fixed.close()
+
+
+def test_parallel_copies_land_and_hash_like_one_thread(monkeypatch):
+    monkeypatch.setattr(shm_mod, "PARALLEL_MIN_BYTES", 1)
+    rng = np.random.default_rng(5)
+    arena = np.zeros(64 * 8192, dtype=np.uint8)
+    bufs = [rng.integers(0, 256, 8192, dtype=np.uint8) for _ in range(40)]
+    placements = [["dram", (i * 3 % 64) * 8192, 8192] for i in range(40)]
+    assert copy_in(arena, bufs, placements, threads=2) == [checksum(b) for b in bufs]
+    for b, pl in zip(bufs, placements):
+        assert np.array_equal(arena[pl[1]:pl[1] + 8192], b)
+    entries = [["dram", pl[1], 8192, 0, checksum(b)] for b, pl in zip(bufs, placements)]
+    items = list(zip(range(0, 40 * 8192, 8192), entries))
+    out = np.empty(40 * 8192, dtype=np.uint8)
+    assert copy_out(arena, out, items, verify=True, threads=2) is None
+    assert np.array_equal(out, np.concatenate(bufs))
+    arena[placements[30][1]] ^= 1  # entry 30 (the second thread's share) goes bad
+    arena[placements[33][1]] ^= 1
+    assert copy_out(arena, out, items, verify=True, threads=2) == 30

@@ -33,6 +33,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 import numpy as np
 import xxhash
 
+from kvstore.core.config import load_config
 from kvstore.core.layout import KVLayout
 
 LAYOUTS = {
@@ -103,9 +104,12 @@ class KVStoreSide:
     def __init__(self, cfg: dict) -> None:
         from kvstore.client.client import KVStoreClient
 
+        # KVSTORE_CLIENT_* settings reach the clients (e.g. KVSTORE_CLIENT_TE_PIECE_BYTES).
+        client_cfg = load_config().client
         self.clients = {name: KVStoreClient(cfg["server"], layout=LAYOUTS[name],
                                             te_host=cfg["host"], same_node=cfg["same_node"],
-                                            timeout_s=120.0, staging_bytes=cfg["staging_bytes"])
+                                            timeout_s=120.0, staging_bytes=cfg["staging_bytes"],
+                                            config=client_cfg)
                         for name in cfg["layouts"]}
         self.device = cfg.get("device", "cpu")
         # + a page: room for the hidden-state entry drop_select may bring along
