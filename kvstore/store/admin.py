@@ -48,7 +48,8 @@ class Admin(Operations):
                 raise InvalidRequestError("unpin of an entry that is not pinned")
             put = [self.catalog.records[k]._replace(pins=p) for k, p in pins.items()]
             gone = [r.key for r in put if self.holds.idle_at_zero(r)]
-            self.catalog.apply(put=[r for r in put if r.key not in gone], drop=gone)
+            going = set(gone)
+            self.catalog.apply(put=[r for r in put if r.key not in going], drop=gone)
             return len(pins)
 
     def evict(self, tier: str | None = None, nbytes: int | None = None,
@@ -159,6 +160,35 @@ class Admin(Operations):
             self.counts["checksum_failures"] += len(bad)
             self.catalog.apply(drop=[k for k in bad if not self.holds.leased.get(k)])
             return VerifyResult(checked, bad)
+
+    def entries_page(self, tier: str | None, after: bytes | None, limit: int
+                     ) -> tuple[list[Record], bytes | None]:
+        """Up to ``limit`` committed records (of one tier) in key order after ``after``,
+        and the key to continue from (None: no more). Keys come from the two indexes'
+        cursors, so a page costs O(limit) plus the records of other tiers skipped,
+        never a snapshot of every record."""
+        check_tier(tier)
+        if not 0 < limit:
+            raise InvalidRequestError(f"limit must be > 0, got {limit}")
+        page: list[Record] = []
+        with self.lock:
+            records = self.catalog.records
+            while True:
+                chunks = [ix.keys_after(after, limit)
+                          for ix in (self.catalog.index, self.catalog.vindex)]
+                # A full chunk may have more keys after it: merge only up to the
+                # smaller end of the full ones, and go on from there.
+                bound = min((c[-1] for c in chunks if len(c) == limit), default=None)
+                keys = sorted(k for c in chunks for k in c if bound is None or k <= bound)
+                for k in keys:
+                    rec = records.get(k)
+                    if rec is not None and (tier is None or rec.tier == tier):
+                        page.append(rec)
+                        if len(page) == limit:
+                            return page, k
+                if bound is None:
+                    return page, None
+                after = bound
 
     def entries(self, tier: str | None = None) -> Iterator[Record]:
         """A snapshot of the committed records (of one tier), for ``kvstore ls``."""
