@@ -84,12 +84,13 @@ def _dur(value: str | None) -> float | None:
 
 def _all_entries(channel: Any, tier: str | None) -> list[dict]:
     out: list[dict] = []
-    cursor: int | None = 0
-    while cursor is not None:
+    cursor: bytes | None = None
+    while True:
         reply = channel.call(p.Ls(tier=tier, cursor=cursor, limit=LS_PAGE))
         out.extend(reply["entries"])
         cursor = reply.get("next")
-    return out
+        if cursor is None:
+            return out
 
 
 def _stored_prefix(chain: list[bytes], entries: list[dict]) -> int:

@@ -477,12 +477,14 @@ class KVStoreClient:
 
     def ls(self, tier: str | None = None, limit: int = 1000) -> list[dict[str, Any]]:
         """Every entry (optionally of one tier), fetched in pages of ``limit``."""
-        out, cursor = [], 0
-        while cursor is not None:
+        out: list[dict[str, Any]] = []
+        cursor: bytes | None = None
+        while True:
             page = self._rpc.call(p.Ls(tier=tier, cursor=cursor, limit=limit))
             out.extend(page["entries"])
             cursor = page["next"]
-        return out
+            if cursor is None:
+                return out
 
     def evict(self, tier: str | None = None, nbytes: int | None = None,
               fraction: float | None = None, keys: Sequence[bytes] | None = None,

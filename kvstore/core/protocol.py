@@ -299,11 +299,15 @@ class Stats(Request):
 
 @dataclass(frozen=True)
 class Ls(Request):
+    """``cursor``: the key the previous page ended at (its reply's ``next``); nil: the
+    first page. Pages follow key order, so each costs O(limit), not O(entries)."""
+
     tier: str | None = None
-    cursor: int = 0
+    cursor: bytes | None = None
     limit: int = 1000
     OP = "ls"
-    CHECKS = {"tier": _tier, "cursor": _int, "limit": lambda n, v: _int(n, v, 1, MAX_LS_LIMIT)}
+    CHECKS = {"tier": _tier, "cursor": _opt(lambda n, v: _keys(n, [v])[0]),
+              "limit": lambda n, v: _int(n, v, 1, MAX_LS_LIMIT)}
     OPTIONAL = frozenset(CHECKS)
 
 

@@ -114,16 +114,9 @@ def verify(store: Store, req: p.Verify) -> dict:
 
 
 def ls(store: Store, req: p.Ls) -> dict:
-    # The store's listing is O(entries) per page; ls is an admin tool, not a hot path.
-    page: list[Any] = []
-    cursor = req.cursor
-    for i, entry in enumerate(store.entries(tier=req.tier)):
-        if i < cursor:
-            continue
-        if len(page) == req.limit:
-            return {"entries": page, "next": cursor + len(page)}
-        page.append(plain(entry))
-    return {"entries": page, "next": None}
+    # O(limit) per page: pages follow key order from the cursor (the last key sent).
+    records, after = store.entries_page(tier=req.tier, after=req.cursor, limit=req.limit)
+    return {"entries": [plain(r) for r in records], "next": after}
 
 
 Handler = Callable[[Store, Any], dict]  # each takes its own p.Request subclass

@@ -215,6 +215,11 @@ class Store:
         """Re-check checksums (of ``keys``, or all); drop bad entries."""
         return self._admin.verify(keys)
 
+    def entries_page(self, tier: str | None = None, after: bytes | None = None,
+                     limit: int = 1000) -> tuple[list[Record], bytes | None]:
+        """One page of ``kvstore ls``, in key order (``Admin.entries_page``)."""
+        return self._admin.entries_page(tier, after, limit)
+
     def entries(self, tier: str | None = None) -> Iterator[Record]:
         """A snapshot of the committed records (of one tier), for ``kvstore ls``."""
         return self._admin.entries(tier)

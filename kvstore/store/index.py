@@ -142,6 +142,20 @@ class Index:
         for key, value in items:
             yield decode(key, value)
 
+    def keys_after(self, after: bytes | None, limit: int) -> list[bytes]:
+        """Up to ``limit`` keys in key order, from the first one after ``after`` (from
+        the first key when None)."""
+        out: list[bytes] = []
+        with self._env.begin() as txn:
+            cur = txn.cursor()
+            ok = cur.first() if after is None else cur.set_range(after)
+            if ok and after is not None and cur.key() == after:
+                ok = cur.next()
+            while ok and len(out) < limit:
+                out.append(cur.key())
+                ok = cur.next()
+        return out
+
     # -------------------------------------------------------------- writes
     def apply(self, put: Iterable[Record] = (), delete: Iterable[bytes] = ()) -> None:
         """Write ``put`` and remove ``delete`` in one transaction (deletes first).

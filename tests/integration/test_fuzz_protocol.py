@@ -29,7 +29,7 @@ CORPUS = [
     {"op": "pin", "keys": [KEY]},
     {"op": "unpin", "keys": [KEY]},
     {"op": "evict", "tier": "dram", "fraction": 0.5, "dry_run": True},
-    {"op": "ls", "tier": None, "cursor": 0, "limit": 5},
+    {"op": "ls", "tier": None, "cursor": None, "limit": 5},
     {"op": "stats"},
     {"op": "verify"},
     {"op": "health", "deep": False},

@@ -30,7 +30,7 @@ def test_reserve_round_trip():
     p.Acquire(keys=tuple(K[:2]), tokens=(b"abcd", b"abcd"), optional_tail=True),
     p.Release(aid=9, drop=True), p.Pin(keys=(K[1],)), p.Unpin(keys=(K[1],)),
     p.Evict(tier="dram", fraction=0.5), p.Evict(everything=True, dry_run=True),
-    p.Evict(keys=(K[2],)), p.Clear(), p.Stats(), p.Ls(tier="nvme", cursor=5, limit=10),
+    p.Evict(keys=(K[2],)), p.Clear(), p.Stats(), p.Ls(tier="nvme", cursor=b"\x05" * 16, limit=10),
     p.Verify(), p.Health(deep=True)])
 def test_every_op_round_trips(req):
     rid, back = p.decode_request(p.encode_request(1, req), MAX)
