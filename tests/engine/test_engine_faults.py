@@ -150,6 +150,13 @@ def corrupt_at_rest(rig: Rig, tokens: list[int], block: int) -> None:
     from kvstore.client.shm import map_shared
 
     with rig.client() as c:
+        # At rest: after the server's scrub checked the commit (verify_commits =
+        # "background" hashes entries a second after they are stored), so the
+        # reader is the one that finds it.
+        deadline = time.monotonic() + 30
+        while c.stats()["unchecked_entries"]:
+            assert time.monotonic() < deadline, "the server's scrub never ran"
+            time.sleep(0.05)
         key = c.keys_for(tokens[:-1])[block]
         dram = c.hello()["dram"]
         offsets = {e["key"]: e["offset"] for e in c.ls()}

@@ -243,3 +243,13 @@ def transports_made(monkeypatch) -> list:
 
     monkeypatch.setattr(kvstore.transport.te, "Transport", CountedTransport)
     return made
+
+
+def wait_checked(client, timeout_s: float = 30.0) -> None:
+    """Until the server's scrub has hashed every entry committed unhashed
+    (``store.verify_commits = "background"`` checks entries once they are a second
+    old): what a test then does to the arena happens to bytes at rest."""
+    deadline = time.monotonic() + timeout_s
+    while client.stats()["unchecked_entries"]:
+        assert time.monotonic() < deadline, "the server's scrub never ran"
+        time.sleep(0.02)

@@ -14,3 +14,12 @@ def test_bench_parts_reports_each_part_of_insert_and_get(path):
         assert set(result[op]) == {"total", "move", "round trips"}
         assert all(ms > 0 for ms in result[op].values())
         assert result[op]["move"] + result[op]["round trips"] <= result[op]["total"]
+
+
+def test_bench_levers_times_every_variant_and_moves_the_whole_prompt():
+    from tools.bench.levers import GETS, PUTS
+    from tools.bench.levers import run as levers
+
+    result = levers("small", 64, reps=1)  # raises if a get came back short
+    assert list(result["put"]) == list(PUTS) and list(result["get"]) == list(GETS)
+    assert all(ms > 0 for op in result.values() for ms in op.values())

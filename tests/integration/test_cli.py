@@ -359,6 +359,10 @@ def test_verify_reports_and_drops_a_corrupt_entry(filled):
     victim = keys_of(PROMPT_A)[1]
     channel = Channel(filled.address, 5.0)
     try:
+        deadline = time.monotonic() + 30  # the server's own check first: damage at rest
+        while channel.call(p.Stats())["stats"]["unchecked_entries"]:
+            assert time.monotonic() < deadline, "the server's scrub never ran"
+            time.sleep(0.02)
         entries = channel.call(p.Ls(tier="dram"))["entries"]
     finally:
         channel.close()

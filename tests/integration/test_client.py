@@ -13,7 +13,7 @@ import torch
 from kvstore.core.errors import (ChecksumError, InvalidRequestError, NotFoundError,
                             PeerUnavailableError, TierFullError)
 from kvstore.core.layout import unpack_hf
-from tests.integration.conftest import LAYOUT, free_port, make_kv
+from tests.integration.conftest import LAYOUT, free_port, make_kv, wait_checked
 
 pytestmark = pytest.mark.timeout(120)
 PATHS = pytest.mark.parametrize("same_node", ["auto", False], ids=["shm", "te"])
@@ -111,6 +111,7 @@ def test_corrupt_bytes_are_a_checksum_miss_reported_and_dropped(clean_server, cl
 
     client = client_factory(clean_server, same_node=same_node)
     client.insert(prompt(12, 5), make_kv(12, 5))
+    wait_checked(client)  # the server's own check is done: this is damage at rest
     keys = client.keys_for(prompt(12, 5))
     dram = client.hello()["dram"]
     arena = map_shared(dram["path"], dram["nbytes"])

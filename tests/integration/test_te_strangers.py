@@ -15,6 +15,7 @@ import pytest
 from kvstore.core.errors import ChecksumError
 from kvstore.transport.te import Transport
 from tests.integration.client_worker import prompt_kv, prompt_tokens
+from tests.integration.conftest import wait_checked
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,14 +32,6 @@ def stranger():
     te.close()
 
 
-def _wait_checked(client) -> None:
-    """Until the server's scrub has hashed every entry committed unhashed."""
-    deadline = time.monotonic() + 30
-    while client.stats()["unchecked_entries"]:
-        assert time.monotonic() < deadline, "the scrub never ran"
-        time.sleep(0.02)
-
-
 def _overwrite(stranger, hello: dict, offset: int, nbytes: int) -> None:
     te, buf = stranger
     base = hello["te_probe"][0]  # the DRAM arena's first page: its base address
@@ -51,7 +44,7 @@ def test_a_strangers_write_after_commit_is_never_served(server_factory, client_f
     srv = server_factory()
     owner = client_factory(srv, same_node=False)
     owner.insert(prompt_tokens(1, N), prompt_kv(1, N))
-    _wait_checked(owner)  # the commit's bytes are checked: what follows is at rest
+    wait_checked(owner)  # the commit's bytes are checked: what follows is at rest
     hello = owner.hello()
     keys = owner.keys_for(prompt_tokens(1, N))
     where = {e["key"]: e["offset"] for e in owner.ls()}

@@ -134,9 +134,9 @@ def test_one_te_transfer_per_entry_by_default_and_small_ones_travel_together():
     big = _entries(8, 2 << 20)
     _, _, lengths = path._pieces([0], [big[0][3]], [8 * (2 << 20)], big)
     assert lengths.tolist() == [2 << 20] * 8
-    small = _entries(64, 4096)
-    _, _, lengths = path._pieces([0], [small[0][3]], [64 * 4096], small)
-    assert lengths.tolist() == [MIN_PIECE_BYTES] * (64 * 4096 // MIN_PIECE_BYTES)
+    small = _entries(1024 + 8, 4096)  # 4 MiB and 32 KiB of 4 KiB entries
+    _, _, lengths = path._pieces([0], [small[0][3]], [(1024 + 8) * 4096], small)
+    assert lengths.tolist() == [MIN_PIECE_BYTES] * (1024 * 4096 // MIN_PIECE_BYTES) + [8 * 4096]
     fixed = DataPath("127.0.0.1", 1 << 20, same_node=False, piece_bytes=1 << 30)
     _, _, lengths = fixed._pieces([0], [big[0][3]], [8 * (2 << 20)], big)
     assert lengths.tolist() == [8 * (2 << 20)]  # larger than the run: one transfer

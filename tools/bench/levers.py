@@ -1,0 +1,142 @@
+"""Issue 12's levers, each against what it replaced, side by side in one run (one node).
+
+    python -m tools.bench.levers [--layout large] [--tokens 2048] [--reps 9]
+
+Two kvstore-servers on loopback (DRAM only, sized to two prompts): one with
+``--verify-commits inline`` (the commit hashes every byte before it answers, as
+before), one with the default ``background``. Then, round by round so that every
+variant sees the same moment of this noisy machine, the same prompt size is moved
+by each variant and each call timed in the calling process:
+
+* ``put``, same node (memcpy into the server's shared arena):
+  ``inline, 1 thread`` (the old path), ``background, 1 thread``,
+  ``background, 2 threads`` (now: ``kvstore.client.shm.COPY_THREADS``);
+* ``get`` over TE (loopback TCP, into a reused buffer):
+  ``coalesced, acked release`` (the old path: one TE transfer per run of entries, and
+  a release that waits for its reply), ``coalesced, one-way release``,
+  ``pieces, one-way release`` (now: ``client.te_piece_bytes = 0``).
+
+Prints the median ms of each variant and its ratio to the old path (> 1: faster).
+Both ends are on this machine, so TE's numbers are loopback's, not a network's; the
+transfer section of ``python -m tools.bench`` measures two namespaces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tests.integration.conftest import ServerFactory
+from tools.bench.cluster_worker import LAYOUTS
+
+MiB = 1 << 20
+COALESCED = 1 << 40  # te_piece_bytes larger than any prompt: one transfer per run
+
+PUTS = ("inline, 1 thread", "background, 1 thread", "background, 2 threads")
+GETS = ("coalesced, acked release", "coalesced, one-way release", "pieces, one-way release")
+
+
+def _acked(client: Any) -> Callable[[], None]:
+    """Make ``client``'s one-way sends wait for their reply (the old release); returns
+    the undo."""
+    rpc = client._rpc
+    rpc.send = lambda req, timeout_s=None: rpc.call(req, timeout_s) and None
+    return lambda: rpc.__dict__.pop("send", None)
+
+
+def run(layout_name: str, ntokens: int, reps: int) -> dict[str, dict[str, float]]:
+    """{"put": {variant: median ms}, "get": {...}}."""
+    from kvstore.client import shm
+    from kvstore.client.client import KVStoreClient
+    from kvstore.core.config import ClientConfig
+
+    layout = LAYOUTS[layout_name]
+    nbytes = layout.nbytes(ntokens)
+    base = Path(tempfile.mkdtemp(prefix="bench-levers-"))
+    servers = ServerFactory(base)
+    times: dict[str, dict[str, list[float]]] = {"put": defaultdict(list),
+                                                "get": defaultdict(list)}
+    threads = shm.COPY_THREADS
+    try:
+        opts = dict(dram=str(2 * nbytes + 64 * MiB), nvme="0", block_tokens=layout.block_tokens,
+                    reservation_lease=60, read_lease=60)
+        inline = servers(extra=("--verify-commits", "inline"), **opts)
+        background = servers(**opts)
+
+        def client(srv: Any, same_node: Any, piece: int = 0) -> KVStoreClient:
+            return KVStoreClient(srv.address, layout=layout, timeout_s=60, same_node=same_node,
+                                 staging_bytes=nbytes + 64 * MiB,
+                                 config=ClientConfig(te_piece_bytes=piece))
+
+        writers = {PUTS[0]: (client(inline, True), 1), PUTS[1]: (client(background, True), 1),
+                   PUTS[2]: (client(background, True), threads)}
+        # The getters read what a same-node writer stored on the background server.
+        feeder = client(background, True)
+        readers = {GETS[0]: client(background, False, COALESCED),
+                   GETS[1]: client(background, False, COALESCED),
+                   GETS[2]: client(background, False)}
+        undo = _acked(readers[GETS[0]])
+        kv = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+        out = np.empty(nbytes + MiB, np.uint8)
+        serial = 0
+        for rep in range(reps + 1):
+            for name, (writer, nthreads) in writers.items():
+                serial += 1
+                tokens = (np.arange(ntokens) + serial * ntokens) % 50_000
+                shm.COPY_THREADS = nthreads
+                start = time.perf_counter()
+                writer.insert(tokens, kv=kv)
+                took = time.perf_counter() - start
+                shm.COPY_THREADS = threads
+                writer.drop_select(tokens, into=out)  # leave the server empty again
+                if rep:  # the first round is a warm-up (page faults, TE start)
+                    times["put"][name].append(took)
+            for name, reader in readers.items():
+                serial += 1
+                tokens = (np.arange(ntokens) + serial * ntokens) % 50_000
+                feeder.insert(tokens, kv=kv)
+                start = time.perf_counter()
+                got = reader.drop_select(tokens, into=out)
+                took = time.perf_counter() - start
+                if got.matched_tokens != ntokens:
+                    raise RuntimeError(f"{name}: got {got.matched_tokens} of {ntokens} tokens")
+                if rep:
+                    times["get"][name].append(took)
+        undo()
+        for c in [*(w for w, _ in writers.values()), feeder, *readers.values()]:
+            c.close()
+    finally:
+        shm.COPY_THREADS = threads
+        servers.stop_all()
+        shutil.rmtree(base, ignore_errors=True)
+    return {op: {k: statistics.median(v) * 1e3 for k, v in t.items()} for op, t in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="issue 12's levers side by side")
+    parser.add_argument("--layout", default="large", choices=sorted(LAYOUTS))
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--reps", type=int, default=9)
+    args = parser.parse_args(argv)
+    result = run(args.layout, args.tokens, args.reps)
+    mib = LAYOUTS[args.layout].nbytes(args.tokens) / MiB
+    print(f"{args.layout} layout, {args.tokens} tokens ({mib:.0f} MiB), median of {args.reps}, "
+          "ratio = old path's ms / this one's:")
+    for op, variants in result.items():
+        old = next(iter(variants.values()))
+        for name, ms in variants.items():
+            print(f"  {op:3s}  {name:28s} {ms:8.2f} ms  {old / ms:5.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
