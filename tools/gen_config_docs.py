@@ -86,9 +86,10 @@ HELP = {
     "client.te_devices": "RDMA NICs the client's TE may use (those nearest its GPU); "
                          "empty: every NIC TE finds.",
     "client.staging_bytes": "Client staging buffer registered with TE.",
-    "client.te_piece_bytes": "How a move is handed to TE: 0, one TE transfer per entry "
-                             "(at least 64 KiB together), so TE keeps many in flight; N, "
-                             "the entries' contiguous runs cut into N-byte transfers.",
+    "client.te_piece_bytes": "How a move is handed to TE: 0, one TE transfer per run of "
+                             "entries contiguous on both sides; N, the runs cut into "
+                             "N-byte transfers that TE keeps in flight together (slower "
+                             "over TCP here; try it with RDMA).",
     "client.curve_server_public_key": "Server public key file (CURVE); empty: no CURVE.",
     "client.curve_secret_key": "Client key pair file written by `kvstore keys`.",
     "client.etcd": "etcd of a cluster; the client finds nodes there instead of `server`.",

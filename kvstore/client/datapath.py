@@ -53,15 +53,12 @@ _PAGE = 4096  # tiers.dram.PAGE_SIZE: DRAM extents start on, and are rounded up 
 # for the call (~0.1 ms/GiB), instead of being copied into staging first.
 DIRECT_WRITE_MIN_BYTES = 8 << 20
 # How a move is handed to TE (``client.te_piece_bytes``): 0 (the default) one TE
-# transfer per entry, as Mooncake Store moves one object per transfer, so that TE
-# keeps many in flight; N > 0 cuts the coalesced runs into pieces of N bytes (a
-# value above the prompt's size gives one transfer per run). Entries under a page
-# stay bridged into their neighbours either way (``_mirror``). docs/benchmarks.md,
-# "Choosing the raw-TE patterns", has the measurements behind the default.
-PER_ENTRY = 0
-# Per entry, smaller entries still travel together in pieces of this size: each TE
-# transfer has a fixed cost (~100 us here), more than a small entry's bytes.
-MIN_PIECE_BYTES = 2 << 20
+# transfer per run of entries contiguous on both sides; N > 0 cuts the runs into
+# pieces of N bytes, so that TE keeps several in flight. Over TCP here, 2 MiB pieces
+# were slower than whole runs (docs/benchmarks.md, "Issue 12's levers"); on RDMA with
+# several NICs, measure again. Entries under a page stay bridged into their
+# neighbours either way (``_mirror``).
+WHOLE_RUNS = 0
 
 
 class Segment(NamedTuple):
@@ -77,7 +74,7 @@ class TeEngine:
 
     def __init__(self, te_host: str, staging_bytes: int, timeout_s: float | None = None,
                  protocol: str = "tcp", devices: str | Sequence[str] = "",
-                 piece_bytes: int = PER_ENTRY) -> None:
+                 piece_bytes: int = WHOLE_RUNS) -> None:
         if piece_bytes < 0:
             raise ConfigError(f"te_piece_bytes must be >= 0, got {piece_bytes}")
         self.te_host = te_host
@@ -153,7 +150,7 @@ class DataPath:
                  observer: Callable[[str, float, bool], None] | None = None,
                  timeout_s: float | None = None, engine: TeEngine | None = None,
                  protocol: str = "tcp", devices: str | Sequence[str] = "",
-                 piece_bytes: int = PER_ENTRY) -> None:
+                 piece_bytes: int = WHOLE_RUNS) -> None:
         if same_node not in (True, False, "auto"):
             raise ConfigError(f"same_node must be True, False or 'auto', got {same_node!r}")
         self.same_node = same_node
@@ -325,8 +322,8 @@ class DataPath:
         offsets, local, remote, lengths = _mirror(pls, writing=True)
         for (buf, pl), off in zip(items, offsets):
             stage[off:off + pl[_NBYTES]] = buf
-        self._te().write(segment, *self._pieces([base + x for x in local], remote, lengths,
-                                                pls), merge=False)
+        self._te().write(segment, *self._pieces([base + x for x in local], remote, lengths),
+                             merge=False)
 
     def _te_write_direct(self, segment: str, items: list[tuple[np.ndarray, list]]) -> bool:
         """TE straight from the caller's buffers, registered for this write only, when
@@ -351,8 +348,7 @@ class DataPath:
             return False
         try:
             te.write(segment, *self._pieces([t[0] for t in transfers], [t[1] for t in transfers],
-                                            [t[2] for t in transfers], [pl for _, pl in items]),
-                     merge=False)
+                                            [t[2] for t in transfers]), merge=False)
         finally:
             for start, _, _ in spans:
                 te.unregister(start)
@@ -361,8 +357,8 @@ class DataPath:
     def _te_read(self, segment: str, out: np.ndarray, items: list[tuple[int, list]]) -> None:
         stage, base = self._staging_buffer()
         offsets, local, remote, lengths = _mirror([e for _, e in items], writing=False)
-        self._te().read(segment, *self._pieces([base + x for x in local], remote, lengths,
-                                               [e for _, e in items]), merge=False)
+        self._te().read(segment, *self._pieces([base + x for x in local], remote, lengths),
+                        merge=False)
         starts = [start for start, _ in items]
         for dst, src, n in _runs(starts, offsets, [e[_NBYTES] for _, e in items]):
             out[dst:dst + n] = stage[src:src + n]
@@ -385,19 +381,16 @@ class DataPath:
         except InvalidRequestError:  # overlaps registered memory (e.g. our staging)
             return False
         try:
-            te.read(segment, *self._pieces([shift + x for x in local], remote, lengths,
-                                           [e for _, e in items]), merge=False)
+            te.read(segment, *self._pieces([shift + x for x in local], remote, lengths),
+                    merge=False)
         finally:
             te.unregister(address)
         return True
 
-    def _pieces(self, local: list[int], remote: list[int], lengths: list[int],
-                entries: list[list]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The runs as TE transfers (``PER_ENTRY`` / ``client.te_piece_bytes``)."""
-        piece = self.engine.piece_bytes
-        if piece == PER_ENTRY:  # entries of one prompt are one size: its largest
-            piece = max(MIN_PIECE_BYTES, max(e[_NBYTES] for e in entries))
-        return split(*coalesce(local, remote, lengths), piece)
+    def _pieces(self, local: list[int], remote: list[int], lengths: list[int]
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The runs as TE transfers: whole, or cut per ``client.te_piece_bytes``."""
+        return split(*coalesce(local, remote, lengths), self.engine.piece_bytes)
 
     # -------------------------------------------------------------- resources
     def _te(self):

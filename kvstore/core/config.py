@@ -187,7 +187,7 @@ class ClientConfig:
     te_protocol: str = "tcp"  # tcp | rdma; the same as the servers'
     te_devices: str = ""  # RDMA NICs this client's TE may use; empty: all
     staging_bytes: Size = 256 << 20
-    te_piece_bytes: Size = 0  # 0: one TE transfer per entry; N: runs cut into N-byte pieces
+    te_piece_bytes: Size = 0  # 0: one TE transfer per contiguous run; N: N-byte pieces
     curve_server_public_key: str = ""
     curve_secret_key: str = ""
     etcd: str = ""

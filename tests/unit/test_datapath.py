@@ -97,7 +97,7 @@ def test_write_refuses_a_buffer_whose_size_is_not_its_placements():
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from kvstore.client import shm as shm_mod  # noqa: E402
-from kvstore.client.datapath import MIN_PIECE_BYTES, DataPath  # noqa: E402
+from kvstore.client.datapath import DataPath  # noqa: E402
 from kvstore.transport.ranges import split  # noqa: E402
 
 
@@ -125,23 +125,16 @@ def test_split_moves_every_byte_once_in_pieces_no_longer_than_asked(ranges, piec
     assert k == len(sn)
 
 
-def _entries(n: int, size: int) -> list[list]:
-    return [["dram", i * size, size, 1 << 40 | i * size, 0] for i in range(n)]
-
-
-def test_one_te_transfer_per_entry_by_default_and_small_ones_travel_together():
-    path = DataPath("127.0.0.1", 1 << 20, same_node=False)
-    big = _entries(8, 2 << 20)
-    _, _, lengths = path._pieces([0], [big[0][3]], [8 * (2 << 20)], big)
-    assert lengths.tolist() == [2 << 20] * 8
-    small = _entries(1024 + 8, 4096)  # 4 MiB and 32 KiB of 4 KiB entries
-    _, _, lengths = path._pieces([0], [small[0][3]], [(1024 + 8) * 4096], small)
-    assert lengths.tolist() == [MIN_PIECE_BYTES] * (1024 * 4096 // MIN_PIECE_BYTES) + [8 * 4096]
-    fixed = DataPath("127.0.0.1", 1 << 20, same_node=False, piece_bytes=1 << 30)
-    _, _, lengths = fixed._pieces([0], [big[0][3]], [8 * (2 << 20)], big)
-    assert lengths.tolist() == [8 * (2 << 20)]  # larger than the run: one transfer
-    path.close()
-    fixed.close()
+def test_whole_runs_by_default_and_pieces_when_asked():
+    run = ([0, 1 << 30], [1 << 40, 1 << 41], [8 << 20, 3 << 20])
+    whole = DataPath("127.0.0.1", 1 << 20, same_node=False)
+    assert whole._pieces(*run)[2].tolist() == [8 << 20, 3 << 20]
+    cut = DataPath("127.0.0.1", 1 << 20, same_node=False, piece_bytes=2 << 20)
+    local, remote, lengths = cut._pieces(*run)
+    assert lengths.tolist() == [2 << 20] * 4 + [2 << 20, 1 << 20]
+    assert remote.tolist()[:2] == [1 << 40, (1 << 40) + (2 << 20)]
+    whole.close()
+    cut.close()
 
 
 def test_parallel_copies_land_and_hash_like_one_thread(monkeypatch):
