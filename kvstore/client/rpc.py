@@ -113,6 +113,21 @@ class Channel:
 
     def call(self, req: p.Request, timeout_s: float | None = None) -> dict[str, Any]:
         """Send ``req`` and return the reply map; a server error is raised as its class."""
+        result = self._exchange(req, timeout_s, wait_reply=True)
+        assert result is not None
+        if "error" in result:
+            raise result["error"]
+        return result
+
+    def send(self, req: p.Request, timeout_s: float | None = None) -> None:
+        """Send ``req`` and do not wait for its reply (a release the caller needs no
+        answer to): one network trip instead of two. The server still answers; the
+        reply is recognised as stale and dropped by the next ``call``. Raises as
+        ``call`` does when the request cannot be sent."""
+        self._exchange(req, timeout_s, wait_reply=False)
+
+    def _exchange(self, req: p.Request, timeout_s: float | None,
+                  wait_reply: bool) -> dict[str, Any] | None:
         frame_id = next(self._ids)
         frame = p.encode_request(frame_id, req)
         if len(frame) > self.max_bytes:
@@ -127,33 +142,9 @@ class Channel:
             try:
                 self._wait(sock, zmq.POLLOUT, deadline, req.OP, sent=False, timeout=timeout)
                 sock.dealer.send(frame, zmq.NOBLOCK)
-                result = self._receive(sock, frame_id, deadline, req.OP)
-            except (KVTimeoutError, PeerUnavailableError, AuthError):
-                self._reset()
-                raise
-        if "error" in result:
-            raise result["error"]
-        return result
-
-    def send(self, req: p.Request, timeout_s: float | None = None) -> None:
-        """Send ``req`` and do not wait for its reply (a release the caller needs no
-        answer to): one network trip instead of two. The server still answers; the
-        reply is recognised as stale and dropped by the next ``call``. Raises as
-        ``call`` does when the request cannot be sent."""
-        frame_id = next(self._ids)
-        frame = p.encode_request(frame_id, req)
-        if len(frame) > self.max_bytes:
-            raise InvalidRequestError(f"{req.OP} request of {len(frame)} bytes exceeds the "
-                                      f"server's limit of {self.max_bytes}")
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        with self._lock:
-            sock = self._sock
-            if sock is None:
-                raise PeerUnavailableError("client is closed")
-            try:
-                self._wait(sock, zmq.POLLOUT, time.monotonic() + timeout, req.OP, sent=False,
-                           timeout=timeout)
-                sock.dealer.send(frame, zmq.NOBLOCK)
+                if not wait_reply:
+                    return None
+                return self._receive(sock, frame_id, deadline, req.OP)
             except (KVTimeoutError, PeerUnavailableError, AuthError):
                 self._reset()
                 raise

@@ -248,3 +248,17 @@ def test_an_insert_that_skips_blocks_the_server_holds_sends_only_the_rest(clean_
     stats = client.stats()
     assert stats["reservations"] == 0
     assert client.lookup(other).matched_tokens == bt  # block 0 only: nothing of it stored
+
+
+def test_the_one_way_release_is_applied_before_the_clients_next_request(clean_server,
+                                                                         client_factory):
+    """drop_select does not wait for its release's reply: the client's next request
+    sees it applied (one DEALER, served in order), and the late reply is dropped as
+    stale instead of being taken for the next call's answer."""
+    client = client_factory(clean_server)
+    for i in range(5):
+        client.insert(prompt(12, 40 + i), make_kv(12, 40 + i))
+        assert client.drop_select(prompt(12, 40 + i)).matched_tokens == 12
+        stats = client.stats()  # the reply to this stats call, not the release's
+        assert stats["leases"] == 0 and stats["entries"] == 0
+    assert client.lookup(prompt(12, 40)).matched_tokens == 0
