@@ -362,6 +362,16 @@ def peek_id(frame: bytes, max_bytes: int) -> int:
     return rid if type(rid) is int and 0 <= rid <= MAX_ID else 0
 
 
+def peek_op(frame: bytes, max_bytes: int) -> str:
+    """The op a frame names, if it can be read; "" otherwise."""
+    try:
+        msg = _unpack(frame, max_bytes)
+    except InvalidRequestError:
+        return ""
+    op = msg.get("op") if type(msg) is dict else None
+    return op if type(op) is str else ""
+
+
 def decode_request(frame: bytes, max_bytes: int) -> tuple[int, Request]:
     """Frame -> (request id, validated request). Raises ``InvalidRequestError``."""
     msg = _unpack(frame, max_bytes)

@@ -56,6 +56,10 @@ _INPROC = itertools.count()
 Observer = Callable[[str, float, bool], None]
 
 
+# Ops answered however long they waited (Server._never_busy).
+NEVER_BUSY = frozenset({"release", "abort"})
+
+
 class Server:
     """Owns the ROUTER socket; the store and transport are handed in (and closed here)."""
 
@@ -189,11 +193,18 @@ class Server:
                 working = self._working_since
                 wait = (now - working if working is not None else 0.0) \
                     + len(self._queue) * self._service_s
-                if wait <= self._busy_after:
+                if wait <= self._busy_after or self._never_busy(frames):
                     self._queue.append((frames, now))
                     self._wake.notify()
                     continue
             self._sock.send_multipart(self._busy(frames, wait))
+
+    def _never_busy(self, frames: list[bytes]) -> bool:
+        """Releases and aborts are always served, however late: they only give back
+        what the server holds (refused, a lease or reservation would stay until it
+        expires), and drop_select's last release is one-way, so its sender would
+        never hear a ``busy``. Read only on the slow path, when ``busy`` is due."""
+        return p.peek_op(frames[-1], self.max_bytes) in NEVER_BUSY
 
     def _busy(self, frames: list[bytes], waited: float) -> list[bytes]:
         with self._counters_lock:
@@ -227,8 +238,8 @@ class Server:
                         frames, arrived = item
                         start = time.monotonic()
                         waited = start - arrived
-                        reply = (self._busy(frames, waited) if waited > self._busy_after
-                                 else self._respond(frames))
+                        late = waited > self._busy_after and not self._never_busy(frames)
+                        reply = self._busy(frames, waited) if late else self._respond(frames)
                         out.send_multipart(reply)
                         spent = time.monotonic() - start
                         self._service_s += _EWMA * (spent - self._service_s)

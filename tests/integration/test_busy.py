@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvstore.core import protocol as p
-from kvstore.core.errors import BusyError
+from kvstore.core.errors import BusyError, KVStoreError
 from kvstore.core.layout import KVLayout
 
 pytestmark = pytest.mark.timeout(180)
@@ -70,5 +70,14 @@ def test_a_request_behind_slow_work_is_answered_busy_at_once(server_factory, cli
     assert answered < alone
     stats = _patient(other.stats)
     assert stats["busy"] >= 1 and stats["checksum_failures"] == 0
+    # A release (or abort) is never refused, however long it waits: it only gives
+    # back what the server holds, and drop_select sends its last release one-way.
+    worker = threading.Thread(target=admin.verify)
+    worker.start()
+    time.sleep(0.2)  # the verify is in flight again
+    with pytest.raises(KVStoreError) as refused:  # no such lease: answered, not busy
+        other._rpc.call(p.Release(aid=12345, drop=False))
+    assert not isinstance(refused.value, BusyError), refused.value
+    worker.join()
     got = _patient(other.drop_select, _tokens(0))  # served normally again
     assert got.matched_tokens == PROMPT and np.array_equal(got.kv.numpy(), _kv(0))
