@@ -12,7 +12,8 @@ buffer addresses, file offsets and lengths are multiples of the logical block si
 
 Not memory: ``address`` and ``view`` are None, TE never sees this tier. Contents
 survive a restart; the store re-``claim``s the extents its index still names.
-One thread at a time (the store's lock): the bounce buffer is shared.
+Thread-safe: every I/O call holds the tier's own lock, since the bounce buffer is
+shared and the store's background writeback writes while requests read.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import logging
 import mmap
 import os
 import stat
+import threading
 
 from tiers.errors import ConfigError, InvalidRequestError
 from tiers.arena import ArenaTier
@@ -106,6 +108,7 @@ class NvmeTier(ArenaTier):
         usable, self.block_device = _usable_size(path, capacity)
         super().__init__(usable, PAGE_SIZE)
         self.path, self.fsync_mode = path, fsync
+        self._io_lock = threading.RLock()  # the bounce buffer and the fd's state
         self._bounce = mmap.mmap(-1, BOUNCE_BYTES, mmap.MAP_PRIVATE)  # page-aligned
         self._bounce_view = memoryview(self._bounce)
         fd, self.direct = self._open(direct)
@@ -133,24 +136,28 @@ class NvmeTier(ArenaTier):
 
     # ------------------------------------------------------------ I/O
     def write(self, extent: Extent, data: memoryview) -> None:
-        self._move(extent, self._checked(extent, data), write=True)
-        self._written()
+        with self._io_lock:
+            self._move(extent, self._checked(extent, data), write=True)
+            self._written()
 
     def read_into(self, extent: Extent, out: memoryview) -> None:
-        self._move(extent, self._checked(extent, out, writable=True), write=False)
+        with self._io_lock:
+            self._move(extent, self._checked(extent, out, writable=True), write=False)
 
     def write_many(self, extents: list[Extent], datas: list[memoryview]) -> None:
         """Write every extent, adjacent ones in one ``pwritev`` (tiers/nvme_runs.py)."""
         same_length(extents, datas)
         srcs = [self._checked(e, d) for e, d in zip(extents, datas)]
-        self.calls += self._runs().run(list(extents), srcs, write=True)
-        self._written()
+        with self._io_lock:
+            self.calls += self._runs().run(list(extents), srcs, write=True)
+            self._written()
 
     def read_many(self, extents: list[Extent], outs: list[memoryview]) -> None:
         """Read every extent, adjacent ones in one ``preadv``."""
         same_length(extents, outs)
         dsts = [self._checked(e, o, writable=True) for e, o in zip(extents, outs)]
-        self.calls += self._runs().run(list(extents), dsts, write=False)
+        with self._io_lock:
+            self.calls += self._runs().run(list(extents), dsts, write=False)
 
     def _runs(self) -> RunIO:
         self._require_open()
@@ -171,9 +178,10 @@ class NvmeTier(ArenaTier):
             self.flush()
 
     def flush(self) -> None:
-        if self._dirty and self.fsync_mode != "never":
-            os.fdatasync(self._require_open())
-        self._dirty = False
+        with self._io_lock:
+            if self._dirty and self.fsync_mode != "never":
+                os.fdatasync(self._require_open())
+            self._dirty = False
 
     def _direct_io(self, buf: memoryview, offset: int, write: bool) -> None:
         """Move ``buf`` to/from ``offset``. The page-aligned head of a page-aligned
@@ -202,12 +210,13 @@ class NvmeTier(ArenaTier):
 
     # ------------------------------------------------------------ lifetime
     def close(self) -> None:
-        if self._fd is None:
-            return
-        self.flush()
-        os.close(self._fd)
-        self._fd = None
-        self._close_bounce()
+        with self._io_lock:
+            if self._fd is None:
+                return
+            self.flush()
+            os.close(self._fd)
+            self._fd = None
+            self._close_bounce()
 
     def _close_bounce(self) -> None:
         self._bounce_view.release()
