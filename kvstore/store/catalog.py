@@ -67,6 +67,9 @@ class Catalog:
         # (store.verify_commits = "background"): key -> the checksum the writer gave.
         # Store.scrub_step checks them off the request path; a dropped record leaves.
         self.unchecked: dict[bytes, int] = {}
+        # Of those, the ones the scrub found bad while someone held them: key -> the
+        # record's ``created``. Every read verifies them; dropped once unheld.
+        self.condemned: dict[bytes, float] = {}
         self.orders = {name: GroupOrder(sort_key, self._member_of(name),
                                         self._members_of(name))
                        for name in tiers}
@@ -175,6 +178,7 @@ class Catalog:
             rec = self.records.pop(key)
             self.pinned -= rec.pins > 0
             self.unchecked.pop(key, None)
+            self.condemned.pop(key, None)
             del self.by_tier[rec.tier][key]
             self.copies.pop(key, None)
             for ext in owned(rec):

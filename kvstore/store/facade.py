@@ -355,28 +355,28 @@ class Store:
 
     def scrub_step(self, batch_bytes: int = 64 << 20, min_age_s: float = 0.0) -> int:
         """Hash the next entries that were committed unhashed (up to ``batch_bytes``)
-        and drop those that do not match what their writer claimed. The hashing runs
-        without the lock, so requests go on meanwhile (``Writes.finish_check`` says
-        how a record that changes in between is settled). Returns how many were
-        hashed."""
+        and drop those that do not match what their writer claimed (``Writes.
+        finish_check`` and ``drop_condemned`` say how, and how a record that changes
+        meanwhile is settled). The hashing, and any copy out of a tier without views
+        (GPU), run without the lock, so requests go on meanwhile. Returns how many
+        were hashed."""
         with self._lock:
             if self._closed:
                 return 0
+            dropped = self._writes.drop_condemned()
             batch = self._writes.unchecked_batch(batch_bytes, min_age_s)
-            if not batch:
-                return 0
-            # Taken under the lock: a view of a DRAM extent stays valid memory (the
-            # arena outlives the store's records), only its bytes can change.
-            views = [self.place.io.read_bytes(rec) for rec in batch]
-        sums = [checksum(view) for view in views]
-        del views
-        with self._lock:
-            if self._closed:
-                return 0
-            bad = self._writes.finish_check(batch, sums)
-        if bad:
+        # Without the lock: an extent's memory stays valid (the arena outlives its
+        # records; close joins this thread first), only its bytes can change.
+        sums = [checksum(self.place.io.read_bytes(rec)) for rec in batch]
+        if batch:
+            with self._lock:
+                if self._closed:
+                    return 0
+                self._writes.finish_check(batch, sums)
+                dropped += self._writes.drop_condemned()
+        if dropped:
             log.warning("%d committed entries did not match their writer's checksum "
-                        "(first %s): dropped", len(bad), bad[0].hex())
+                        "(first %s): dropped", len(dropped), dropped[0].hex())
         return len(batch)
 
     def _maybe_reap(self) -> None:
@@ -399,7 +399,7 @@ class Store:
                 "leased_entries": len(self.holds.leased),
                 "pinned_entries": self.catalog.pinned,
                 "nvme_copies": len(self.catalog.copies),
-                "unchecked_entries": len(self.catalog.unchecked)}
+                "unchecked_entries": len(self.catalog.unchecked) + len(self.catalog.condemned)}
             for name in _COUNTED:
                 out[name] = c.events[name]
             return out

@@ -124,49 +124,65 @@ class Writes(Operations):
         from NVMe is verified)."""
         picked: list[Record] = []
         size = 0
-        unchecked = self.catalog.unchecked
+        unchecked, records = self.catalog.unchecked, self.catalog.records
         young = time.time() - min_age_s
-        for key in list(unchecked):
+        stale = []
+        for key, value in unchecked.items():
             if size >= batch_bytes:
                 break
-            rec = self.catalog.records.get(key)
-            if rec is None or rec.tier == "nvme" or rec.checksum != unchecked[key]:
-                unchecked.pop(key, None)
+            rec = records.get(key)
+            if rec is None or rec.tier == "nvme" or rec.checksum != value:
+                stale.append(key)
                 continue
             if rec.created > young:
                 break  # commit order: the rest are younger still
             picked.append(rec)
             size += rec.nbytes
+        for key in stale:
+            del unchecked[key]
         return picked
 
     def finish_check(self, checked: list[Record], sums: list[int]) -> list[bytes]:
-        """Settle a scrub round whose hashes ran without the lock: a record that was
-        still the same one throughout and matched is checked; a mismatch is hashed
-        again now, under the lock (its extent may have been freed and rewritten while
-        it was hashed), and if still bad counted in ``commit_checksum_failures`` and
-        dropped (a leased one stays listed: its reader verifies it, the next round
-        drops it). Returns the keys found bad."""
+        """Settle a scrub round whose hashes ran without the lock. A record that is
+        still the same one (same place, same commit) and matched is checked. A
+        mismatch is hashed again now, under the lock (its extent may have been freed
+        and rewritten while it was hashed); if still bad the record is condemned
+        (``catalog.condemned``: every read of it verifies) and dropped as soon as no
+        one holds it (``drop_condemned``). Returns the keys found bad."""
         bad: list[bytes] = []
-        unchecked = self.catalog.unchecked
+        unchecked, records = self.catalog.unchecked, self.catalog.records
         for rec, got in zip(checked, sums):
-            now = self.catalog.records.get(rec.key)
+            now = records.get(rec.key)
             if now is None or unchecked.get(rec.key) != rec.checksum:
                 continue  # gone, or a new record under the key: its own entry decides
-            if (now.tier, now.offset) != (rec.tier, rec.offset):
-                continue  # moved meanwhile: checked again next round (or on NVMe reads)
+            if (now.tier, now.offset, now.created) != (rec.tier, rec.offset, rec.created):
+                continue  # moved or stored again meanwhile: its entry decides
+            del unchecked[rec.key]
             if got != rec.checksum and checksum(self.io.read_bytes(now)) != now.checksum:
                 bad.append(rec.key)
-                if self.holds.leased.get(rec.key):
-                    continue
-            unchecked.pop(rec.key, None)
-        drop = [k for k in bad if not self.holds.leased.get(k)]
-        if drop:
-            try:
-                self.catalog.apply(drop=drop)
-            except StorageError:
-                return bad  # counted and logged by the catalog; the entries stay listed
-            self.counts["commit_checksum_failures"] += len(drop)
+                self.catalog.condemned[rec.key] = now.created
         return bad
+
+    def drop_condemned(self) -> list[bytes]:
+        """Drop the condemned records no one holds any more (counted in
+        ``commit_checksum_failures``); the held ones wait for their holders. If the
+        index refuses the drop, they stay condemned and are tried again."""
+        records, condemned = self.catalog.records, self.catalog.condemned
+        due = []
+        for key, created in list(condemned.items()):
+            rec = records.get(key)
+            if rec is None or rec.created != created:
+                del condemned[key]  # gone, or stored again since
+            elif not self.holds.leased.get(key):
+                due.append(key)
+        if not due:
+            return []
+        try:
+            self.catalog.apply(drop=due)  # leaves ``condemned`` with the records
+        except StorageError:
+            return []  # counted and logged by the catalog
+        self.counts["commit_checksum_failures"] += len(due)
+        return due
 
     def _commit_verified(self, op: Open, new: list[int], sums: list[int],
                          pin: bool = False) -> CommitResult:

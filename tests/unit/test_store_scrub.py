@@ -43,10 +43,14 @@ def test_an_unchecked_entry_is_verified_when_read(make_store):
     # Leased: the scrub finds it bad but leaves it to the lease (its reader holds it).
     assert store.scrub_step() == 2
     assert 2 in where(store) and store.stats()["unchecked_entries"] == 1
+    assert store.scrub_step() == 0  # nothing more to hash: the thread idles, no spin
+    with pytest.raises(ChecksumError):
+        store.read(acq.id, 1)  # condemned: still verified on every read
     store.release(acq.id)
-    store.scrub_step()
+    assert store.scrub_step() == 0
     assert where(store) == {1: "dram"}
     assert store.stats()["commit_checksum_failures"] == 1
+    assert store.stats()["unchecked_entries"] == 0
 
 
 def test_entries_that_go_or_move_before_the_scrub_leave_its_list(make_store):
@@ -73,11 +77,21 @@ def test_a_record_replaced_while_it_was_hashed_is_not_judged_by_the_old_bytes(ma
     acq = store.acquire([key(1)], [toks(1)], claim=True)
     store.release(acq.id, drop=True)
     put(store, [1])
-    # A hash that does not match (taken while the bytes changed) is checked again
-    # under the lock, against the bytes there now: they are good, so nothing goes.
+    # The hash (here a wrong one) was of the old record: the new one, stored since
+    # (same key, same bytes, maybe the same place), is neither judged nor cleared.
     assert store._writes.finish_check(batch, [0]) == []
-    assert where(store) == {1: "dram"} and store.stats()["unchecked_entries"] == 0
+    assert where(store) == {1: "dram"} and store.stats()["unchecked_entries"] == 1
+    assert store.scrub_step() == 1  # its own check
+    assert store.stats()["unchecked_entries"] == 0
     assert store.stats()["commit_checksum_failures"] == 0
+
+
+def test_a_hash_taken_while_the_bytes_changed_is_confirmed_under_the_lock(make_store):
+    store = make_store(dram=4)
+    put(store, [1])
+    batch = store._writes.unchecked_batch(1 << 20)
+    assert store._writes.finish_check(batch, [0]) == []  # hashed again: the bytes are good
+    assert where(store) == {1: "dram"} and store.stats()["unchecked_entries"] == 0
 
 
 def test_inline_mode_fails_the_commit_and_stores_nothing(make_store):
