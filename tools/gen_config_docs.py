@@ -88,8 +88,8 @@ HELP = {
     "client.staging_bytes": "Client staging buffer registered with TE.",
     "client.te_piece_bytes": "How a move is handed to TE: 0, one TE transfer per run of "
                              "entries contiguous on both sides; N, the runs cut into "
-                             "N-byte transfers that TE keeps in flight together (slower "
-                             "over TCP here; try it with RDMA).",
+                             "N-byte transfers (N >= 64KiB) that TE keeps in flight "
+                             "together (slower over TCP here; try it with RDMA).",
     "client.curve_server_public_key": "Server public key file (CURVE); empty: no CURVE.",
     "client.curve_secret_key": "Client key pair file written by `kvstore keys`.",
     "client.etcd": "etcd of a cluster; the client finds nodes there instead of `server`.",

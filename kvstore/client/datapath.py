@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
 import numpy as np
 
 from kvstore.client.shm import copy_in, copy_out
+from kvstore.core.config import MIN_TE_PIECE_BYTES
 from kvstore.core.errors import ChecksumError, ConfigError, InvalidRequestError
 from kvstore.core.hashing import checksum
 from kvstore.core.nodeid import host_id
@@ -75,8 +76,9 @@ class TeEngine:
     def __init__(self, te_host: str, staging_bytes: int, timeout_s: float | None = None,
                  protocol: str = "tcp", devices: str | Sequence[str] = "",
                  piece_bytes: int = WHOLE_RUNS) -> None:
-        if piece_bytes < 0:
-            raise ConfigError(f"te_piece_bytes must be >= 0, got {piece_bytes}")
+        if piece_bytes < 0 or 0 < piece_bytes < MIN_TE_PIECE_BYTES:
+            raise ConfigError(f"te_piece_bytes must be 0 or at least {MIN_TE_PIECE_BYTES}, "
+                              f"got {piece_bytes}")
         self.te_host = te_host
         self.piece_bytes = piece_bytes
         self.staging_bytes = staging_bytes

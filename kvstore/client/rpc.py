@@ -11,6 +11,7 @@ A monitor socket watches the connection: a refused CURVE handshake becomes an
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import threading
@@ -30,6 +31,8 @@ _EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
            | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 _REPLY_CAP = 256 << 20  # a reply larger than this is refused by libzmq
+_ONE_WAY_KEPT = 1024  # ids of one-way sends remembered, to report a failed one
+_CLOSE_LINGER_MS = 1000
 
 
 class CurveKeys(NamedTuple):
@@ -59,9 +62,9 @@ class _Socket(NamedTuple):
     dealer: zmq.Socket
     monitor: zmq.Socket
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
         self.dealer.disable_monitor()
-        self.dealer.close(0)
+        self.dealer.close(linger_ms)
         self.monitor.close(0)
 
 
@@ -75,6 +78,7 @@ class Channel:
         self.max_bytes = max_bytes
         self.curve = curve
         self._ids = itertools.count(1)
+        self._one_way: collections.OrderedDict[int, str] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._ctx = zmq.Context()
         self._sock: _Socket | None = None  # None once closed
@@ -126,6 +130,11 @@ class Channel:
         ``call`` does when the request cannot be sent."""
         self._exchange(req, timeout_s, wait_reply=False)
 
+    def _sent_one_way(self, frame_id: int, op: str) -> None:
+        self._one_way[frame_id] = op
+        while len(self._one_way) > _ONE_WAY_KEPT:
+            self._one_way.popitem(last=False)
+
     def _exchange(self, req: p.Request, timeout_s: float | None,
                   wait_reply: bool) -> dict[str, Any] | None:
         frame_id = next(self._ids)
@@ -143,6 +152,7 @@ class Channel:
                 self._wait(sock, zmq.POLLOUT, deadline, req.OP, sent=False, timeout=timeout)
                 sock.dealer.send(frame, zmq.NOBLOCK)
                 if not wait_reply:
+                    self._sent_one_way(frame_id, req.OP)
                     return None
                 return self._receive(sock, frame_id, deadline, req.OP)
             except (KVTimeoutError, PeerUnavailableError, AuthError):
@@ -156,7 +166,11 @@ class Channel:
             rid, result = p.decode_reply(sock.dealer.recv(zmq.NOBLOCK), _REPLY_CAP)
             if rid == frame_id:
                 return result
-            log.debug("dropping stale reply %s (waiting for %s)", rid, frame_id)
+            op = self._one_way.pop(rid, "")
+            if op and "error" in result:
+                log.warning("one-way %s to %s failed: %s", op, self.address, result["error"])
+            else:
+                log.debug("dropping stale reply %s (waiting for %s)", rid, frame_id)
 
     def _wait(self, sock: _Socket, event: int, deadline: float, op: str, sent: bool,
               timeout: float | None = None) -> None:
@@ -207,6 +221,7 @@ class Channel:
     def close(self) -> None:
         with self._lock:
             if self._sock is not None:
-                self._sock.close()
+                # A one-way release still queued gets this long to leave.
+                self._sock.close(linger_ms=_CLOSE_LINGER_MS)
                 self._sock = None
             self._ctx.term()

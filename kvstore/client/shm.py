@@ -54,6 +54,16 @@ def _executor() -> ThreadPoolExecutor:
         return _pool
 
 
+def _forget_pool() -> None:
+    """In a forked child: the parent's pool threads do not exist here, but the pool
+    thinks they do (work handed to it would never run). Start afresh."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
 def _groups(sizes: Sequence[int], threads: int) -> list[tuple[int, int]]:
     """``[lo, hi)`` index ranges, in order, of about equal bytes each: one per thread
     (fewer when there are fewer items), or one range below PARALLEL_MIN_BYTES."""

@@ -179,6 +179,9 @@ class ClusterConfig:
         _positive(self, "ttl_s", "placement_blocks")
 
 
+MIN_TE_PIECE_BYTES = 64 << 10  # smaller TE transfers cost more than they carry
+
+
 @dataclass(frozen=True)
 class ClientConfig:
     server: str = "tcp://127.0.0.1:7700"
@@ -195,6 +198,9 @@ class ClientConfig:
     def __post_init__(self) -> None:
         _sizes(self, "staging_bytes", "te_piece_bytes")
         _positive(self, "timeout_s")
+        if 0 < self.te_piece_bytes < MIN_TE_PIECE_BYTES:
+            raise ConfigError(f"client.te_piece_bytes: {self.te_piece_bytes} is below "
+                              f"{MIN_TE_PIECE_BYTES} (64KiB); 0 keeps whole runs")
         _te_settings(self, "client")
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvstore.core import protocol as p
 from kvstore.core.errors import (ChecksumError, InvalidRequestError, NotFoundError,
                             PeerUnavailableError, TierFullError)
 from kvstore.core.layout import unpack_hf
@@ -66,6 +67,7 @@ def test_two_consumers_of_one_prefix_both_get_it(clean_server, client_factory):
         got = consumer.drop_select(prompt(9))
         assert got.matched_tokens == 9 and np.array_equal(got.kv.numpy(), kv)
     assert c1.drop_select(prompt(9)).matched_tokens == 0
+    c2.stats()  # c2's release was one-way: its next reply comes after it is applied
     assert producer.stats()["entries"] == 0
 
 
@@ -262,3 +264,12 @@ def test_the_one_way_release_is_applied_before_the_clients_next_request(clean_se
         stats = client.stats()  # the reply to this stats call, not the release's
         assert stats["leases"] == 0 and stats["entries"] == 0
     assert client.lookup(prompt(12, 40)).matched_tokens == 0
+
+
+def test_a_failed_one_way_release_is_logged_not_lost_in_silence(clean_server, client_factory,
+                                                                caplog):
+    client = client_factory(clean_server)
+    client._rpc.send(p.Release(aid=424242, drop=True))  # no such lease
+    with caplog.at_level("WARNING", logger="kvstore.client.rpc"):
+        client.stats()  # reads past the release's (error) reply
+    assert any("one-way release" in r.getMessage() for r in caplog.records), caplog.text

@@ -154,3 +154,26 @@ def test_parallel_copies_land_and_hash_like_one_thread(monkeypatch):
     arena[placements[30][1]] ^= 1  # entry 30 (the second thread's share) goes bad
     arena[placements[33][1]] ^= 1
     assert copy_out(arena, out, items, verify=True, threads=2) == 30
+
+
+def _copy_in_parallel() -> list[int]:
+    arena = np.zeros(8 << 20, dtype=np.uint8)
+    bufs = [np.full(2 << 20, i, dtype=np.uint8) for i in range(4)]
+    return copy_in(arena, bufs, [["dram", i * (2 << 20), 2 << 20] for i in range(4)], threads=2)
+
+
+def test_a_forked_child_still_copies_on_two_threads():
+    """vLLM forks workers: the parent's copy pool has no threads in the child, and
+    work handed to it would wait forever. The child starts its own."""
+    import multiprocessing
+
+    want = _copy_in_parallel()  # the parent's pool exists now
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=lambda: queue.put(_copy_in_parallel()))
+    child.start()
+    child.join(60)
+    if child.is_alive():
+        child.kill()
+    assert child.exitcode == 0, "the forked child hung or died copying"
+    assert queue.get(timeout=5) == want
