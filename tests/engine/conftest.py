@@ -220,8 +220,11 @@ class Disagg:
 
 
 def connector_config(spec: ModelSpec, server: ServerProc, te_host: str, **extra) -> dict:
+    # A lookup's budget is 0.25 s by default; these engines share 2 cores, and a lookup
+    # that overruns it marks the server down: tests of what a lookup finds get 5 s.
     return {"server": server.address, "te_host": te_host, "model_id": spec.name,
-            "same_node": "auto", "timeout_s": 10.0, "staging_bytes": "32MiB", **extra}
+            "same_node": "auto", "timeout_s": 10.0, "staging_bytes": "32MiB",
+            "lookup_timeout_s": 5.0, **extra}
 
 
 @pytest.fixture(scope="module")

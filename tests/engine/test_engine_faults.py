@@ -54,7 +54,7 @@ SMALL_CACHE_BLOCKS = 33
 LEASE_S = 3.0  # the server's reservation and read leases: orphans drain fast
 # Short bounds, so a stopped server costs seconds; down_s short, so the test after a
 # fault finds the server tried again.
-TIMEOUTS = dict(timeout_s=4.0, load_wait_s=2.0, down_s=1.0)
+TIMEOUTS = dict(timeout_s=4.0, load_wait_s=2.0, down_s=1.0, lookup_timeout_s=0.25)
 PHASE_LENS = {"corrupt_recompute": (100, 300), "corrupt_fail": (100, 300),
               "stopped_load": (100, 300), "stopped_save": (300, 100),
               "late_load": (300,), "late_save": (300,), "reuse_load": (300,) * 3,

@@ -72,7 +72,11 @@ class Trio:
         (tmp / "servers").mkdir()
         self.servers = ServerFactory(tmp / "servers")
         self.server = self.servers(dram="256MiB", nvme="64MiB", block_tokens=block)
-        conn = {"server": self.server.address, "model_id": spec.name, "timeout_s": 30.0}
+        # lookup_timeout_s: these tests check what a lookup finds, not its budget (0.25 s
+        # by default): on 2 cores busy with TP engines a first lookup has overrun it,
+        # marked the server down and made every prompt a recompute.
+        conn = {"server": self.server.address, "model_id": spec.name, "timeout_s": 30.0,
+                "lookup_timeout_s": 5.0}
         kw = dict(max_model_len=1100, block_size=block, in_process=in_process,
                   engine_args=engine_args, env=env)
         self.plain = EngineProc(model, spec.dtype, log_path=tmp / "plain.log", name="plain",
