@@ -20,6 +20,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import msgpack
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 import torch
 
 from kvstore.core import protocol as p
@@ -566,6 +567,22 @@ def _hidden_tensor(raw: np.ndarray, meta: bytes) -> torch.Tensor | None:
         raise ChecksumError(f"hidden entry has unusable meta: {exc}") from None
 
 
+def _strided_runs(new: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int, int]]:
+    """``(offset in data, entry bytes, arena offset)`` entries as runs ``(offset in data,
+    entry bytes, first arena offset, arena step, count)``: consecutive entries of one
+    size, back to back in data, each the same step after the last in the arena."""
+    runs: list[tuple[int, int, int, int, int]] = []
+    for at, n, arena in new:
+        if runs:
+            r_at, r_n, r_arena, step, count = runs[-1]
+            gap = arena - (r_arena + (count - 1) * step)
+            if n == r_n and at == r_at + count * n and gap >= n and (count == 1 or gap == step):
+                runs[-1] = (r_at, n, r_arena, gap, count + 1)
+                continue
+        runs.append((at, n, arena, n, 1))
+    return runs
+
+
 class PendingInsert:
     """``KVStoreClient.begin_insert``'s reservation, filled in parts.
 
@@ -575,7 +592,10 @@ class PendingInsert:
     takes them) into the reserved extents of the server's shared arena, and feeds
     each entry's checksum with them while layers come in order (the checksum is of
     ``data``: what the caller meant to store; the server verifies its arena bytes
-    against it, as for any insert). ``commit(data)`` copies and hashes the layers
+    against it, as for any insert, per ``store.verify_commits``). Layer i of a run of
+    equal entries that lie back to back in ``data`` and evenly apart in the arena (a
+    prompt's blocks, reserved together) is one strided copy, not one per entry.
+    ``commit(data)`` copies and hashes the layers
     not done yet and commits; ``abort`` gives the room back. The same ``data`` must
     be passed each time. Not thread-safe: one thread drives it."""
 
@@ -593,6 +613,7 @@ class PendingInsert:
                 self._new.append((at, n, placements[i][1]))
             at += n
         self.nbytes = at  # what ``data`` must hold
+        self._runs = _strided_runs(self._new)
         self._written: set[int] = set()
         self._sums = [checksummer() for _ in self._new]
         self._hashed = 0  # layers fed to the checksums, in order
@@ -612,10 +633,13 @@ class PendingInsert:
             return
         flat = self._check(data)
         start = time.perf_counter()
-        for at, n, arena in self._new:
+        for at, n, arena, step, count in self._runs:  # one strided copy per run
             part = n // self._layers
             lo = layer * part
-            self._shm[arena + lo:arena + lo + part] = flat[at + lo:at + lo + part]
+            src = as_strided(flat[at + lo:], shape=(count, part), strides=(n, 1),
+                             writeable=False)
+            dst = as_strided(self._shm[arena + lo:], shape=(count, part), strides=(step, 1))
+            dst[...] = src
         self._written.add(layer)
         while self._hashed in self._written:  # a checksum takes its layers in order
             for (at, n, _), summer in zip(self._new, self._sums):

@@ -177,3 +177,17 @@ def test_a_forked_child_still_copies_on_two_threads():
         child.kill()
     assert child.exitcode == 0, "the forked child hung or died copying"
     assert queue.get(timeout=5) == want
+
+
+def test_layer_writes_group_a_prompts_blocks_into_strided_runs():
+    from kvstore.client.client import _strided_runs
+
+    n = 3 * 4096 + 512  # page-rounded in the arena: entries 16 KiB apart
+    blocks = [(i * n, n, 1 << 20 | i * 16384) for i in range(4)]
+    assert _strided_runs(blocks) == [(0, n, 1 << 20, 16384, 4)]
+    # A block already stored (not written: a gap in data), a smaller last block, and an
+    # arena jump each start a new run; nothing is ever grouped out of order.
+    mixed = [(0, n, 0), (n, n, 16384), (3 * n, n, 32768), (4 * n, 512, 49152),
+             (4 * n + 512, 512, 1 << 30)]
+    assert _strided_runs(mixed) == [(0, n, 0, 16384, 2), (3 * n, n, 32768, n, 1),
+                                    (4 * n, 512, 49152, (1 << 30) - 49152, 2)]
