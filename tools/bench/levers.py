@@ -38,6 +38,7 @@ import numpy as np
 
 from tests.integration.conftest import ServerFactory
 from tools.bench.cluster_worker import LAYOUTS
+from tools.bench.parts import server_opts
 
 MiB = 1 << 20
 PIECE = 2 * MiB
@@ -69,8 +70,7 @@ def run(layout_name: str, ntokens: int, reps: int) -> dict[str, dict[str, float]
                                                 "get": defaultdict(list)}
     threads = shm.COPY_THREADS
     try:
-        opts = dict(dram=str(2 * nbytes + 64 * MiB), nvme="0", block_tokens=layout.block_tokens,
-                    reservation_lease=60, read_lease=60)
+        opts = server_opts(layout, nbytes)
         inline = servers(extra=("--verify-commits", "inline"), **opts)
         background = servers(**opts)
 

@@ -49,6 +49,13 @@ def _timed(obj: Any, name: str, label: str, sink: dict[str, float]) -> None:
     setattr(obj, name, wrapper)
 
 
+def server_opts(layout: Any, nbytes: int) -> dict[str, Any]:
+    """``ServerFactory`` options of a one-node bench server: DRAM only, room for two
+    prompts of ``nbytes``, leases long enough for any round."""
+    return dict(dram=str(2 * nbytes + 64 * MiB), nvme="0", block_tokens=layout.block_tokens,
+                reservation_lease=60, read_lease=60)
+
+
 def run(layout_name: str, ntokens: int, path: str, reps: int) -> dict[str, dict[str, float]]:
     """Median ms per part of insert and drop_select."""
     from kvstore.client.client import KVStoreClient
@@ -60,8 +67,7 @@ def run(layout_name: str, ntokens: int, path: str, reps: int) -> dict[str, dict[
     parts: dict[str, dict[str, list[float]]] = {"insert": defaultdict(list),
                                                 "get": defaultdict(list)}
     try:
-        srv = servers(dram=str(2 * nbytes + 64 * MiB), nvme="0",
-                      block_tokens=layout.block_tokens, reservation_lease=60, read_lease=60)
+        srv = servers(**server_opts(layout, nbytes))
         client = KVStoreClient(srv.address, layout=layout, timeout_s=60,
                                same_node="auto" if path == "shm" else False,
                                staging_bytes=nbytes + 64 * MiB)
