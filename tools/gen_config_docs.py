@@ -86,10 +86,14 @@ HELP = {
     "client.te_devices": "RDMA NICs the client's TE may use (those nearest its GPU); "
                          "empty: every NIC TE finds.",
     "client.staging_bytes": "Client staging buffer registered with TE.",
-    "client.te_piece_bytes": "How a move is handed to TE: 0, one TE transfer per run of "
-                             "entries contiguous on both sides; N, the runs cut into "
-                             "N-byte transfers (N >= 64KiB) that TE keeps in flight "
-                             "together (slower over TCP here; try it with RDMA).",
+    "client.te_piece_bytes": "How a move is cut into TE transfers: 0, as `te_wait` "
+                             "chooses (yield: 4 MiB pieces, a quarter of a move under "
+                             "16 MiB; spin: one transfer per run of entries contiguous "
+                             "on both sides); N, N-byte pieces (N >= 64KiB).",
+    "client.te_wait": "How the client waits for TE: `yield` (default), the pieces in "
+                      "flight together as async batches, each hashed as it lands, the "
+                      "wait yielding the CPU; `spin`, TE's sync calls, which busy-wait a "
+                      "core until the last byte (try it where cores are plenty).",
     "client.curve_server_public_key": "Server public key file (CURVE); empty: no CURVE.",
     "client.curve_secret_key": "Client key pair file written by `kvstore keys`.",
     "client.etcd": "etcd of a cluster; the client finds nodes there instead of `server`.",

@@ -118,7 +118,7 @@ class KVStoreClient:
                               same_node, observer, timeout_s=self.timeout_s, engine=te_engine,
                               protocol=te_protocol or cfg.te_protocol,
                               devices=cfg.te_devices if te_devices is None else te_devices,
-                              piece_bytes=cfg.te_piece_bytes)
+                              piece_bytes=cfg.te_piece_bytes, wait=cfg.te_wait)
         self._rpc = Channel(self.server, self.timeout_s, curve=curve)
         self._hello: dict[str, Any] | None = None
 

@@ -39,7 +39,7 @@ from kvstore.core.errors import ChecksumError, ConfigError, InvalidRequestError
 from kvstore.core.hashing import checksum
 from kvstore.core.nodeid import host_id
 from kvstore.transport.env import check_protocol
-from kvstore.transport.ranges import coalesce, split
+from kvstore.transport.ranges import coalesce, split, stream_piece
 
 if TYPE_CHECKING:
     from kvstore.transport.te import Transport
@@ -53,13 +53,17 @@ _PAGE = 4096  # tiers.dram.PAGE_SIZE: DRAM extents start on, and are rounded up 
 # From this many bytes a TE write goes straight from the caller's buffers, registered
 # for the call (~0.1 ms/GiB), instead of being copied into staging first.
 DIRECT_WRITE_MIN_BYTES = 8 << 20
-# How a move is handed to TE (``client.te_piece_bytes``): 0 (the default) one TE
-# transfer per run of entries contiguous on both sides; N > 0 cuts the runs into
-# pieces of N bytes, so that TE keeps several in flight. Over TCP here, 2 MiB pieces
-# were slower than whole runs (docs/benchmarks.md, "Issue 12's levers"); on RDMA with
-# several NICs, measure again. Entries under a page stay bridged into their
-# neighbours either way (``_mirror``).
+# How a move is handed to TE. ``client.te_wait``: "yield" (the default) streams it
+# (``Transport.stream``): pieces in flight together as one-entry async batches, the
+# wait yielding the CPU, each piece hashed as it lands; "spin" hands each run to
+# TE's sync call, which busy-waits a core until the last byte, and hashes after.
+# ``client.te_piece_bytes``: 0 (the default) lets the wait choose (streamed:
+# ``ranges.stream_piece``; spin: one transfer per run of entries contiguous on both
+# sides); N > 0 cuts runs into N-byte pieces either way. Measured in
+# docs/benchmarks.md ("Streamed transfers"). Entries under a page stay bridged into
+# their neighbours either way (``_mirror``).
 WHOLE_RUNS = 0
+WAITS = ("yield", "spin")
 
 
 class Segment(NamedTuple):
@@ -75,12 +79,15 @@ class TeEngine:
 
     def __init__(self, te_host: str, staging_bytes: int, timeout_s: float | None = None,
                  protocol: str = "tcp", devices: str | Sequence[str] = "",
-                 piece_bytes: int = WHOLE_RUNS) -> None:
+                 piece_bytes: int = WHOLE_RUNS, wait: str = "yield") -> None:
         if piece_bytes < 0 or 0 < piece_bytes < MIN_TE_PIECE_BYTES:
             raise ConfigError(f"te_piece_bytes must be 0 or at least {MIN_TE_PIECE_BYTES}, "
                               f"got {piece_bytes}")
+        if wait not in WAITS:
+            raise ConfigError(f"te_wait must be one of {WAITS}, got {wait!r}")
         self.te_host = te_host
         self.piece_bytes = piece_bytes
+        self.wait = wait
         self.staging_bytes = staging_bytes
         self.timeout_s = timeout_s  # bounds a TE transfer to a stalled peer (TE minimum 5 s)
         # Checked now, though the engine starts on first use: "rdma" without a NIC is
@@ -146,13 +153,14 @@ class DataPath:
 
     ``engine``: a ``TeEngine`` shared with other DataPaths (its owner closes it);
     without one this DataPath makes and owns its own from ``te_host``,
-    ``staging_bytes``, ``timeout_s``, ``protocol``, ``devices`` and ``piece_bytes``."""
+    ``staging_bytes``, ``timeout_s``, ``protocol``, ``devices``, ``piece_bytes`` and
+    ``wait``."""
 
     def __init__(self, te_host: str, staging_bytes: int, same_node: bool | str = "auto",
                  observer: Callable[[str, float, bool], None] | None = None,
                  timeout_s: float | None = None, engine: TeEngine | None = None,
                  protocol: str = "tcp", devices: str | Sequence[str] = "",
-                 piece_bytes: int = WHOLE_RUNS) -> None:
+                 piece_bytes: int = WHOLE_RUNS, wait: str = "yield") -> None:
         if same_node not in (True, False, "auto"):
             raise ConfigError(f"same_node must be True, False or 'auto', got {same_node!r}")
         self.same_node = same_node
@@ -160,7 +168,7 @@ class DataPath:
         self.segment: Segment | None = None
         self._owns_engine = engine is None
         self.engine = engine or TeEngine(te_host, staging_bytes, timeout_s, protocol, devices,
-                                         piece_bytes)
+                                         piece_bytes, wait)
         self.staging_bytes = self.engine.staging_bytes
         self.direct_write_min_bytes = DIRECT_WRITE_MIN_BYTES
         self._lock = self.engine.lock
@@ -224,7 +232,8 @@ class DataPath:
         each buffer's checksum (``kvstore.core.hashing.checksum``, xxh3_64) for the commit.
         A same-node copy hashes each entry right after copying it, in the same loop
         (``kvstore.client.shm``: measured faster than copy-all-then-hash for 64 KiB
-        and for 2 MiB entries)."""
+        and for 2 MiB entries); a TE write hashes its sources while they are on the
+        wire (streamed; after it, with ``te_wait = "spin"``)."""
         sums: list[int] = [0] * len(buffers)
         shm = seg.shm
         local, remote, where = [], [], []
@@ -245,12 +254,18 @@ class DataPath:
             for i, value in zip(local, local_sums):
                 sums[i] = value
         if remote:
+            def hash_sources(items: list[int]) -> Callable[[], None]:
+                def run() -> None:
+                    for k in items:
+                        sums[where[k]] = checksum(remote[k][0])
+                return run
+
             with self._lock, self._timed("te_write"):
-                if not self._te_write_direct(seg.name, remote):
+                if not self._te_write_direct(seg.name, remote,
+                                             hash_sources(list(range(len(remote))))):
                     for group in self._groups([pl[_NBYTES] for _, pl in remote]):
-                        self._te_write(seg.name, [remote[i] for i in group])
-            for i, (buf, _) in zip(where, remote):
-                sums[i] = checksum(buf)
+                        self._te_write(seg.name, [remote[i] for i in group],
+                                       hash_sources(group))
         return sums
 
     def read(self, seg: Segment, entries: list[list], into: Any = None,
@@ -265,7 +280,8 @@ class DataPath:
 
         ``verify``: each entry's bytes as they arrived must match the checksum it was
         stored with (entry field 4), else ``ChecksumError``; a same-node copy hashes
-        each entry right after copying it, as ``write`` does."""
+        each entry right after copying it, as ``write`` does, and a streamed TE read
+        each entry as soon as all of it has landed, while the rest is on the wire."""
         sizes = [e[_NBYTES] for e in entries]
         out = _output(into, sum(sizes))
         starts = np.cumsum([0, *sizes[:-1]]).tolist()
@@ -281,14 +297,16 @@ class DataPath:
             if bad is not None:
                 raise _corrupt(local[bad][1], entries)
         if remote:
-            with self._lock, self._timed("te_read"):
-                if into is None or not self._te_read_direct(seg.name, out, remote):
-                    for group in self._groups([e[_NBYTES] for _, e in remote]):
-                        self._te_read(seg.name, out, [remote[i] for i in group])
-            if verify:
-                for start, e in remote:
+            def check(items: list[tuple[int, list]]) -> None:
+                for start, e in items:
                     if checksum(out[start:start + e[_NBYTES]]) != e[_CHECKSUM]:
                         raise _corrupt(e, entries)
+
+            landed = check if verify else None
+            with self._lock, self._timed("te_read"):
+                if into is None or not self._te_read_direct(seg.name, out, remote, landed):
+                    for group in self._groups([e[_NBYTES] for _, e in remote]):
+                        self._te_read(seg.name, out, [remote[i] for i in group], landed)
         return out
 
     @contextlib.contextmanager
@@ -318,16 +336,18 @@ class DataPath:
             used += n + _PAGE
         return [g for g in groups if g]
 
-    def _te_write(self, segment: str, items: list[tuple[np.ndarray, list]]) -> None:
+    def _te_write(self, segment: str, items: list[tuple[np.ndarray, list]],
+                  overlap: Callable[[], None]) -> None:
         stage, base = self._staging_buffer()
         pls = [pl for _, pl in items]
         offsets, local, remote, lengths = _mirror(pls, writing=True)
         for (buf, pl), off in zip(items, offsets):
             stage[off:off + pl[_NBYTES]] = buf
-        self._te().write(segment, *self._pieces([base + x for x in local], remote, lengths),
-                             merge=False)
+        self._move("write", segment, [base + x for x in local], remote, lengths,
+                   overlap=overlap)
 
-    def _te_write_direct(self, segment: str, items: list[tuple[np.ndarray, list]]) -> bool:
+    def _te_write_direct(self, segment: str, items: list[tuple[np.ndarray, list]],
+                         overlap: Callable[[], None]) -> bool:
         """TE straight from the caller's buffers, registered for this write only, when
         the write is large and needs about as few transfers as through staging (a
         prompt's entries are views of one packed array; a hidden tensor adds one).
@@ -349,24 +369,36 @@ class DataPath:
         except InvalidRequestError:  # overlaps registered memory
             return False
         try:
-            te.write(segment, *self._pieces([t[0] for t in transfers], [t[1] for t in transfers],
-                                            [t[2] for t in transfers]), merge=False)
+            self._move("write", segment, [t[0] for t in transfers], [t[1] for t in transfers],
+                       [t[2] for t in transfers], overlap=overlap)
         finally:
             for start, _, _ in spans:
                 te.unregister(start)
         return True
 
-    def _te_read(self, segment: str, out: np.ndarray, items: list[tuple[int, list]]) -> None:
+    def _te_read(self, segment: str, out: np.ndarray, items: list[tuple[int, list]],
+                 landed: Callable[[list[tuple[int, list]]], None] | None) -> None:
+        """Through staging: each entry is copied out (and handed to ``landed``) as soon
+        as all of it has arrived."""
         stage, base = self._staging_buffer()
         offsets, local, remote, lengths = _mirror([e for _, e in items], writing=False)
-        self._te().read(segment, *self._pieces([base + x for x in local], remote, lengths),
-                        merge=False)
-        starts = [start for start, _ in items]
-        for dst, src, n in _runs(starts, offsets, [e[_NBYTES] for _, e in items]):
-            out[dst:dst + n] = stage[src:src + n]
+        order = sorted(range(len(items)), key=offsets.__getitem__)
 
-    def _te_read_direct(self, segment: str, out: np.ndarray, items: list[tuple[int, list]]
-                        ) -> bool:
+        def arrived(first: int, last: int) -> None:
+            done = [items[i] for i in order[first:last]]
+            sizes = [e[_NBYTES] for _, e in done]
+            for dst, src, n in _runs([start for start, _ in done],
+                                     [offsets[i] for i in order[first:last]], sizes):
+                out[dst:dst + n] = stage[src:src + n]
+            if landed is not None:
+                landed(done)
+
+        self._move("read", segment, [base + x for x in local], remote, lengths,
+                   ends=[base + offsets[i] + items[i][1][_NBYTES] for i in order],
+                   arrived=arrived)
+
+    def _te_read_direct(self, segment: str, out: np.ndarray, items: list[tuple[int, list]],
+                        landed: Callable[[list[tuple[int, list]]], None] | None) -> bool:
         """TE straight into ``out`` (registered for this read only) when the entries
         land in it exactly as they would in staging: one run, no bridged gaps. Saves
         the staging-to-output copy (a fifth of a large prompt's drop_select here) and
@@ -382,17 +414,63 @@ class DataPath:
             te.register(address, out.nbytes)
         except InvalidRequestError:  # overlaps registered memory (e.g. our staging)
             return False
+        order = sorted(range(len(items)), key=lambda i: items[i][0])
         try:
-            te.read(segment, *self._pieces([shift + x for x in local], remote, lengths),
-                    merge=False)
+            self._move("read", segment, [shift + x for x in local], remote, lengths,
+                       ends=[address + items[i][0] + items[i][1][_NBYTES] for i in order],
+                       arrived=None if landed is None else
+                       lambda first, last: landed([items[i] for i in order[first:last]]))
         finally:
             te.unregister(address)
         return True
 
+    def _move(self, op: str, segment: str, local: list[int], remote: list[int],
+              lengths: list[int], overlap: Callable[[], None] | None = None,
+              ends: list[int] | None = None,
+              arrived: Callable[[int, int], None] | None = None) -> None:
+        """One TE move of the runs, per ``te_wait`` and ``te_piece_bytes``.
+
+        ``overlap()`` runs while the bytes are on the wire (spin: after). For a read,
+        ``ends`` are the local end addresses of the caller's items, ascending, and
+        ``arrived(first, last)`` is called for items ``first:last`` once all of them
+        have landed, in order, each item once."""
+        loc, rem, ln = self._pieces(local, remote, lengths)
+        te = self._te()
+        done = 0
+
+        def landed_below(limit: int) -> None:
+            nonlocal done
+            if ends is None or arrived is None:
+                return
+            last = done
+            while last < len(ends) and ends[last] <= limit:
+                last += 1
+            if last > done:
+                first, done = done, last
+                arrived(first, last)
+
+        if self.engine.wait == "spin":
+            (te.write if op == "write" else te.read)(segment, loc, rem, ln, merge=False)
+            if overlap is not None:
+                overlap()
+            landed_below(1 << 63)
+            return
+        order = np.argsort(loc, kind="stable")  # landed prefixes are local prefixes
+        loc, rem, ln = loc[order], rem[order], ln[order]
+        tops = (loc + ln).tolist()
+        te.stream(op, segment, loc, rem, ln, overlap=overlap,
+                  on_landed=None if arrived is None else lambda n: landed_below(tops[n - 1]))
+        landed_below(1 << 63)  # nothing left, unless ranges were empty
+
     def _pieces(self, local: list[int], remote: list[int], lengths: list[int]
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The runs as TE transfers: whole, or cut per ``client.te_piece_bytes``."""
-        return split(*coalesce(local, remote, lengths), self.engine.piece_bytes)
+        """The runs as TE transfers: cut per ``client.te_piece_bytes``, else whole
+        (spin) or in ``stream_piece`` pieces (yield)."""
+        loc, rem, ln = coalesce(local, remote, lengths)
+        piece = self.engine.piece_bytes
+        if not piece and self.engine.wait == "yield":
+            piece = stream_piece(int(ln.sum()))
+        return split(loc, rem, ln, piece)
 
     # -------------------------------------------------------------- resources
     def _te(self):

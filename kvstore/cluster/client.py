@@ -102,7 +102,8 @@ class ClusterClient:
         shared = client_opts.pop("te_engine", None)
         self._owns_engine = shared is None
         self.te_engine = shared or TeEngine(te_host, staging_bytes, timeout_s,
-                                            te_protocol, te_devices, cfg.te_piece_bytes)
+                                            te_protocol, te_devices, cfg.te_piece_bytes,
+                                            cfg.te_wait)
         self._client_args = dict(layout=layout, model_id=model_id, tp_rank=tp_rank,
                                  tp_size=tp_size, salt=salt, pp_rank=pp_rank,
                                  pp_size=pp_size, timeout_s=timeout_s,

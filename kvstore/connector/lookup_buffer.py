@@ -144,7 +144,7 @@ class KVStoreLookupBuffer:
         self._owns_engine = shared is None
         self._engine = shared or TeEngine(te_host, staging_bytes, timeout_s, protocol,
                                           cfg.te_devices if devices is None else devices,
-                                          cfg.te_piece_bytes)
+                                          cfg.te_piece_bytes, cfg.te_wait)
         # Half the staging buffer: a part and its prompt's few small entries always
         # fit one staged move, whatever slack the data path keeps between entries.
         self.record_part_bytes = self._engine.staging_bytes // 2

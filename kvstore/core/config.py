@@ -190,7 +190,8 @@ class ClientConfig:
     te_protocol: str = "tcp"  # tcp | rdma; the same as the servers'
     te_devices: str = ""  # RDMA NICs this client's TE may use; empty: all
     staging_bytes: Size = 256 << 20
-    te_piece_bytes: Size = 0  # 0: one TE transfer per contiguous run; N: N-byte pieces
+    te_piece_bytes: Size = 0  # 0: chosen by te_wait; N: N-byte pieces
+    te_wait: str = "yield"  # yield: streamed async pieces; spin: TE's busy-waiting sync calls
     curve_server_public_key: str = ""
     curve_secret_key: str = ""
     etcd: str = ""
@@ -200,7 +201,9 @@ class ClientConfig:
         _positive(self, "timeout_s")
         if 0 < self.te_piece_bytes < MIN_TE_PIECE_BYTES:
             raise ConfigError(f"client.te_piece_bytes: {self.te_piece_bytes} is below "
-                              f"{MIN_TE_PIECE_BYTES} (64KiB); 0 keeps whole runs")
+                              f"{MIN_TE_PIECE_BYTES} (64KiB); 0 lets te_wait choose")
+        if self.te_wait not in ("yield", "spin"):
+            raise ConfigError(f"client.te_wait must be 'yield' or 'spin', got {self.te_wait!r}")
         _te_settings(self, "client")
 
 

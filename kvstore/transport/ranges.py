@@ -72,3 +72,20 @@ def split(local: np.ndarray, remote: np.ndarray, lengths: np.ndarray, piece: int
     owner = np.repeat(np.arange(len(lengths)), counts)
     return (local[owner] + within, remote[owner] + within,
             np.minimum(lengths[owner] - within, piece))
+
+
+STREAM_PIECE_BYTES = 4 << 20  # a large move's pieces (``Transport.stream``)
+STREAM_MIN_PIECES = 4  # a small move is still cut in this many, so its hashing overlaps
+STREAM_MIN_PIECE_BYTES = 256 << 10
+_PAGE = 4096
+
+
+def stream_piece(nbytes: int) -> int:
+    """The piece size ``Transport.stream`` moves ``nbytes`` in when the caller chose
+    none: 4 MiB, or for a move under 16 MiB a quarter of it (page-rounded, at least
+    256 KiB), so that the first pieces land, and get hashed, while the rest are on the
+    wire. Measured in docs/benchmarks.md ("Streamed transfers")."""
+    if nbytes >= STREAM_MIN_PIECES * STREAM_PIECE_BYTES:
+        return STREAM_PIECE_BYTES
+    quarter = -(-nbytes // STREAM_MIN_PIECES)
+    return max(STREAM_MIN_PIECE_BYTES, -(-quarter // _PAGE) * _PAGE)

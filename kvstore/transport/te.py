@@ -13,9 +13,11 @@ TE reports failures as return codes, crashes on misuse and can block for long;
   A stalled peer fails a sync call after about that bound. Not bounded by us: a
   port that accepts TCP but is no TE peer blocks the first handshake ~62 s, so
   callers verify a peer over the control plane before the first transfer.
-* Only the sync batch calls are used: the async API segfaults on a reused batch
-  id and misreports multi-entry batches. A batch carries at most
-  ``MAX_BATCH_ENTRIES`` entries (TE's TCP transport fails batches of ~2050+).
+* Sync batch calls (``read``/``write``) carry at most ``MAX_BATCH_ENTRIES`` entries
+  (TE's TCP transport fails batches of ~2050+). ``stream`` uses the async API only
+  the way it is safe: one entry per batch (a multi-entry batch's status is its
+  first entry's), each id polled until done or failed and never again (a second
+  look at a freed id segfaults).
 * One lock serialises TE calls: sync calls busy-wait a core (GIL released), and on
   2 cores one transfer thread per process is fastest.
 * Local ranges must lie inside regions registered here: TE on TCP would read any
@@ -44,7 +46,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -78,6 +80,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 P2P = "P2PHANDSHAKE"
 DEFAULT_TIMEOUT_S = 10.0
 MAX_BATCH_ENTRIES = 1024
+_BAD_BATCH = (1 << 64) - 1  # an async submission TE refused after opening no segment
 _METADATA_SCHEMES = ("etcd://", "http://", "https://", "redis://")
 
 
@@ -200,6 +203,86 @@ class Transport(RegionsMixin):
             del call  # a traceback keeps this frame: it must not keep the engine alive
         return done, rc, elapsed
 
+    def stream(self, op: str, segment: str, local: Addrs, remote: Addrs, lengths: Addrs, *,
+               overlap: Callable[[], None] | None = None,
+               on_landed: Callable[[int], None] | None = None) -> TransferStats:
+        """The ranges, in the order given, each as its own one-entry async TE batch, all
+        in flight at once; the wait yields the CPU between polls instead of spinning.
+
+        TE's sync calls busy-wait a core for the whole transfer; on a machine whose
+        cores also run TE's own worker threads (both ends, on 2 cores here) that spin
+        slows the transfer it waits for. Here the caller's thread works instead:
+        ``overlap()`` runs once every range is submitted (a write hashes its sources
+        then), and ``on_landed(n)`` each time the first ``n`` ranges have all landed
+        (a read hashes what arrived while the rest is still on the wire). Both run
+        under this transport's lock; an exception from them still waits for every
+        range to finish before it propagates, as does a failed range: nothing is left
+        writing into the caller's memory when this returns (``timeout_s`` plus 1 s
+        per GiB bounds that wait; past it the ranges are given up).
+
+        Only one-entry batches: TE's status of a multi-entry async batch is its first
+        entry's. Every batch id is polled until TE reports it done or failed (which
+        frees it) and never again."""
+        if op not in ("read", "write"):
+            raise InvalidRequestError(f"op must be 'read' or 'write', got {op!r}")
+        if not isinstance(segment, str) or not segment:
+            raise InvalidRequestError(f"segment must be a non-empty str, got {segment!r}")
+        loc, rem, ln = nonempty_ranges(local, remote, lengths)
+        nbytes = int(ln.sum())
+        self._check_dead(segment, op, nbytes)
+        start = time.perf_counter()
+        with self._lock:
+            self._check_open()
+            self._check_local(loc, ln)
+            failed, elapsed, error = self._stream(op, segment, loc.tolist(), rem.tolist(),
+                                                  ln.tolist(), overlap, on_landed)
+        if failed:
+            self._fail(f"TE {op} of {nbytes} bytes in {len(ln)} transfer(s) to {segment} "
+                       f"failed ({failed} after {elapsed:.2f}s)", segment, elapsed)
+        if error is not None:
+            raise error
+        return TransferStats(nbytes, len(ln), time.perf_counter() - start)
+
+    def _stream(self, op: str, segment: str, loc: list[int], rem: list[int], ln: list[int],
+                overlap: Callable[[], None] | None, on_landed: Callable[[int], None] | None
+                ) -> tuple[str, float, BaseException | None]:
+        """Submit, then poll in order. Returns (what failed or "", seconds, the first
+        exception a callback raised). Callers hold the lock."""
+        te = self._te
+        submit = te.batch_transfer_async_write if op == "write" else \
+            te.batch_transfer_async_read
+        check = te.transfer_check_status
+        start = time.perf_counter()
+        deadline = start + self.timeout_s + sum(ln) / (1 << 30) + 1.0
+        ids: list[int] = []
+        failed = ""
+        for lo, re, n in zip(loc, rem, ln):
+            batch = submit(segment, [lo], [re], [n])
+            if batch <= 0 or batch >= _BAD_BATCH:  # 0 or (uint64)-1: nothing was submitted
+                failed = f"submission {len(ids)} refused"
+                break
+            ids.append(batch)
+        error: BaseException | None = None
+        if overlap is not None and not failed:
+            error = _call(overlap)
+        landed = 0
+        for i, batch in enumerate(ids):
+            while True:
+                status = check(batch)
+                if status:
+                    break
+                if time.perf_counter() > deadline:  # TE never finished: the ids leak
+                    return (failed or f"{len(ids) - i} transfer(s) unfinished past the "
+                            "deadline"), time.perf_counter() - start, error
+                os.sched_yield()
+            if status != 1:  # -1 failed (freed), -2 timed out (TE keeps it)
+                failed = failed or f"transfer {i} reported {status}"
+            elif not failed and error is None:
+                landed = i + 1
+                if on_landed is not None:
+                    error = _call(on_landed, landed)
+        return failed, time.perf_counter() - start, error
+
     def _fail(self, what: str, segment: str, elapsed: float) -> None:
         """Raise TransferError if the peer is up, else mark it dead and raise
         PeerUnavailableError. TE's -1 does not say which, so ask the peer cheaply."""
@@ -275,6 +358,16 @@ class Transport(RegionsMixin):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _call(fn: Callable[..., Any], *args: Any) -> BaseException | None:
+    """``fn(*args)``; what it raised, instead of raising it (the transfers in flight
+    are waited for first)."""
+    try:
+        fn(*args)
+    except BaseException as exc:  # re-raised by the caller once TE is done with the memory
+        return exc
+    return None
 
 
 def _check_args(host: str, metadata: str, timeout_s: float | None, protocol: str,

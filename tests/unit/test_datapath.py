@@ -1,6 +1,7 @@
 """How the client lays entries out in its staging buffer so TE transfers coalesce."""
 
 import numpy as np
+import pytest
 
 from kvstore.client.datapath import _mirror
 from kvstore.client.shm import RUN_BYTES, copy_in, copy_out
@@ -98,7 +99,8 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from kvstore.client import shm as shm_mod  # noqa: E402
 from kvstore.client.datapath import DataPath  # noqa: E402
-from kvstore.transport.ranges import split  # noqa: E402
+from kvstore.core.errors import ConfigError  # noqa: E402
+from kvstore.transport.ranges import split, stream_piece  # noqa: E402
 
 
 @settings(max_examples=200, deadline=None)
@@ -125,16 +127,26 @@ def test_split_moves_every_byte_once_in_pieces_no_longer_than_asked(ranges, piec
     assert k == len(sn)
 
 
-def test_whole_runs_by_default_and_pieces_when_asked():
+def test_pieces_follow_the_wait_unless_asked():
     run = ([0, 1 << 30], [1 << 40, 1 << 41], [8 << 20, 3 << 20])
-    whole = DataPath("127.0.0.1", 1 << 20, same_node=False)
-    assert whole._pieces(*run)[2].tolist() == [8 << 20, 3 << 20]
-    cut = DataPath("127.0.0.1", 1 << 20, same_node=False, piece_bytes=2 << 20)
-    local, remote, lengths = cut._pieces(*run)
-    assert lengths.tolist() == [2 << 20] * 4 + [2 << 20, 1 << 20]
-    assert remote.tolist()[:2] == [1 << 40, (1 << 40) + (2 << 20)]
-    whole.close()
-    cut.close()
+    spin = DataPath("127.0.0.1", 1 << 20, same_node=False, wait="spin")
+    assert spin._pieces(*run)[2].tolist() == [8 << 20, 3 << 20]  # whole runs
+    streamed = DataPath("127.0.0.1", 1 << 20, same_node=False)  # te_wait "yield"
+    piece = stream_piece(11 << 20)  # a quarter of the move, page-rounded
+    assert piece % 4096 == 0 and 11 << 18 <= piece < (11 << 18) + 4096
+    lengths = streamed._pieces(*run)[2].tolist()
+    assert max(lengths) == piece and sum(lengths) == 11 << 20 and len(lengths) == 5
+    assert stream_piece(1 << 30) == 4 << 20 and stream_piece(100_000) == 256 << 10
+    for wait in ("spin", "yield"):
+        cut = DataPath("127.0.0.1", 1 << 20, same_node=False, piece_bytes=2 << 20, wait=wait)
+        local, remote, lengths = cut._pieces(*run)
+        assert lengths.tolist() == [2 << 20] * 4 + [2 << 20, 1 << 20]
+        assert remote.tolist()[:2] == [1 << 40, (1 << 40) + (2 << 20)]
+        cut.close()
+    spin.close()
+    streamed.close()
+    with pytest.raises(ConfigError, match="te_wait"):
+        DataPath("127.0.0.1", 1 << 20, same_node=False, wait="busy")
 
 
 def test_parallel_copies_land_and_hash_like_one_thread(monkeypatch):

@@ -140,7 +140,7 @@ def mem_available() -> int:
 # (docs/benchmarks.md, "Choosing the raw-TE patterns"): no slice count won
 # consistently, 2 and 8 slices did best on average and bracket the rest; threads-N
 # lost nearly everywhere (two cores), so it is left out.
-TRANSFER_PATTERNS = ("coalesced", "per-block", "slices-2", "slices-8")
+TRANSFER_PATTERNS = ("coalesced", "per-block", "slices-2", "slices-8", "streamed")
 
 
 def bench_transfer(opts: BenchOptions) -> list[Row]:

@@ -12,10 +12,13 @@ by each variant and each call timed in the calling process:
   ``inline, 1 thread`` (the old path), ``background, 1 thread``,
   ``background, 2 threads`` (now: ``kvstore.client.shm.COPY_THREADS``);
 * ``get`` over TE (loopback TCP, into a reused buffer):
-  ``coalesced, acked release`` (the old path: one TE transfer per run of entries, and
-  a release that waits for its reply), ``coalesced, one-way release`` (now), and
-  ``2 MiB pieces, one-way release`` (``client.te_piece_bytes = 2MiB``: several TE
-  transfers in flight; measured slower here, so not the default).
+  ``spin, acked release`` (the old path: one TE sync transfer per run of entries,
+  which busy-waits a core, hashed after it landed, and a release that waits for its
+  reply), ``spin, one-way release``, ``spin, 2 MiB pieces`` (``client.te_piece_bytes
+  = 2MiB``: several sync transfers in flight) and ``streamed, one-way release`` (now:
+  ``client.te_wait = "yield"``, async pieces hashed as they land, the wait yielding);
+* ``put-te``, a producer on another node (TE write from the caller's buffer):
+  ``spin`` (hash after the transfer) against ``streamed`` (hash while it flies).
 
 Prints the median ms of each variant and its ratio to the old path (> 1: faster).
 Both ends are on this machine, so TE's numbers are loopback's, not a network's; the
@@ -44,8 +47,9 @@ MiB = 1 << 20
 PIECE = 2 * MiB
 
 PUTS = ("inline, 1 thread", "background, 1 thread", "background, 2 threads")
-GETS = ("coalesced, acked release", "coalesced, one-way release",
-        "2 MiB pieces, one-way release")
+GETS = ("spin, acked release", "spin, one-way release", "spin, 2 MiB pieces",
+        "streamed, one-way release")
+TE_PUTS = ("spin", "streamed")
 
 
 def _acked(client: Any) -> Callable[[], None]:
@@ -67,6 +71,7 @@ def run(layout_name: str, ntokens: int, reps: int) -> dict[str, dict[str, float]
     base = Path(tempfile.mkdtemp(prefix="bench-levers-"))
     servers = ServerFactory(base)
     times: dict[str, dict[str, list[float]]] = {"put": defaultdict(list),
+                                                "put-te": defaultdict(list),
                                                 "get": defaultdict(list)}
     threads = shm.COPY_THREADS
     try:
@@ -74,17 +79,21 @@ def run(layout_name: str, ntokens: int, reps: int) -> dict[str, dict[str, float]
         inline = servers(extra=("--verify-commits", "inline"), **opts)
         background = servers(**opts)
 
-        def client(srv: Any, same_node: Any, piece: int = 0) -> KVStoreClient:
+        def client(srv: Any, same_node: Any, piece: int = 0, wait: str = "spin"
+                   ) -> KVStoreClient:
             return KVStoreClient(srv.address, layout=layout, timeout_s=60, same_node=same_node,
                                  staging_bytes=nbytes + 64 * MiB,
-                                 config=ClientConfig(te_piece_bytes=piece))
+                                 config=ClientConfig(te_piece_bytes=piece, te_wait=wait))
 
         writers = {PUTS[0]: (client(inline, True), 1), PUTS[1]: (client(background, True), 1),
                    PUTS[2]: (client(background, True), threads)}
         # The getters read what a same-node writer stored on the background server.
         feeder = client(background, True)
         readers = {GETS[0]: client(background, False), GETS[1]: client(background, False),
-                   GETS[2]: client(background, False, PIECE)}
+                   GETS[2]: client(background, False, PIECE),
+                   GETS[3]: client(background, False, wait="yield")}
+        te_writers = {TE_PUTS[0]: client(background, False),
+                      TE_PUTS[1]: client(background, False, wait="yield")}
         undo = _acked(readers[GETS[0]])
         kv = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
         out = np.empty(nbytes + MiB, np.uint8)
@@ -101,6 +110,15 @@ def run(layout_name: str, ntokens: int, reps: int) -> dict[str, dict[str, float]
                 writer.drop_select(tokens, into=out)  # leave the server empty again
                 if rep:  # the first round is a warm-up (page faults, TE start)
                     times["put"][name].append(took)
+            for name, writer in te_writers.items():
+                serial += 1
+                tokens = (np.arange(ntokens) + serial * ntokens) % 50_000
+                start = time.perf_counter()
+                writer.insert(tokens, kv=kv)
+                took = time.perf_counter() - start
+                feeder.drop_select(tokens, into=out)
+                if rep:
+                    times["put-te"][name].append(took)
             for name, reader in readers.items():
                 serial += 1
                 tokens = (np.arange(ntokens) + serial * ntokens) % 50_000
@@ -113,7 +131,8 @@ def run(layout_name: str, ntokens: int, reps: int) -> dict[str, dict[str, float]
                 if rep:
                     times["get"][name].append(took)
         undo()
-        for c in [*(w for w, _ in writers.values()), feeder, *readers.values()]:
+        for c in [*(w for w, _ in writers.values()), feeder, *readers.values(),
+                  *te_writers.values()]:
             c.close()
     finally:
         shm.COPY_THREADS = threads
@@ -135,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     for op, variants in result.items():
         old = next(iter(variants.values()))
         for name, ms in variants.items():
-            print(f"  {op:3s}  {name:28s} {ms:8.2f} ms  {old / ms:5.2f}x")
+            print(f"  {op:6s}  {name:28s} {ms:8.2f} ms  {old / ms:5.2f}x")
     return 0
 
 

@@ -15,7 +15,11 @@ registered buffer in one of these patterns (``RawPattern.parse`` reads the names
   waiting for any, so all N are in flight at once, each on its own connection;
 * ``threads-N``: the same N slices, each a one-entry sync transfer from its own
   thread through its own engine, all started together (TE's sync calls release
-  the GIL).
+  the GIL);
+* ``streamed``: the prompt in the pieces kvstore's client streams it in
+  (``kvstore.transport.ranges.stream_piece``), each a one-entry async batch, all in
+  flight at once, the wait yielding the CPU instead of spinning
+  (``Transport.stream``): kvstore's default TE use, without its hashing.
 
 Which patterns the ``transfer`` section runs is ``TRANSFER_PATTERNS`` in
 tools/bench/cluster.py; docs/benchmarks.md gives the measurement that chose them.
@@ -29,7 +33,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 PAGE = 4096
-KINDS = ("coalesced", "per-block", "slices", "threads")
+KINDS = ("coalesced", "per-block", "slices", "threads", "streamed")
 
 
 class RawPattern(NamedTuple):
@@ -41,7 +45,7 @@ class RawPattern(NamedTuple):
         kind, _, count = name.rpartition("-") if name[-1:].isdigit() else (name, "", "")
         if kind not in KINDS or (kind in ("slices", "threads")) != bool(count):
             raise ValueError(f"unknown raw-TE pattern {name!r}: one of coalesced, per-block, "
-                             "slices-N, threads-N")
+                             "slices-N, threads-N, streamed")
         n = int(count) if count else 0
         if count and n < 1:
             raise ValueError(f"raw-TE pattern {name!r}: N must be >= 1")
@@ -76,6 +80,11 @@ def plan(pattern: RawPattern, sizes: list[int]) -> Ranges:
     """The ranges one get of a prompt with these block ``sizes`` moves."""
     if pattern.kind in ("coalesced", "per-block"):
         return block_ranges(sizes)
+    if pattern.kind == "streamed":
+        from kvstore.transport.ranges import stream_piece
+
+        nbytes = int(sum(sizes))
+        return slice_ranges(nbytes, -(-nbytes // stream_piece(nbytes)))
     return slice_ranges(int(sum(sizes)), pattern.n)
 
 
@@ -123,6 +132,9 @@ class RawTESide:
         seg = self.peer["segment"]
         if how.kind == "threads":
             self.last_transfers = self._threads(seg, local, remote, ranges.lengths)
+        elif how.kind == "streamed":
+            self.last_transfers = self.te.stream("read", seg, local, remote,
+                                                 ranges.lengths).transfers
         else:
             # coalesced: Transport merges the back-to-back blocks into one entry
             stats = self.te.read(seg, local, remote, ranges.lengths,
