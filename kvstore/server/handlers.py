@@ -13,7 +13,8 @@ from typing import Any
 
 from kvstore.core import protocol as p
 from kvstore.store import Store
-from kvstore.store.types import EntryInfo, EntryPlacement
+from kvstore.store.reads import Staging
+from kvstore.store.types import Acquisition, EntryInfo, EntryPlacement
 
 MAX_EVICT_KEYS_REPLY = 1000  # an evict reply lists at most this many keys (count is exact)
 
@@ -66,9 +67,18 @@ def lookup(store: Store, req: p.Lookup) -> dict:
 
 
 def acquire(store: Store, req: p.Acquire) -> dict:
-    acq = store.acquire(list(req.keys), list(req.tokens), lease_s=req.lease_s, claim=req.claim,
-                        optional_tail=req.optional_tail,
-                        spend_rest=req.spend_rest and req.claim)
+    step = begin_acquire(store, req)
+    return acquired(step if isinstance(step, Acquisition) else step.finish(*step.read()))
+
+
+def begin_acquire(store: Store, req: p.Acquire) -> Acquisition | Staging:
+    """The acquire, or its NVMe staging for the server's staging thread to run."""
+    return store.begin_acquire(list(req.keys), list(req.tokens), lease_s=req.lease_s,
+                               claim=req.claim, optional_tail=req.optional_tail,
+                               spend_rest=req.spend_rest and req.claim)
+
+
+def acquired(acq: Acquisition) -> dict:
     return {"aid": acq.id, "matched_tokens": acq.matched_tokens, "expires_at": acq.expires_at,
             "entries": [_entry(e) for e in acq.entries], "short": acq.short,
             "spent": acq.spent}

@@ -1,14 +1,19 @@
 """kvstore-server: one node's store behind a ZeroMQ ROUTER and a Transfer Engine.
 
-Two threads. The socket thread owns the ROUTER socket: it receives every request,
-queues it, and sends every reply. The request thread handles queued requests one
-at a time, to completion (decode -> store -> encode), and runs ``store.reap()``
-when its timer is due. Push-back: a request that would wait longer than
+Three threads. The socket thread owns the ROUTER socket: it receives every
+request, queues it, and sends every reply. The request thread handles queued
+requests one at a time, to completion (decode -> store -> encode), and runs
+``store.reap()`` when its timer is due; it never waits on NVMe: an acquire whose
+prefix has NVMe entries is begun there (held, claimed, staging room allocated:
+book-keeping under the store's lock) and handed to the staging thread, which
+reads and checks the entries without the lock, settles them under it and sends
+the reply itself, so the requests behind it go on. Push-back: a request that would wait longer than
 ``server.busy_after_s`` (the one in flight has run that long, or the queue ahead
 of it would take that long at the recent pace) is answered ``busy`` at once by
-the socket thread, and one that did wait that long in the queue is answered
-``busy`` instead of being served late: a client hears a clear miss, never a
-silent timeout. (The store's background writeback is a third thread: the store's.)
+the socket thread, and one that did wait that long in the queue (the request
+queue, or the staging queue behind it) is answered ``busy`` instead of being
+served late: a client hears a clear miss, never a silent timeout. (The store's
+background writeback and scrub run in threads of the store's own.)
 A signal only sets a flag: the request in flight finishes, then the store (LMDB),
 TE and sockets close.
 
@@ -40,7 +45,9 @@ from kvstore.core import protocol as p
 from kvstore.core.config import KVStoreConfig
 from kvstore.core.errors import BusyError, ConfigError, InvalidRequestError, KVStoreError
 from kvstore.core.nodeid import host_id
+from kvstore.server import handlers
 from kvstore.server.handlers import HANDLERS
+from kvstore.store.reads import Staging
 
 if TYPE_CHECKING:
     from zmq.auth.thread import ThreadAuthenticator
@@ -84,6 +91,12 @@ class Server:
         self._service_s = 0.0  # recent time per request (EWMA)
         self._busy_after = config.server.busy_after_s
         self._replies_at = f"inproc://kvstore-replies-{next(_INPROC)}"
+        # Acquires waiting on NVMe: (envelope, request id, request, staging, arrival).
+        self._staging: collections.deque[tuple[list[bytes], int, p.Acquire, Staging, float]] \
+            = collections.deque()
+        self._staged_at = f"inproc://kvstore-staged-{next(_INPROC)}"
+        self._staging_wake = threading.Condition()
+        self._requests_done = threading.Event()
         self._ctx = zmq.Context()
         self._auth: ThreadAuthenticator | None = None
         try:
@@ -147,11 +160,17 @@ class Server:
         replies = self._ctx.socket(zmq.PAIR)
         replies.setsockopt(zmq.LINGER, 0)
         replies.bind(self._replies_at)
+        staged = self._ctx.socket(zmq.PULL)
+        staged.setsockopt(zmq.LINGER, 0)
+        staged.bind(self._staged_at)
         worker = threading.Thread(target=self._work, name="kvstore-requests", daemon=True)
+        stager = threading.Thread(target=self._stage, name="kvstore-staging", daemon=True)
         worker.start()
+        stager.start()
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(replies, zmq.POLLIN)
+        poller.register(staged, zmq.POLLIN)
         try:
             while not self._stop:
                 try:
@@ -162,17 +181,23 @@ class Server:
                     raise
                 if replies in ready:
                     self._forward(replies)
+                if staged in ready:
+                    self._forward(staged)
                 if self._sock in ready:
                     self._drain()
         finally:
             with self._wake:
                 self._stop = True
                 self._wake.notify()
-            while worker.is_alive():  # the request in flight finishes and is answered
+            while worker.is_alive() or stager.is_alive():  # what is in flight is answered
                 worker.join(POLL_MS / 1000)
+                stager.join(POLL_MS / 1000)
                 self._forward(replies)
+                self._forward(staged)
             self._forward(replies)
+            self._forward(staged)
             replies.close(0)
+            staged.close(0)
 
     def _forward(self, replies: zmq.Socket) -> None:
         while True:
@@ -239,8 +264,10 @@ class Server:
                         start = time.monotonic()
                         waited = start - arrived
                         late = waited > self._busy_after and not self._never_busy(frames)
-                        reply = self._busy(frames, waited) if late else self._respond(frames)
-                        out.send_multipart(reply)
+                        reply = self._busy(frames, waited) if late else \
+                            self._respond(frames, arrived)
+                        if reply is not None:  # None: the staging thread answers it
+                            out.send_multipart(reply)
                         spent = time.monotonic() - start
                         self._service_s += _EWMA * (spent - self._service_s)
                     if time.monotonic() >= next_reap:
@@ -250,16 +277,74 @@ class Server:
                     with self._wake:
                         self._working_since = None
         finally:
+            self._requests_done.set()
             out.close(0)
 
-    def _respond(self, frames: list[bytes]) -> list[bytes]:
+    def _respond(self, frames: list[bytes], arrived: float) -> list[bytes] | None:
         # DEALER peers send [identity, body]; a REQ peer adds an empty delimiter.
         envelope, body = frames[:-1], frames[-1]
         if len(envelope) > 2 or (len(envelope) == 2 and envelope[1] != b""):
             self._count("invalid", 0.0, False)
             err = InvalidRequestError("a request is exactly one frame")
             return [*envelope[:1], p.encode_error(0, err)]
-        return [*envelope, self.handle(body)]
+
+        def defer(rid: int, req: p.Acquire, staging: Staging) -> None:
+            with self._staging_wake:
+                self._staging.append((envelope, rid, req, staging, arrived))
+                self._staging_wake.notify()
+
+        reply = self.handle(body, defer)
+        return None if reply is None else [*envelope, reply]
+
+    def _stage(self) -> None:
+        """The staging thread: acquires whose NVMe entries must be read, in order.
+        One that waited past ``busy_after_s`` since it arrived is answered ``busy``
+        (its holds and staging room given back); at stop, those not started are."""
+        out = self._ctx.socket(zmq.PUSH)
+        out.setsockopt(zmq.LINGER, 0)
+        out.connect(self._staged_at)
+        try:
+            while True:
+                with self._staging_wake:
+                    # Until the request thread is done: it may hand over one more.
+                    while not self._staging and not self._requests_done.is_set():
+                        self._staging_wake.wait(POLL_MS / 1000)
+                    if not self._staging:
+                        return
+                    envelope, rid, req, staging, arrived = self._staging.popleft()
+                    stopping = self._stop
+                waited = time.monotonic() - arrived
+                if stopping or waited > self._busy_after:
+                    staging.abandon()
+                    with self._counters_lock:
+                        self.counters["busy"] += 1
+                    why = "server stopping" if stopping else \
+                        f"the request would finish after {waited:.1f} s"
+                    err = BusyError(f"server busy: {why} (an acquire staging "
+                                    f"{staging.nbytes} NVMe bytes); retry or recompute")
+                    out.send_multipart([*envelope, p.encode_error(rid, err)])
+                    continue
+                out.send_multipart([*envelope, self._finish_staging(rid, req, staging)])
+        finally:
+            out.close(0)
+
+    def _finish_staging(self, rid: int, req: p.Acquire, staging: Staging) -> bytes:
+        start, ok = time.perf_counter(), False
+        try:
+            result = handlers.acquired(staging.finish(*staging.read()))
+            result["segment"] = self.transport.segment
+            reply = p.encode_ok(rid, result)
+            ok = True
+        except KVStoreError as exc:
+            log.debug("acquire failed staging: %s", exc)
+            reply = p.encode_error(rid, exc)
+        except Exception as exc:  # noqa: BLE001 - a bug must not take the node down
+            log.exception("internal error staging an acquire")
+            reply = p.encode_error(rid, KVStoreError(f"internal error in acquire: {exc}"))
+        self._count("acquire", time.perf_counter() - start, ok)
+        if ok:
+            self._hook(req, result)
+        return reply
 
     def _count(self, op: str, seconds: float, ok: bool) -> None:
         with self._counters_lock:
@@ -268,14 +353,25 @@ class Server:
         if self.observer is not None:
             self.observer(op, seconds, ok)
 
-    def handle(self, frame: bytes) -> bytes:
-        """One request frame -> one reply frame. Never raises."""
+    def handle(self, frame: bytes,
+               defer: Callable[[int, p.Acquire, Staging], None] | None = None) -> bytes | None:
+        """One request frame -> one reply frame. Never raises. With ``defer``, an
+        acquire that must stage NVMe entries is handed to it instead (None: its
+        reply comes from there)."""
         start = time.perf_counter()
         op, rid, ok = "invalid", 0, False
         try:
             rid, req = p.decode_request(frame, self.max_bytes)
             op = req.OP
-            result = self._dispatch(req)
+            if defer is not None and isinstance(req, p.Acquire):
+                step = handlers.begin_acquire(self.store, req)
+                if isinstance(step, Staging):
+                    defer(rid, req, step)
+                    return None
+                result = handlers.acquired(step)
+                result["segment"] = self.transport.segment
+            else:
+                result = self._dispatch(req)
             reply = p.encode_ok(rid, result)
             ok = True
         except KVStoreError as exc:
@@ -286,12 +382,16 @@ class Server:
             log.exception("internal error handling %s", op)
             reply = p.encode_error(rid, KVStoreError(f"internal error in {op}: {exc}"))
         self._count(op, time.perf_counter() - start, ok)
-        if ok and self.on_result is not None:
+        if ok:
+            self._hook(req, result)
+        return reply
+
+    def _hook(self, req: p.Request, result: dict) -> None:
+        if self.on_result is not None:
             try:
                 self.on_result(req, result)
             except Exception:  # noqa: BLE001 - metrics must not fail a request
-                log.exception("on_result hook failed for %s", op)
-        return reply
+                log.exception("on_result hook failed for %s", req.OP)
 
     def _dispatch(self, req: p.Request) -> dict:
         if isinstance(req, p.Hello):

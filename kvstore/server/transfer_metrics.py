@@ -15,8 +15,9 @@ and ``release``, see docs/protocol.md) and ``TransferMetrics`` turns those into:
   the server sees of one whole operation, the client's transfer and checksums
   included, the client's hashing before the first message not.
 
-``on_result`` is called by the server's request loop (one thread) after each
-successful op; the open-op maps are touched only there. They are bounded: a
+``on_result`` is called by the server after each successful op: by its request
+thread, and for an acquire that staged NVMe entries by its staging thread; the
+open-op maps are touched only there, under one lock. They are bounded: a
 reservation or lease that expires without commit/release is forgotten once
 ``MAX_OPEN`` newer ones have been opened.
 """
@@ -24,6 +25,7 @@ reservation or lease that expires without commit/release is forgotten once
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from typing import Any
 
@@ -53,10 +55,14 @@ class TransferMetrics:
             registry=registry)
         self._open: dict[str, collections.OrderedDict[int, float]] = {
             "insert": collections.OrderedDict(), "drop_select": collections.OrderedDict()}
+        self._lock = threading.Lock()
 
     def on_result(self, req: p.Request, result: dict[str, Any]) -> None:
         """Account one successful request (the server calls this after replying)."""
-        now = time.monotonic()
+        with self._lock:
+            self._account(req, result, time.monotonic())
+
+    def _account(self, req: p.Request, result: dict[str, Any], now: float) -> None:
         if isinstance(req, p.Reserve):
             self._begin("insert", result.get("rid"), now)
         elif isinstance(req, p.Acquire):

@@ -79,6 +79,10 @@ class Audit(Operations):
                     own(ext.tier, ext.offset, ext.nbytes, f"reservation {op.id}")
         for ext in self.place.copies_in_flight:
             own(ext.tier, ext.offset, ext.nbytes, "a writeback copy being written")
+        for plan in self.place.staging_in_flight.values():
+            for _, ext in plan.staging:
+                if ext is not None:
+                    own(ext.tier, ext.offset, ext.nbytes, "an NVMe entry being staged")
         return used
 
     def _audit_holds(self) -> None:

@@ -48,7 +48,7 @@ from kvstore.store.index import Record
 from kvstore.store.parts import Counters, Parts
 from kvstore.store.placement import Placement
 from kvstore.store.policy import make_policy
-from kvstore.store.reads import Reads
+from kvstore.store.reads import Reads, Staging
 from kvstore.store.setup import DataDirLock, build_tiers, recover
 from kvstore.store.types import (  # the result types are re-exported: callers import them here
     TIER_ORDER,
@@ -173,6 +173,16 @@ class Store:
                 optional_tail: bool = False, spend_rest: bool = False) -> Acquisition:
         """Longest stored prefix, leased until ``release`` (reads.py, ``Reads.acquire``)."""
         return self._reads.acquire(keys, tokens, lease_s, claim, optional_tail, spend_rest)
+
+    def begin_acquire(self, keys: Sequence[bytes], tokens: Sequence[bytes],
+                      lease_s: float | None = None, claim: bool = False,
+                      optional_tail: bool = False, spend_rest: bool = False
+                      ) -> Acquisition | Staging:
+        """``acquire`` whose NVMe staging the caller runs elsewhere: the Acquisition,
+        or a ``Staging`` to ``read()`` without the lock and then ``finish()``
+        (reads.py, ``Reads.begin_acquire``)."""
+        return self._reads.begin_acquire(keys, tokens, lease_s, claim, optional_tail,
+                                         spend_rest)
 
     def read(self, acquisition_id: int, index: int) -> bytes:
         """The bytes of one acquired entry (local readers)."""

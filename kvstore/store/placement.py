@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from typing import NamedTuple
 
 from kvstore.core.config import KVStoreConfig
 from kvstore.core.errors import MissError, TierFullError
@@ -25,6 +26,15 @@ from kvstore.store.types import MEMORY_TIERS, NO_ROOM_TO_STAGE, TIER_ORDER
 from tiers.base import Extent, Tier
 
 log = logging.getLogger(__name__)
+
+
+class StagingPlan(NamedTuple):
+    """What an acquire stages (``Placement.plan_staging``)."""
+
+    recs: list[Record]  # the held prefix, as walked
+    staging: list[tuple[int, Extent | None]]  # each NVMe entry's index and staging extent
+    upto: int  # the prefix ends before this index: no room to stage it
+    target: str  # the memory tier staged into
 
 
 class Placement:
@@ -51,6 +61,9 @@ class Placement:
         self.counts = counts
         # NVMe extents of copies a writeback round is writing (no record owns them yet)
         self.copies_in_flight: list[Extent] = []
+        # Staging extents of acquires whose NVMe reads are under way (plan_staging),
+        # by id(plan): no record owns them until settle_staging.
+        self.staging_in_flight: dict[int, StagingPlan] = {}
 
     def candidates(self, name: str) -> list[Candidate]:
         """Every entry of tier ``name`` as the policy sees it (for evict / demote)."""
@@ -268,61 +281,80 @@ class Placement:
         return len(put)
 
     # ------------------------------------------------------------ staging
-    def stage_prefix(self, recs: list[Record]) -> tuple[list[Record], str]:
-        """Stage the NVMe entries of a leased prefix into a memory tier, verifying
-        each checksum. Returns the prefix that can be served, and why it is shorter
-        than ``recs`` when the reason is room (``NO_ROOM_TO_STAGE``; "" otherwise);
-        leases on the cut tail are returned, corrupt entries dropped."""
+    # Three steps, so that the NVMe reads and their checksums run without the
+    # store's lock (``Reads.begin_acquire``): ``plan_staging`` (lock: the staging
+    # extents), ``read_staging`` (no lock: NVMe reads into those extents, which no
+    # record owns yet, and checksums), ``settle_staging`` (lock: the index changes).
+    # The entries are held all along, so none of them can move or go meanwhile.
+    def plan_staging(self, recs: list[Record]) -> StagingPlan | None:
+        """Staging extents for the NVMe entries of a held prefix; None: there are none."""
         nv = [i for i, r in enumerate(recs) if r.tier == "nvme"]
         if not nv:
-            return recs, ""
+            return None
         stage = self.config.policy.stage_nvme_hits
         target = "dram" if "dram" in self.tiers else "gpu"
         exts = self.allocate_each(target, [recs[i] for i in nv]) if stage else [None] * len(nv)
         # the prefix ends before the first entry that should stage but found no room
         upto = next((i for i, e in zip(nv, exts) if stage and e is None), len(recs))
-        try:
-            bufs = self._read_nvme(recs, [i for i in nv if i < upto], dict(zip(nv, exts)))
-        except OSError as exc:  # the staging extents have no owner yet: give them back
-            for ext in exts:
-                if ext is not None:
-                    self.tiers[ext.tier].free(ext)
-            raise MissError(f"NVMe read failed staging {len(nv)} entries: {exc}") from exc
-        cut, moved, bad = self._settle_staged(recs, list(zip(nv, exts)), bufs, upto, target)
-        gone = self.holds.unhold([r.key for r in recs[cut:]])
-        # A bad entry someone else still holds stays until then (its reads verify).
-        bad = [k for k in bad if not self.holds.leased.get(k)]
-        self.catalog.apply_or_free(put=moved, drop=bad + gone)
-        self.counts["stagings"] += len(moved)
-        self.counts["checksum_failures"] += len(bad)
-        staged = {r.key: r for r in moved}
-        short = NO_ROOM_TO_STAGE if upto < len(recs) and cut == upto else ""
-        return [staged.get(r.key, r) for r in recs[:cut]], short
+        plan = StagingPlan(list(recs), list(zip(nv, exts)), upto, target)
+        self.staging_in_flight[id(plan)] = plan
+        return plan
 
-    def _settle_staged(self, recs: list[Record], staging: list[tuple[int, Extent | None]],
-                       bufs: dict[int, memoryview], upto: int,
-                       target: str) -> tuple[int, list[Record], list[bytes]]:
-        """Check each read NVMe entry ``recs[i]`` (``staging``: its index and staging
-        extent, if any) and keep the good ones' staged records; returns (where the
-        served prefix ends, the staged records, the corrupt keys). The extents of
-        entries not staged go back to the tier."""
+    def read_staging(self, plan: StagingPlan) -> tuple[dict[int, memoryview], dict[int, bool]]:
+        """The plan's NVMe reads, each into its staging extent (or a scratch buffer),
+        and whether each matched its checksum. Needs no store lock (the NVMe tier
+        serialises its own I/O); ``MissError`` on an I/O error (nothing changed)."""
+        which = [i for i, _ in plan.staging if i < plan.upto]
+        try:
+            bufs = self._read_nvme(plan.recs, which, dict(plan.staging))
+        except OSError as exc:
+            raise MissError(f"NVMe read failed staging {len(plan.staging)} entries: "
+                            f"{exc}") from exc
+        return bufs, {i: checksum(bufs[i]) == plan.recs[i].checksum for i in which}
+
+    def abandon_staging(self, plan: StagingPlan) -> None:
+        """Give the plan's staging extents back (they have no owner yet)."""
+        self.staging_in_flight.pop(id(plan), None)
+        for _, ext in plan.staging:
+            if ext is not None:
+                self.tiers[ext.tier].free(ext)
+
+    def settle_staging(self, plan: StagingPlan, bufs: dict[int, memoryview],
+                       good: dict[int, bool]) -> tuple[list[Record], str]:
+        """After ``read_staging``: the staged entries now live in memory (their NVMe
+        bytes stay as their copy), corrupt ones are dropped and counted (kept while
+        someone else holds them: their reads verify). Returns the prefix that can be
+        served and why it is shorter than the plan's when the reason is room
+        (``NO_ROOM_TO_STAGE``; "" otherwise). The caller gives back the holds of the
+        cut tail."""
+        recs, upto, target = plan.recs, plan.upto, plan.target
+        self.staging_in_flight.pop(id(plan), None)
         cut, moved, bad = len(recs), [], []
-        for i, ext in staging:
-            if i >= cut or i >= upto:
+        for i, ext in plan.staging:
+            cur = self.catalog.records.get(recs[i].key)
+            if i >= cut or i >= upto or cur is None:
                 cut = min(cut, i)
-            elif checksum(bufs[i]) != recs[i].checksum:
+            elif cur.tier != "nvme" or cur.offset != recs[i].offset:
+                pass  # a concurrent reader staged it first: serve its copy
+            elif not good[i]:
                 bad.append(recs[i].key)  # only the bytes of ext (if any) changed
                 cut = i
             elif ext is not None:
                 if self.tiers[target].view(ext) is None:  # read into a scratch buffer
                     self.tiers[target].write(ext, bufs[i])
-                # the NVMe bytes stay as the entry's copy (restart, cheap re-demotion)
-                moved.append(recs[i]._replace(tier=target, offset=ext.offset,
-                                              nvme_copy=recs[i].offset))
+                # the current record: its counts may have changed while it was read
+                moved.append(cur._replace(tier=target, offset=ext.offset,
+                                          nvme_copy=cur.offset))
                 continue
             if ext is not None:
                 self.tiers[target].free(ext)
-        return cut, moved, bad
+        # A bad entry someone else still holds stays until then (its reads verify).
+        bad = [k for k in bad if self.holds.leased.get(k, 0) <= 1]
+        self.catalog.apply_or_free(put=moved, drop=bad)
+        self.counts["stagings"] += len(moved)
+        self.counts["checksum_failures"] += len(bad)
+        short = NO_ROOM_TO_STAGE if upto < len(recs) and cut == upto else ""
+        return recs[:cut], short
 
     def _read_nvme(self, recs: list[Record], which: list[int],
                    exts: dict[int, Extent | None]) -> dict[int, memoryview]:

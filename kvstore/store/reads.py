@@ -24,6 +24,7 @@ from kvstore.core.hashing import checksum
 from kvstore.store.index import Record
 from kvstore.store.holds import Lease
 from kvstore.store.parts import Operations
+from kvstore.store.placement import StagingPlan
 from kvstore.store.types import (
     NO_ROOM_TO_STAGE,
     Acquisition,
@@ -37,6 +38,35 @@ from kvstore.store.types import (
 from tiers.base import Extent
 
 log = logging.getLogger(__name__)
+
+
+class Staging:
+    """An acquire waiting on NVMe (``Reads.begin_acquire``): ``read()`` without the
+    store's lock, then ``finish(*read())`` under it. ``abandon()`` instead of both
+    (e.g. it waited too long to start): holds, claims and extents go back and
+    nothing changed."""
+
+    def __init__(self, reads: Reads, aid: int, plan: StagingPlan, found_in: list[str],
+                 lease_s: float, nblocks: int, spend_rest: bool) -> None:
+        self._reads, self.aid, self.plan = reads, aid, plan
+        self.found_in, self.lease_s, self.nblocks = found_in, lease_s, nblocks
+        self.spend_rest = spend_rest
+        self.nbytes = sum(plan.recs[i].nbytes for i, _ in plan.staging)
+
+    def read(self) -> tuple[dict, dict]:
+        """The NVMe reads and their checksums; on an I/O error the staging is undone
+        and ``MissError`` raised."""
+        try:
+            return self._reads.place.read_staging(self.plan)
+        except BaseException:
+            self.abandon()
+            raise
+
+    def finish(self, bufs: dict, good: dict) -> Acquisition:
+        return self._reads.finish_staging(self, bufs, good)
+
+    def abandon(self) -> None:
+        self._reads.finish_staging(self, None, None)
 
 
 class Reads(Operations):
@@ -73,6 +103,20 @@ class Reads(Operations):
         reach them, so they would sit stranded until evicted. The caller hears how
         many (``spent``) next to ``short``.
         """
+        step = self.begin_acquire(keys, tokens, lease_s, claim, optional_tail, spend_rest)
+        if isinstance(step, Acquisition):
+            return step
+        return step.finish(*step.read())
+
+    def begin_acquire(self, keys: Sequence[bytes], tokens: Sequence[bytes],
+                      lease_s: float | None = None, claim: bool = False,
+                      optional_tail: bool = False, spend_rest: bool = False
+                      ) -> Acquisition | Staging:
+        """``acquire`` in steps, so that the server's request thread never waits on
+        NVMe: the Acquisition at once when nothing needs staging, else a ``Staging``
+        whose ``read()`` (no lock: NVMe reads and checksums, in a worker) and
+        ``finish()`` (lock: book-keeping) make it. Until then the prefix is held and
+        claimed by a lease that does not expire and that no client knows."""
         keys = check_keys(keys)
         tokens = check_tokens(tokens, len(keys))
         lease_s = check_lease(lease_s, self.config.store.read_lease_s)
@@ -84,25 +128,62 @@ class Reads(Operations):
                 recs, take, end = self._takeable(recs, len(keys) - bool(optional_tail))
                 claim = take
             found_in = [r.tier for r in recs]
-            held = [r.key for r in recs]
-            wanted = held if claim else []
-            self.holds.hold(held)
+            nblocks = len(keys) - bool(optional_tail)
+            self.holds.hold([r.key for r in recs])
             try:
-                recs, short = self.place.stage_prefix(recs)
-            except BaseException:  # NVMe I/O error: nothing served, no hold stays
-                self.catalog.drop_idle(self.holds.unhold(held))
+                plan = self.place.plan_staging(recs)
+            except BaseException:
+                self.catalog.drop_idle(self.holds.unhold([r.key for r in recs]))
                 raise
+            if plan is None:
+                self._count_hits(found_in, len(recs), nblocks)
+                if not recs:
+                    return Acquisition(0, [], 0, time.time())
+                return self._lease_prefix(recs, found_in, lease_s, claim, take, end)
+            aid = new_id()
+            # The holds just taken become this lease's; it claims what the reply will.
+            self.holds.add_lease(aid, Lease([r.key for r in recs], float("inf"), claim, take,
+                                            end))
+            return Staging(self, aid, plan, found_in, lease_s, nblocks, spend_rest)
+
+    def finish_staging(self, staging: Staging, bufs: dict | None, good: dict | None
+                       ) -> Acquisition:
+        """``Staging.finish``: settle what was read (``bufs``/``good`` None: the
+        read failed or was given up; the staging is undone) and open the lease the
+        client gets on what can be served."""
+        with self.lock:
+            lease = self.holds.leases.get(staging.aid)
+            # The placeholder lease: ended here, then the served prefix gets its own.
+            if lease is not None:
+                self.holds.end_lease(lease)
+                self.holds.close_lease(staging.aid)
+            plan = staging.plan
+            keys = [r.key for r in plan.recs]
+            if bufs is None or good is None or lease is None:
+                self.place.abandon_staging(plan)
+                self.catalog.drop_idle([k for k in keys if k in self.catalog.records
+                                        and self.holds.idle_at_zero(self.catalog.records[k])])
+                return Acquisition(0, [], 0, time.time())
+            self.holds.hold(keys)  # back for the settling, as one acquire holds them
+            try:
+                recs, short = self.place.settle_staging(plan, bufs, good)
+            except BaseException:
+                self.catalog.drop_idle(self.holds.unhold(keys))
+                raise
+            gone = self.holds.unhold(keys[len(recs):])
+            self.catalog.drop_idle(gone)
             # Entries cut for want of staging room are found, not missed: the
             # caller may take them in another round.
-            self._count_hits(found_in, len(found_in) if short else len(recs),
-                             len(keys) - bool(optional_tail))
+            found_in = staging.found_in
+            self._count_hits(found_in, len(found_in) if short else len(recs), staging.nblocks)
             if short:
                 self._staging_short(len(found_in) - len(recs), len(found_in))
             if not recs:
-                spent = self._spend(wanted, end) if spend_rest and short else 0
+                wanted = keys if lease.claim else []
+                spent = self._spend(wanted, lease.end) if staging.spend_rest and short else 0
                 return Acquisition(0, [], 0, time.time(), short, spent)
-            return self._lease_prefix(recs, found_in, lease_s, claim, take,
-                                      end)._replace(short=short)
+            return self._lease_prefix(recs, found_in, staging.lease_s, lease.claim, lease.take,
+                                      lease.end)._replace(short=short)
 
     def _takeable(self, recs: list[Record],
                   nblocks: int) -> tuple[list[Record], bool, bytes | None]:
