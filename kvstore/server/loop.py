@@ -3,11 +3,14 @@
 Three threads. The socket thread owns the ROUTER socket: it receives every
 request, queues it, and sends every reply. The request thread handles queued
 requests one at a time, to completion (decode -> store -> encode), and runs
-``store.reap()`` when its timer is due; it never waits on NVMe: an acquire whose
-prefix has NVMe entries is begun there (held, claimed, staging room allocated:
-book-keeping under the store's lock) and handed to the staging thread, which
-reads and checks the entries without the lock, settles them under it and sends
-the reply itself, so the requests behind it go on. Push-back: a request that would wait longer than
+``store.reap()`` when its timer is due. It never reads an acquire's NVMe entries:
+such an acquire is begun there (held, claimed, staging room allocated under the
+store's lock) and handed to the staging thread, which reads and checks the entries
+without the lock, settles them under it and sends the reply itself, so the
+requests behind it go on. (Allocating the staging room may still make room the
+way a reserve does, demoting inline when the victims have no NVMe copy yet; and
+NVMe I/O the request thread does itself waits while the staging thread holds the
+NVMe tier's I/O lock for a read.) Push-back: a request that would wait longer than
 ``server.busy_after_s`` (the one in flight has run that long, or the queue ahead
 of it would take that long at the recent pace) is answered ``busy`` at once by
 the socket thread, and one that did wait that long in the queue (the request
@@ -314,17 +317,26 @@ class Server:
                     envelope, rid, req, staging, arrived = self._staging.popleft()
                     stopping = self._stop
                 waited = time.monotonic() - arrived
-                if stopping or waited > self._busy_after:
-                    staging.abandon()
-                    with self._counters_lock:
-                        self.counters["busy"] += 1
-                    why = "server stopping" if stopping else \
-                        f"the request would finish after {waited:.1f} s"
-                    err = BusyError(f"server busy: {why} (an acquire staging "
-                                    f"{staging.nbytes} NVMe bytes); retry or recompute")
-                    out.send_multipart([*envelope, p.encode_error(rid, err)])
-                    continue
-                out.send_multipart([*envelope, self._finish_staging(rid, req, staging)])
+                try:
+                    if stopping or waited > self._busy_after:
+                        with self._counters_lock:
+                            self.counters["busy"] += 1
+                        why = "server stopping" if stopping else \
+                            f"the request would finish after {waited:.1f} s"
+                        err = BusyError(f"server busy: {why} (an acquire staging "
+                                        f"{staging.nbytes} NVMe bytes); retry or recompute")
+                        reply = p.encode_error(rid, err)
+                    else:
+                        reply = self._finish_staging(rid, req, staging)
+                except Exception as exc:  # noqa: BLE001 - the thread must live on
+                    log.exception("staging thread: internal error")
+                    reply = p.encode_error(rid, KVStoreError(f"internal error in acquire: {exc}"))
+                finally:
+                    try:  # a busy or failed one gives back its holds, claims and room
+                        staging.abandon()
+                    except Exception:  # noqa: BLE001
+                        log.exception("staging thread: abandoning a staging failed")
+                out.send_multipart([*envelope, reply])
         finally:
             out.close(0)
 

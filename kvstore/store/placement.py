@@ -151,13 +151,17 @@ class Placement:
                  copies: bool = False) -> Selection:
         """Policy victims worth ``nbytes`` of tier ``name``, walking its kept order
         (O(victims + skipped), not a sort of the tier). A copy is never leased:
-        dropping it leaves the entry where it is served from."""
+        dropping it leaves the entry where it is served from; but not the copy a
+        staging under way is reading (another reader staged the entry first)."""
         page = self.tiers[name].page_size
+        reading = {plan.recs[i].key for plan in self.staging_in_flight.values()
+                   for i, _ in plan.staging} if copies else set()
         walk = order.walk()
         try:
             return self.policy.take(
                 (Candidate(r.key, -(-r.nbytes // page) * page, r.last_access, r.created,
-                           r.pins, 0 if copies else self.holds.leased.get(r.key, 0))
+                           r.pins, int(r.key in reading) if copies
+                           else self.holds.leased.get(r.key, 0))
                  for r in walk), nbytes)
         finally:
             walk.close()

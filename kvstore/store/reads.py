@@ -66,7 +66,9 @@ class Staging:
         return self._reads.finish_staging(self, bufs, good)
 
     def abandon(self) -> None:
-        self._reads.finish_staging(self, None, None)
+        """Undo it, unless it is finished or undone already (then nothing happens)."""
+        if id(self.plan) in self._reads.place.staging_in_flight:
+            self._reads.finish_staging(self, None, None)
 
 
 class Reads(Operations):
@@ -152,6 +154,8 @@ class Reads(Operations):
         read failed or was given up; the staging is undone) and open the lease the
         client gets on what can be served."""
         with self.lock:
+            if id(staging.plan) not in self.place.staging_in_flight:
+                raise InvalidRequestError("this staging was finished or abandoned already")
             lease = self.holds.leases.get(staging.aid)
             # The placeholder lease: ended here, then the served prefix gets its own.
             if lease is not None:

@@ -81,6 +81,10 @@ P2P = "P2PHANDSHAKE"
 DEFAULT_TIMEOUT_S = 10.0
 MAX_BATCH_ENTRIES = 1024
 _BAD_BATCH = (1 << 64) - 1  # an async submission TE refused after opening no segment
+# Async batches one stream keeps in flight: TE's TCP transport stalls past ~2 000
+# outstanding ones (pieces that never finish, then a wedged peer), as it fails sync
+# batches of ~2 050+ entries.
+STREAM_WINDOW = 256
 _METADATA_SCHEMES = ("etcd://", "http://", "https://", "redis://")
 
 
@@ -217,8 +221,10 @@ class Transport(RegionsMixin):
         (a read hashes what arrived while the rest is still on the wire). Both run
         under this transport's lock; an exception from them still waits for every
         range to finish before it propagates, as does a failed range: nothing is left
-        writing into the caller's memory when this returns (``timeout_s`` plus 1 s
-        per GiB bounds that wait; past it the ranges are given up).
+        writing into the caller's memory when this returns (a wait bounded by
+        progress: ``timeout_s``, plus 1 s per GiB of the piece, without one landing;
+        past it the ranges are given up and their ids leak, as a stalled sync call's
+        would). At most ``STREAM_WINDOW`` batches are in flight at once.
 
         Only one-entry batches: TE's status of a multi-entry async batch is its first
         entry's. Every batch id is polled until TE reports it done or failed (which
@@ -246,42 +252,56 @@ class Transport(RegionsMixin):
     def _stream(self, op: str, segment: str, loc: list[int], rem: list[int], ln: list[int],
                 overlap: Callable[[], None] | None, on_landed: Callable[[int], None] | None
                 ) -> tuple[str, float, BaseException | None]:
-        """Submit, then poll in order. Returns (what failed or "", seconds, the first
-        exception a callback raised). Callers hold the lock."""
+        """Submit (at most ``STREAM_WINDOW`` in flight), poll in order. Returns (what
+        failed or "", the failed part's seconds, the first exception a callback
+        raised). Callers hold the lock."""
         te = self._te
         submit = te.batch_transfer_async_write if op == "write" else \
             te.batch_transfer_async_read
         check = te.transfer_check_status
-        start = time.perf_counter()
-        deadline = start + self.timeout_s + sum(ln) / (1 << 30) + 1.0
-        ids: list[int] = []
-        failed = ""
-        for lo, re, n in zip(loc, rem, ln):
-            batch = submit(segment, [lo], [re], [n])
-            if batch <= 0 or batch >= _BAD_BATCH:  # 0 or (uint64)-1: nothing was submitted
-                failed = f"submission {len(ids)} refused"
-                break
-            ids.append(batch)
-        error: BaseException | None = None
-        if overlap is not None and not failed:
-            error = _call(overlap)
-        landed = 0
-        for i, batch in enumerate(ids):
-            while True:
-                status = check(batch)
-                if status:
-                    break
-                if time.perf_counter() > deadline:  # TE never finished: the ids leak
-                    return (failed or f"{len(ids) - i} transfer(s) unfinished past the "
-                            "deadline"), time.perf_counter() - start, error
-                os.sched_yield()
-            if status != 1:  # -1 failed (freed), -2 timed out (TE keeps it)
-                failed = failed or f"transfer {i} reported {status}"
-            elif not failed and error is None:
-                landed = i + 1
-                if on_landed is not None:
-                    error = _call(on_landed, landed)
-        return failed, time.perf_counter() - start, error
+        ids: list[int] = []  # submitted, in order; ids[:done] are finished (freed)
+        failed, error = "", None
+        last = start = time.perf_counter()  # ``last``: the latest progress
+
+        def submit_upto(upto: int) -> None:
+            nonlocal failed
+            while not failed and len(ids) < min(upto, len(ln)):
+                i = len(ids)
+                batch = submit(segment, [loc[i]], [rem[i]], [ln[i]])
+                if batch <= 0 or batch >= _BAD_BATCH:  # 0 or (uint64)-1: not submitted
+                    failed = f"submission {i} refused"
+                    return
+                ids.append(batch)
+
+        done = 0
+        try:
+            submit_upto(STREAM_WINDOW)
+            if overlap is not None and not failed:
+                error = _call(overlap)
+            while done < len(ids):
+                status = check(ids[done])
+                now = time.perf_counter()
+                if status in (0, -2):  # pending, or TE's own timeout (id kept, still live)
+                    # Bounded by progress: the peer must land a piece every so often.
+                    if now - last > self.timeout_s + ln[done] / (1 << 30) + 1.0:
+                        # TE never finished them: their ids leak, as a sync call's would.
+                        return (failed or f"{len(ids) - done} transfer(s) unfinished, no "
+                                "progress within the timeout"), now - last, error
+                    os.sched_yield()
+                    continue
+                done += 1
+                last = now
+                if status != 1:  # -1: failed (freed)
+                    failed = failed or f"transfer {done - 1} reported {status}"
+                elif not failed and error is None and on_landed is not None:
+                    error = _call(on_landed, done)
+                if not failed:
+                    submit_upto(done + STREAM_WINDOW)
+        except BaseException as exc:  # TE raised, or an interrupt between polls
+            # Nothing may write into the caller's memory once this returns.
+            _drain(check, ids[done:], time.perf_counter() + self.timeout_s)
+            raise exc
+        return failed, time.perf_counter() - last if failed else 0.0, error
 
     def _fail(self, what: str, segment: str, elapsed: float) -> None:
         """Raise TransferError if the peer is up, else mark it dead and raise
@@ -358,6 +378,14 @@ class Transport(RegionsMixin):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _drain(check: Callable[[int], int], ids: list[int], deadline: float) -> None:
+    """Poll ``ids`` until TE has finished each (or ``deadline``): after an error the
+    caller's memory must not be written any more."""
+    for batch in ids:
+        while check(batch) in (0, -2) and time.perf_counter() < deadline:
+            os.sched_yield()
 
 
 def _call(fn: Callable[..., Any], *args: Any) -> BaseException | None:

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.core.errors import ConfigError, InvalidRequestError, PeerUnavailableError, TransferError
-from kvstore.transport.te import MAX_BATCH_ENTRIES, Transport, coalesce
+from kvstore.transport.te import MAX_BATCH_ENTRIES, STREAM_WINDOW, Transport, coalesce
 from tests.integration.te_peer import REPO, PeerProcess
 from tools.etcd_proc import start_etcd
 
@@ -374,3 +374,51 @@ def _wait_port(port: int, timeout_s: float = 15.0) -> None:
         except OSError:
             time.sleep(0.1)
     raise TimeoutError(f"metadata server did not listen on {port} within {timeout_s}s")
+
+
+# ------------------------------------------------------------------ streamed
+@pytest.mark.timeout(60)
+def test_stream_keeps_a_window_in_flight_over_thousands_of_ranges(te, local, peer):
+    """More scattered ranges than TE's TCP transport takes outstanding at once
+    (~2 000): all in flight together stalled, then wedged the peer; the window
+    keeps STREAM_WINDOW in flight. Each range is reported landed in order."""
+    n, block = 3 * MAX_BATCH_ENTRIES, 512
+    assert n > 8 * STREAM_WINDOW
+    data = _random(n * block, 4)
+    local.array[:len(data)] = data
+    perm = np.random.default_rng(4).permutation(n)
+    loc = local.address + np.arange(n) * block
+    rem = peer.address + perm * (2 * block)  # gaps: nothing merges
+    stats = te.stream("write", peer.segment, loc, rem, np.full(n, block))
+    assert stats.transfers == n and stats.nbytes == n * block
+    local.array[:len(data)] = 0
+    landed: list[int] = []
+    te.stream("read", peer.segment, loc, rem, np.full(n, block), on_landed=landed.append)
+    assert landed == list(range(1, n + 1))
+    assert np.array_equal(local.array[:len(data)], data)
+    te.read(peer.segment, loc[:4], rem[:4], np.full(4, block))  # the peer still answers
+
+
+@pytest.mark.timeout(60)
+def test_stream_raises_a_callback_error_only_once_every_range_has_landed(te, local, peer):
+    n, block = 64, 64 << 10
+    data = _random(n * block, 5)
+    local.array[:len(data)] = data
+    te.write(peer.segment, [local.address], [peer.address], [len(data)])
+    local.array[:len(data)] = 0
+    calls: list[int] = []
+
+    def bad(landed: int) -> None:
+        calls.append(landed)
+        raise RuntimeError("checksum of the first piece")
+
+    loc = local.address + np.arange(n) * block
+    rem = peer.address + np.arange(n) * block
+    with pytest.raises(RuntimeError, match="first piece"):
+        te.stream("read", peer.segment, loc, rem, np.full(n, block), on_landed=bad)
+    assert calls == [1]  # not called again after it raised
+    assert np.array_equal(local.array[:len(data)], data)  # yet every range had landed
+    with pytest.raises(RuntimeError, match="overlap"):
+        te.stream("write", peer.segment, loc, rem, np.full(n, block),
+                  overlap=lambda: (_ for _ in ()).throw(RuntimeError("overlap")))
+    assert not te.is_dead(peer.segment)

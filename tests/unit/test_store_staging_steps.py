@@ -11,6 +11,9 @@ before it. Real tiers, real LMDB, real files.
 
 from __future__ import annotations
 
+import pytest
+
+from kvstore.core.errors import InvalidRequestError
 from kvstore.core.hashing import checksum
 from kvstore.store.reads import Staging
 from kvstore.store.types import Acquisition
@@ -94,4 +97,39 @@ def test_a_corrupt_nvme_entry_found_while_staging_ends_the_prefix(make_store):
     assert store.lookup(*_keys([8, 9])).matched_blocks == 1  # the bad one is gone
     store.release(acq.id)
     assert checksum(data(8)) == acq.entries[0].checksum
+    store.check_integrity()
+
+
+def test_the_copy_a_second_staging_reads_is_not_dropped_under_it(make_store):
+    """A finished first staging leaves the entry in DRAM with its NVMe bytes as a
+    copy; NVMe room-making drops copies first, but not one a staging under way is
+    still to read (it would read a freed extent)."""
+    store = make_store(dram=4, nvme=8)
+    _on_nvme(store, [6])
+    first = store.begin_acquire(*_keys([6]))
+    second = store.begin_acquire(*_keys([6]))
+    a = first.finish(*first.read())
+    with store._lock:
+        store.place.shed("nvme", 8 * 4096)  # every copy it may take
+    assert {r.key: r for r in store.entries()}[key(6)].nvme_copy is not None
+    b = second.finish(*second.read())
+    assert store.read(b.id, 0) == data(6) and b.entries[0].offset == a.entries[0].offset
+    store.release(a.id)
+    store.release(b.id)
+    with store._lock:
+        store.place.shed("nvme", 8 * 4096)  # now nothing reads it: the copy may go
+    assert {r.key: r for r in store.entries()}[key(6)].nvme_copy is None
+    store.check_integrity()
+
+
+def test_a_staging_is_finished_or_abandoned_once(make_store):
+    store = make_store(dram=4, nvme=8)
+    _on_nvme(store, [10])
+    step = store.begin_acquire(*_keys([10]))
+    acq = step.finish(*step.read())
+    step.abandon()  # after finish: nothing happens (the staged entry keeps its room)
+    with pytest.raises(InvalidRequestError, match="already"):
+        step.finish({}, {})
+    assert store.read(acq.id, 0) == data(10)
+    store.release(acq.id)
     store.check_integrity()
