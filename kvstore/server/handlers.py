@@ -67,15 +67,17 @@ def lookup(store: Store, req: p.Lookup) -> dict:
 
 
 def acquire(store: Store, req: p.Acquire) -> dict:
-    step = begin_acquire(store, req)
-    return acquired(step if isinstance(step, Acquisition) else step.finish(*step.read()))
+    return acquired(store.acquire(*_acquire_args(req)))
 
 
 def begin_acquire(store: Store, req: p.Acquire) -> Acquisition | Staging:
     """The acquire, or its NVMe staging for the server's staging thread to run."""
-    return store.begin_acquire(list(req.keys), list(req.tokens), lease_s=req.lease_s,
-                               claim=req.claim, optional_tail=req.optional_tail,
-                               spend_rest=req.spend_rest and req.claim)
+    return store.begin_acquire(*_acquire_args(req))
+
+
+def _acquire_args(req: p.Acquire) -> tuple:
+    return (list(req.keys), list(req.tokens), req.lease_s, req.claim, req.optional_tail,
+            req.spend_rest and req.claim)
 
 
 def acquired(acq: Acquisition) -> dict:

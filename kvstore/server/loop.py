@@ -40,7 +40,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import zmq
 
@@ -51,6 +51,7 @@ from kvstore.core.nodeid import host_id
 from kvstore.server import handlers
 from kvstore.server.handlers import HANDLERS
 from kvstore.store.reads import Staging
+from kvstore.store.types import Acquisition
 
 if TYPE_CHECKING:
     from zmq.auth.thread import ThreadAuthenticator
@@ -317,46 +318,25 @@ class Server:
                     envelope, rid, req, staging, arrived = self._staging.popleft()
                     stopping = self._stop
                 waited = time.monotonic() - arrived
-                try:
-                    if stopping or waited > self._busy_after:
-                        with self._counters_lock:
-                            self.counters["busy"] += 1
-                        why = "server stopping" if stopping else \
-                            f"the request would finish after {waited:.1f} s"
-                        err = BusyError(f"server busy: {why} (an acquire staging "
-                                        f"{staging.nbytes} NVMe bytes); retry or recompute")
-                        reply = p.encode_error(rid, err)
-                    else:
-                        reply = self._finish_staging(rid, req, staging)
-                except Exception as exc:  # noqa: BLE001 - the thread must live on
-                    log.exception("staging thread: internal error")
-                    reply = p.encode_error(rid, KVStoreError(f"internal error in acquire: {exc}"))
-                finally:
-                    try:  # a busy or failed one gives back its holds, claims and room
-                        staging.abandon()
-                    except Exception:  # noqa: BLE001
-                        log.exception("staging thread: abandoning a staging failed")
-                out.send_multipart([*envelope, reply])
+                if stopping or waited > self._busy_after:
+                    with self._counters_lock:
+                        self.counters["busy"] += 1
+                    why = "server stopping" if stopping else \
+                        f"the request would finish after {waited:.1f} s"
+                    err = BusyError(f"server busy: {why} (an acquire staging "
+                                    f"{staging.nbytes} NVMe bytes); retry or recompute")
+                    answered: bytes | None = p.encode_error(rid, err)
+                else:
+                    answered = self._answer(rid, req, time.perf_counter(), lambda: self._acquired(
+                        staging.finish(*staging.read())))
+                try:  # a busy or failed one gives back its holds, claims and room
+                    staging.abandon()
+                except Exception:  # noqa: BLE001 - the thread must live on
+                    log.exception("staging thread: abandoning a staging failed")
+                if answered is not None:  # (finishing never hands it on again)
+                    out.send_multipart([*envelope, answered])
         finally:
             out.close(0)
-
-    def _finish_staging(self, rid: int, req: p.Acquire, staging: Staging) -> bytes:
-        start, ok = time.perf_counter(), False
-        try:
-            result = handlers.acquired(staging.finish(*staging.read()))
-            result["segment"] = self.transport.segment
-            reply = p.encode_ok(rid, result)
-            ok = True
-        except KVStoreError as exc:
-            log.debug("acquire failed staging: %s", exc)
-            reply = p.encode_error(rid, exc)
-        except Exception as exc:  # noqa: BLE001 - a bug must not take the node down
-            log.exception("internal error staging an acquire")
-            reply = p.encode_error(rid, KVStoreError(f"internal error in acquire: {exc}"))
-        self._count("acquire", time.perf_counter() - start, ok)
-        if ok:
-            self._hook(req, result)
-        return reply
 
     def _count(self, op: str, seconds: float, ok: bool) -> None:
         with self._counters_lock:
@@ -371,39 +351,56 @@ class Server:
         acquire that must stage NVMe entries is handed to it instead (None: its
         reply comes from there)."""
         start = time.perf_counter()
-        op, rid, ok = "invalid", 0, False
         try:
             rid, req = p.decode_request(frame, self.max_bytes)
-            op = req.OP
-            if defer is not None and isinstance(req, p.Acquire):
+        except Exception as exc:  # noqa: BLE001 - never raises: a bad frame is answered
+            if not isinstance(exc, KVStoreError):
+                log.exception("internal error decoding a request")
+                exc = KVStoreError(f"internal error decoding the request: {exc}")
+            log.debug("invalid request: %s", exc)
+            self._count("invalid", time.perf_counter() - start, False)
+            return p.encode_error(p.peek_id(frame, self.max_bytes), exc)
+        if defer is not None and isinstance(req, p.Acquire):
+            def begin() -> dict | None:
                 step = handlers.begin_acquire(self.store, req)
                 if isinstance(step, Staging):
                     defer(rid, req, step)
                     return None
-                result = handlers.acquired(step)
-                result["segment"] = self.transport.segment
-            else:
-                result = self._dispatch(req)
+                return self._acquired(step)
+
+            return self._answer(rid, req, start, begin)
+        return self._answer(rid, req, start, lambda: self._dispatch(req))
+
+    def _answer(self, rid: int, req: p.Request, start: float,
+                run: Callable[[], dict | None]) -> bytes | None:
+        """``run()``'s result as the reply to ``req`` (None: no reply now, it was
+        handed on), or the error it raised; counted, and told to ``on_result``."""
+        op, ok, result = req.OP, False, {}
+        try:
+            answer = run()
+            if answer is None:
+                return None
+            result = answer
             reply = p.encode_ok(rid, result)
             ok = True
         except KVStoreError as exc:
-            rid = rid or p.peek_id(frame, self.max_bytes)
             log.debug("%s failed: %s", op, exc)
             reply = p.encode_error(rid, exc)
         except Exception as exc:  # noqa: BLE001 - a bug must not take the node down
             log.exception("internal error handling %s", op)
             reply = p.encode_error(rid, KVStoreError(f"internal error in {op}: {exc}"))
         self._count(op, time.perf_counter() - start, ok)
-        if ok:
-            self._hook(req, result)
-        return reply
-
-    def _hook(self, req: p.Request, result: dict) -> None:
-        if self.on_result is not None:
+        if ok and self.on_result is not None:
             try:
                 self.on_result(req, result)
             except Exception:  # noqa: BLE001 - metrics must not fail a request
-                log.exception("on_result hook failed for %s", req.OP)
+                log.exception("on_result hook failed for %s", op)
+        return reply
+
+    def _acquired(self, acq: Acquisition) -> dict:
+        # Addresses are only meaningful in this segment; a client holding an
+        # older hello (the server restarted) sees the change and re-hellos.
+        return {**handlers.acquired(acq), "segment": self.transport.segment}
 
     def _dispatch(self, req: p.Request) -> dict:
         if isinstance(req, p.Hello):
@@ -416,9 +413,7 @@ class Server:
             return {"status": "ok", "uptime_s": time.time() - self._started}
         result = HANDLERS[req.OP](self.store, req)
         if isinstance(req, (p.Reserve, p.Acquire)):
-            # Addresses are only meaningful in this segment; a client holding an
-            # older hello (the server restarted) sees the change and re-hellos.
-            result["segment"] = self.transport.segment
+            result["segment"] = self.transport.segment  # see _acquired
         return result
 
     def hello(self) -> dict:
