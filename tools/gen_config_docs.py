@@ -87,12 +87,13 @@ HELP = {
                          "empty: every NIC TE finds.",
     "client.staging_bytes": "Client staging buffer registered with TE.",
     "client.te_piece_bytes": "How a move is cut into TE transfers: 0, as `te_wait` "
-                             "chooses (yield: 4 MiB pieces, a quarter of a move under "
-                             "16 MiB; spin: one transfer per run of entries contiguous "
-                             "on both sides); N, N-byte pieces (N >= 64KiB).",
-    "client.te_wait": "How the client waits for TE: `yield` (default), the pieces in "
+                             "chooses (sleep, yield: 4 MiB pieces, a quarter of a move "
+                             "under 16 MiB; spin: one transfer per run of entries "
+                             "contiguous on both sides); N, N-byte pieces (N >= 64KiB).",
+    "client.te_wait": "How the client waits for TE: `sleep` (default), the pieces in "
                       "flight together as async batches, each hashed as it lands, the "
-                      "wait yielding the CPU; `spin`, TE's sync calls, which busy-wait a "
+                      "wait sleeping ~30 us between polls; `yield`, the same, the wait "
+                      "only yielding the CPU; `spin`, TE's sync calls, which busy-wait a "
                       "core until the last byte (try it where cores are plenty).",
     "client.curve_server_public_key": "Server public key file (CURVE); empty: no CURVE.",
     "client.curve_secret_key": "Client key pair file written by `kvstore keys`.",

@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
 import numpy as np
 
 from kvstore.client.shm import copy_in, copy_out
-from kvstore.core.config import MIN_TE_PIECE_BYTES
+from kvstore.core.config import MIN_TE_PIECE_BYTES, TE_WAITS
 from kvstore.core.errors import ChecksumError, ConfigError, InvalidRequestError
 from kvstore.core.hashing import checksum
 from kvstore.core.nodeid import host_id
 from kvstore.transport.env import check_protocol
-from kvstore.transport.ranges import coalesce, split, stream_piece
+from kvstore.transport.ranges import STREAM_NAP_S, coalesce, split, stream_piece
 
 if TYPE_CHECKING:
     from kvstore.transport.te import Transport
@@ -53,17 +53,18 @@ _PAGE = 4096  # tiers.dram.PAGE_SIZE: DRAM extents start on, and are rounded up 
 # From this many bytes a TE write goes straight from the caller's buffers, registered
 # for the call (~0.1 ms/GiB), instead of being copied into staging first.
 DIRECT_WRITE_MIN_BYTES = 8 << 20
-# How a move is handed to TE. ``client.te_wait``: "yield" (the default) streams it
-# (``Transport.stream``): pieces in flight together as one-entry async batches, the
-# wait yielding the CPU, each piece hashed as it lands; "spin" hands each run to
-# TE's sync call, which busy-waits a core until the last byte, and hashes after.
+# How a move is handed to TE. ``client.te_wait``: "sleep" (the default) and "yield"
+# stream it (``Transport.stream``): pieces in flight together as one-entry async
+# batches, each piece hashed as it lands, the wait sleeping between polls
+# (``te.STREAM_NAP_S``) or only yielding the CPU; "spin" hands each run to TE's sync
+# call, which busy-waits a core until the last byte, and hashes after.
 # ``client.te_piece_bytes``: 0 (the default) lets the wait choose (streamed:
 # ``ranges.stream_piece``; spin: one transfer per run of entries contiguous on both
 # sides); N > 0 cuts runs into N-byte pieces either way. Measured in
-# docs/benchmarks.md ("Streamed transfers"). Entries under a page stay bridged into
-# their neighbours either way (``_mirror``).
+# docs/benchmarks.md ("Streamed transfers", "Sleeping between polls"). Entries under
+# a page stay bridged into their neighbours either way (``_mirror``).
 WHOLE_RUNS = 0
-WAITS = ("yield", "spin")
+WAITS = TE_WAITS
 
 
 class Segment(NamedTuple):
@@ -79,7 +80,7 @@ class TeEngine:
 
     def __init__(self, te_host: str, staging_bytes: int, timeout_s: float | None = None,
                  protocol: str = "tcp", devices: str | Sequence[str] = "",
-                 piece_bytes: int = WHOLE_RUNS, wait: str = "yield") -> None:
+                 piece_bytes: int = WHOLE_RUNS, wait: str = "sleep") -> None:
         if piece_bytes < 0 or 0 < piece_bytes < MIN_TE_PIECE_BYTES:
             raise ConfigError(f"te_piece_bytes must be 0 or at least {MIN_TE_PIECE_BYTES}, "
                               f"got {piece_bytes}")
@@ -160,7 +161,7 @@ class DataPath:
                  observer: Callable[[str, float, bool], None] | None = None,
                  timeout_s: float | None = None, engine: TeEngine | None = None,
                  protocol: str = "tcp", devices: str | Sequence[str] = "",
-                 piece_bytes: int = WHOLE_RUNS, wait: str = "yield") -> None:
+                 piece_bytes: int = WHOLE_RUNS, wait: str = "sleep") -> None:
         if same_node not in (True, False, "auto"):
             raise ConfigError(f"same_node must be True, False or 'auto', got {same_node!r}")
         self.same_node = same_node
@@ -459,16 +460,17 @@ class DataPath:
         loc, rem, ln = loc[order], rem[order], ln[order]
         tops = (loc + ln).tolist()
         te.stream(op, segment, loc, rem, ln, overlap=overlap,
-                  on_landed=None if arrived is None else lambda n: landed_below(tops[n - 1]))
+                  on_landed=None if arrived is None else lambda n: landed_below(tops[n - 1]),
+                  nap_s=STREAM_NAP_S if self.engine.wait == "sleep" else 0.0)
         landed_below(1 << 63)  # nothing left, unless ranges were empty
 
     def _pieces(self, local: list[int], remote: list[int], lengths: list[int]
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The runs as TE transfers: cut per ``client.te_piece_bytes``, else whole
-        (spin) or in ``stream_piece`` pieces (yield)."""
+        (spin) or in ``stream_piece`` pieces (sleep, yield)."""
         loc, rem, ln = coalesce(local, remote, lengths)
         piece = self.engine.piece_bytes
-        if not piece and self.engine.wait == "yield":
+        if not piece and self.engine.wait != "spin":
             piece = stream_piece(int(ln.sum()))
         return split(loc, rem, ln, piece)
 

@@ -180,6 +180,7 @@ class ClusterConfig:
 
 
 MIN_TE_PIECE_BYTES = 64 << 10  # smaller TE transfers cost more than they carry
+TE_WAITS = ("sleep", "yield", "spin")  # client.te_wait (kvstore.client.datapath)
 
 
 @dataclass(frozen=True)
@@ -191,7 +192,7 @@ class ClientConfig:
     te_devices: str = ""  # RDMA NICs this client's TE may use; empty: all
     staging_bytes: Size = 256 << 20
     te_piece_bytes: Size = 0  # 0: chosen by te_wait; N: N-byte pieces
-    te_wait: str = "yield"  # yield: streamed async pieces; spin: TE's busy-waiting sync calls
+    te_wait: str = "sleep"  # sleep / yield: streamed async pieces; spin: TE's sync calls
     curve_server_public_key: str = ""
     curve_secret_key: str = ""
     etcd: str = ""
@@ -202,8 +203,9 @@ class ClientConfig:
         if 0 < self.te_piece_bytes < MIN_TE_PIECE_BYTES:
             raise ConfigError(f"client.te_piece_bytes: {self.te_piece_bytes} is below "
                               f"{MIN_TE_PIECE_BYTES} (64KiB); 0 lets te_wait choose")
-        if self.te_wait not in ("yield", "spin"):
-            raise ConfigError(f"client.te_wait must be 'yield' or 'spin', got {self.te_wait!r}")
+        if self.te_wait not in TE_WAITS:
+            raise ConfigError(f"client.te_wait must be one of {', '.join(TE_WAITS)}, "
+                              f"got {self.te_wait!r}")
         _te_settings(self, "client")
 
 

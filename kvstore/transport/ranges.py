@@ -77,6 +77,12 @@ def split(local: np.ndarray, remote: np.ndarray, lengths: np.ndarray, piece: int
 STREAM_PIECE_BYTES = 4 << 20  # a large move's pieces (``Transport.stream``)
 STREAM_MIN_PIECES = 4  # a small move is still cut in this many, so its hashing overlaps
 STREAM_MIN_PIECE_BYTES = 256 << 10
+# How long ``stream`` sleeps between polls of a piece not landed yet, unless told
+# otherwise: ~80 us in all (the kernel's 50 us timer slack comes on top). Long enough
+# to leave both cores to the TE threads and the kernel's TCP copies that move the
+# bytes, short against a piece (>= 256 KiB: ~150 us at 1.7 GB/s). Measured against
+# yielding and spinning in docs/benchmarks.md ("Sleeping between polls").
+STREAM_NAP_S = 30e-6
 _PAGE = 4096
 
 

@@ -65,7 +65,7 @@ from kvstore.transport.env import (
     protocol_env,
     set_timeouts,
 )
-from kvstore.transport.ranges import Addrs, coalesce, nonempty_ranges
+from kvstore.transport.ranges import STREAM_NAP_S, Addrs, coalesce, nonempty_ranges
 from kvstore.transport.regions import Region, RegionsMixin, StagingBuffer
 
 # Re-exported: callers import these names from here.
@@ -209,9 +209,11 @@ class Transport(RegionsMixin):
 
     def stream(self, op: str, segment: str, local: Addrs, remote: Addrs, lengths: Addrs, *,
                overlap: Callable[[], None] | None = None,
-               on_landed: Callable[[int], None] | None = None) -> TransferStats:
+               on_landed: Callable[[int], None] | None = None,
+               nap_s: float = STREAM_NAP_S) -> TransferStats:
         """The ranges, in the order given, each as its own one-entry async TE batch, all
-        in flight at once; the wait yields the CPU between polls instead of spinning.
+        in flight at once; between polls the wait sleeps ``nap_s`` (0: it only yields
+        the CPU, ``sched_yield``) instead of spinning.
 
         TE's sync calls busy-wait a core for the whole transfer; on a machine whose
         cores also run TE's own worker threads (both ends, on 2 cores here) that spin
@@ -241,7 +243,7 @@ class Transport(RegionsMixin):
             self._check_open()
             self._check_local(loc, ln)
             failed, elapsed, error = self._stream(op, segment, loc.tolist(), rem.tolist(),
-                                                  ln.tolist(), overlap, on_landed)
+                                                  ln.tolist(), overlap, on_landed, nap_s)
         if failed:
             self._fail(f"TE {op} of {nbytes} bytes in {len(ln)} transfer(s) to {segment} "
                        f"failed ({failed} after {elapsed:.2f}s)", segment, elapsed)
@@ -250,8 +252,8 @@ class Transport(RegionsMixin):
         return TransferStats(nbytes, len(ln), time.perf_counter() - start)
 
     def _stream(self, op: str, segment: str, loc: list[int], rem: list[int], ln: list[int],
-                overlap: Callable[[], None] | None, on_landed: Callable[[int], None] | None
-                ) -> tuple[str, float, BaseException | None]:
+                overlap: Callable[[], None] | None, on_landed: Callable[[int], None] | None,
+                nap_s: float) -> tuple[str, float, BaseException | None]:
         """Submit (at most ``STREAM_WINDOW`` in flight), poll in order. Returns (what
         failed or "", the failed part's seconds, the first exception a callback
         raised). Callers hold the lock."""
@@ -287,7 +289,10 @@ class Transport(RegionsMixin):
                         # TE never finished them: their ids leak, as a sync call's would.
                         return (failed or f"{len(ids) - done} transfer(s) unfinished, no "
                                 "progress within the timeout"), now - last, error
-                    os.sched_yield()
+                    if nap_s > 0:
+                        time.sleep(nap_s)
+                    else:
+                        os.sched_yield()
                     continue
                 done += 1
                 last = now

@@ -31,6 +31,26 @@ def test_drop_select_into_a_reused_buffer(clean_server, client_factory, same_nod
     assert client.stats()["entries"] == 0
 
 
+@pytest.mark.parametrize("wait", ["sleep", "yield", "spin"])
+def test_every_te_wait_moves_and_verifies_the_same_bytes(clean_server, client_factory, wait):
+    """``client.te_wait``: each way of waiting for TE (sleeping or yielding between
+    polls of streamed pieces, or TE's spinning sync call) writes and reads the exact
+    bytes, into a reused buffer and into new memory, and catches no false corruption."""
+    from kvstore.core.config import ClientConfig
+
+    client = client_factory(clean_server, same_node=False, staging_bytes=4 << 20,
+                            config=ClientConfig(te_wait=wait))
+    assert client._data.engine.wait == wait
+    buf = np.zeros(LAYOUT.nbytes(96) + 4096, np.uint8)
+    for seed, n in enumerate([96, 17]):
+        kv = make_kv(n, 40 + seed)
+        client.insert(prompt(n, 40 + seed), kv)  # a TE write (not on the server's node)
+        got = client.drop_select(prompt(n, 40 + seed), into=buf if seed == 0 else None)
+        assert got.matched_tokens == n
+        assert np.array_equal(got.kv.numpy(), kv)
+    assert client.stats()["entries"] == 0
+
+
 def test_get_into_a_torch_tensor_keeps_the_entries(clean_server, client_factory):
     client = client_factory(clean_server, same_node=False)
     kv = make_kv(40, 7)

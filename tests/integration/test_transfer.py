@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.core.errors import ConfigError, InvalidRequestError, PeerUnavailableError, TransferError
-from kvstore.transport.te import MAX_BATCH_ENTRIES, STREAM_WINDOW, Transport, coalesce
+from kvstore.transport.te import (MAX_BATCH_ENTRIES, STREAM_NAP_S, STREAM_WINDOW, Transport,
+                                  coalesce)
 from tests.integration.te_peer import REPO, PeerProcess
 from tools.etcd_proc import start_etcd
 
@@ -378,10 +379,12 @@ def _wait_port(port: int, timeout_s: float = 15.0) -> None:
 
 # ------------------------------------------------------------------ streamed
 @pytest.mark.timeout(60)
-def test_stream_keeps_a_window_in_flight_over_thousands_of_ranges(te, local, peer):
+@pytest.mark.parametrize("nap_s", [STREAM_NAP_S, 0.0], ids=["sleep", "yield"])
+def test_stream_keeps_a_window_in_flight_over_thousands_of_ranges(te, local, peer, nap_s):
     """More scattered ranges than TE's TCP transport takes outstanding at once
     (~2 000): all in flight together stalled, then wedged the peer; the window
-    keeps STREAM_WINDOW in flight. Each range is reported landed in order."""
+    keeps STREAM_WINDOW in flight. Each range is reported landed in order, whether
+    the wait sleeps between polls or only yields."""
     n, block = 3 * MAX_BATCH_ENTRIES, 512
     assert n > 8 * STREAM_WINDOW
     data = _random(n * block, 4)
@@ -389,11 +392,12 @@ def test_stream_keeps_a_window_in_flight_over_thousands_of_ranges(te, local, pee
     perm = np.random.default_rng(4).permutation(n)
     loc = local.address + np.arange(n) * block
     rem = peer.address + perm * (2 * block)  # gaps: nothing merges
-    stats = te.stream("write", peer.segment, loc, rem, np.full(n, block))
+    stats = te.stream("write", peer.segment, loc, rem, np.full(n, block), nap_s=nap_s)
     assert stats.transfers == n and stats.nbytes == n * block
     local.array[:len(data)] = 0
     landed: list[int] = []
-    te.stream("read", peer.segment, loc, rem, np.full(n, block), on_landed=landed.append)
+    te.stream("read", peer.segment, loc, rem, np.full(n, block), on_landed=landed.append,
+              nap_s=nap_s)
     assert landed == list(range(1, n + 1))
     assert np.array_equal(local.array[:len(data)], data)
     te.read(peer.segment, loc[:4], rem[:4], np.full(4, block))  # the peer still answers

@@ -131,13 +131,13 @@ def test_pieces_follow_the_wait_unless_asked():
     run = ([0, 1 << 30], [1 << 40, 1 << 41], [8 << 20, 3 << 20])
     spin = DataPath("127.0.0.1", 1 << 20, same_node=False, wait="spin")
     assert spin._pieces(*run)[2].tolist() == [8 << 20, 3 << 20]  # whole runs
-    streamed = DataPath("127.0.0.1", 1 << 20, same_node=False)  # te_wait "yield"
+    streamed = DataPath("127.0.0.1", 1 << 20, same_node=False)  # te_wait "sleep"
     piece = stream_piece(11 << 20)  # a quarter of the move, page-rounded
     assert piece % 4096 == 0 and 11 << 18 <= piece < (11 << 18) + 4096
     lengths = streamed._pieces(*run)[2].tolist()
     assert max(lengths) == piece and sum(lengths) == 11 << 20 and len(lengths) == 5
     assert stream_piece(1 << 30) == 4 << 20 and stream_piece(100_000) == 256 << 10
-    for wait in ("spin", "yield"):
+    for wait in ("spin", "yield", "sleep"):
         cut = DataPath("127.0.0.1", 1 << 20, same_node=False, piece_bytes=2 << 20, wait=wait)
         local, remote, lengths = cut._pieces(*run)
         assert lengths.tolist() == [2 << 20] * 4 + [2 << 20, 1 << 20]

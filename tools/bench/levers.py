@@ -15,10 +15,12 @@ by each variant and each call timed in the calling process:
   ``spin, acked release`` (the old path: one TE sync transfer per run of entries,
   which busy-waits a core, hashed after it landed, and a release that waits for its
   reply), ``spin, one-way release``, ``spin, 2 MiB pieces`` (``client.te_piece_bytes
-  = 2MiB``: several sync transfers in flight) and ``streamed, one-way release`` (now:
-  ``client.te_wait = "yield"``, async pieces hashed as they land, the wait yielding);
+  = 2MiB``: several sync transfers in flight), ``streamed, one-way release``
+  (``client.te_wait = "yield"``: async pieces hashed as they land, the wait yielding)
+  and ``streamed, sleeping`` (now: ``"sleep"``, the wait sleeping between polls);
 * ``put-te``, a producer on another node (TE write from the caller's buffer):
-  ``spin`` (hash after the transfer) against ``streamed`` (hash while it flies).
+  ``spin`` (hash after the transfer) against ``streamed`` (hash while it flies,
+  yielding) and ``streamed, sleeping``.
 
 Prints the median ms of each variant and its ratio to the old path (> 1: faster).
 Both ends are on this machine, so TE's numbers are loopback's, not a network's; the
@@ -48,8 +50,8 @@ PIECE = 2 * MiB
 
 PUTS = ("inline, 1 thread", "background, 1 thread", "background, 2 threads")
 GETS = ("spin, acked release", "spin, one-way release", "spin, 2 MiB pieces",
-        "streamed, one-way release")
-TE_PUTS = ("spin", "streamed")
+        "streamed, one-way release", "streamed, sleeping")
+TE_PUTS = ("spin", "streamed", "streamed, sleeping")
 
 
 def _acked(client: Any) -> Callable[[], None]:
@@ -91,9 +93,11 @@ def run(layout_name: str, ntokens: int, reps: int) -> dict[str, dict[str, float]
         feeder = client(background, True)
         readers = {GETS[0]: client(background, False), GETS[1]: client(background, False),
                    GETS[2]: client(background, False, PIECE),
-                   GETS[3]: client(background, False, wait="yield")}
+                   GETS[3]: client(background, False, wait="yield"),
+                   GETS[4]: client(background, False, wait="sleep")}
         te_writers = {TE_PUTS[0]: client(background, False),
-                      TE_PUTS[1]: client(background, False, wait="yield")}
+                      TE_PUTS[1]: client(background, False, wait="yield"),
+                      TE_PUTS[2]: client(background, False, wait="sleep")}
         undo = _acked(readers[GETS[0]])
         kv = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
         out = np.empty(nbytes + MiB, np.uint8)
