@@ -103,6 +103,32 @@ class ExtentAllocator:
         self._used -= length
         self._release(offset, length)
 
+    def free_many(self, ranges: list[tuple[int, int]]) -> None:
+        """Free every ``(offset, nbytes)``; all or nothing (``IntegrityError`` and
+        nothing freed if one is not live, or is given twice). Ranges that touch go
+        back to the free set as one run: a prompt's entries, reserved back to back,
+        cost one merge instead of one per entry (2 048 frees of 64 KiB: the largest
+        part of a drop_select's release)."""
+        lengths = [(offset, self.round_up(nbytes)) for offset, nbytes in ranges]
+        seen: set[int] = set()
+        for offset, length in lengths:
+            if self._live.get(offset) != length or length <= 0 or offset in seen:
+                raise IntegrityError(f"free of [{offset}, +{length}): not a live range "
+                                     "(double free or never allocated); nothing freed")
+            seen.add(offset)
+        run_start = run_end = -1
+        for offset, length in sorted(lengths):
+            del self._live[offset]
+            self._used -= length
+            if offset == run_end:
+                run_end += length
+                continue
+            if run_end > run_start:
+                self._release(run_start, run_end - run_start)
+            run_start, run_end = offset, offset + length
+        if run_end > run_start:
+            self._release(run_start, run_end - run_start)
+
     def claim(self, offset: int, nbytes: int) -> None:
         """Mark a range live again (restart of a persistent tier). It must lie wholly
         inside one free run, i.e. overlap nothing live."""

@@ -53,6 +53,11 @@ class ArenaTier(Tier):
         self._own(extent)
         self._alloc.free(extent.offset, extent.nbytes)
 
+    def free_many(self, extents: list[Extent]) -> None:
+        for extent in extents:
+            self._own(extent)
+        self._alloc.free_many([(e.offset, e.nbytes) for e in extents])
+
     def claim(self, extent: Extent) -> None:
         self._own(extent)
         self._alloc.claim(extent.offset, extent.nbytes)

@@ -75,6 +75,11 @@ class Tier(ABC):
     def free(self, extent: Extent) -> None:
         """Return an extent. Its bytes may be reused at once."""
 
+    def free_many(self, extents: list[Extent]) -> None:
+        """Return several extents; all or nothing where the tier can check that first."""
+        for extent in extents:
+            self.free(extent)
+
     @abstractmethod
     def claim(self, extent: Extent) -> None:
         """Mark an extent live again after a restart (persistent tiers only)."""

@@ -141,9 +141,13 @@ class Catalog:
         """Set the access time of ``recs`` (stored) in memory only: it is persisted
         with the entry's next change. Returns the current records. Their victim
         orders catch up lazily (order.py)."""
-        out = [self.records[r.key]._replace(last_access=now) for r in recs]
+        records = self.records
+        at = _LAST_ACCESS
+        # tuple.__new__, not _replace: ~5x cheaper, and a drop_select touches every entry.
+        out = [tuple.__new__(Record, (*cur[:at], now, *cur[at + 1:]))
+               for cur in (records[r.key] for r in recs)]
         for rec in out:
-            self.records[rec.key] = rec
+            records[rec.key] = rec
         return out
 
     # ------------------------------------------------------------ inside apply
@@ -174,6 +178,7 @@ class Catalog:
                     self._tiers[ext.tier].free(ext)
 
     def _drop_records(self, drop: list[bytes]) -> None:
+        freed: dict[str, list[Extent]] = {}
         for key in drop:
             rec = self.records.pop(key)
             self.pinned -= rec.pins > 0
@@ -181,8 +186,11 @@ class Catalog:
             self.condemned.pop(key, None)
             del self.by_tier[rec.tier][key]
             self.copies.pop(key, None)
-            for ext in owned(rec):
-                self._tiers[ext.tier].free(ext)
+            freed.setdefault(rec.tier, []).append(Extent(rec.tier, rec.offset, rec.nbytes))
+            if rec.nvme_copy is not None:
+                freed.setdefault("nvme", []).append(Extent("nvme", rec.nvme_copy, rec.nbytes))
+        for tier, extents in freed.items():  # neighbours merge once (free_many)
+            self._tiers[tier].free_many(extents)
 
     def _write_index(self, put: Sequence[Record], drop: list[bytes]) -> None:
         """Each change into its environment: records naming NVMe bytes into the
@@ -256,6 +264,9 @@ class Catalog:
     def _copy_of(self, key: bytes) -> Record | None:
         rec = self.records.get(key)
         return rec if rec is not None and rec.nvme_copy is not None else None
+
+
+_LAST_ACCESS = Record._fields.index("last_access")
 
 
 def durable(rec: Record) -> bool:

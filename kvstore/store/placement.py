@@ -75,8 +75,11 @@ class Placement:
 
     def free(self, extents: list[Extent]) -> None:
         """Give extents no record owns back to their tiers (a reservation given up)."""
+        by_tier: dict[str, list[Extent]] = {}
         for ext in extents:
-            self.tiers[ext.tier].free(ext)
+            by_tier.setdefault(ext.tier, []).append(ext)
+        for tier, group in by_tier.items():
+            self.tiers[tier].free_many(group)
 
     def close(self) -> None:
         for tier in self.tiers.values():

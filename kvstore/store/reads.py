@@ -262,8 +262,8 @@ class Reads(Operations):
         self.counts["bytes_out"] += sum(r.nbytes for r in recs)
         for tier, rec in zip(found_in, recs):  # counted where it was found
             self.tier_bytes[tier, "bytes_out"] += rec.nbytes
-        return Acquisition(aid, [self._info(r) for r in recs],
-                           sum(r.ntokens for r in recs), now + lease_s)
+        return Acquisition(aid, self._infos(recs), sum(r.ntokens for r in recs),
+                           now + lease_s)
 
     def read(self, acquisition_id: int, index: int) -> bytes:
         """The bytes of one acquired entry (local readers)."""
@@ -335,18 +335,22 @@ class Reads(Operations):
         consumer per key. The index write comes first: if it fails, the lease,
         its holds, claims and records are exactly as they were."""
         times = Counter(lease.keys)
-        recs = {k: self.catalog.records[k] for k in times if k in self.catalog.records}
+        records, leased = self.catalog.records, self.holds.leased
+        recs = {k: records[k] for k in times if k in records}
         drop = drop and lease.take
+        # What the drop leaves pending, without building records for those it ends.
+        left = {k: max(0, r.pending - times[k]) if drop else r.pending
+                for k, r in recs.items()}
+        gone = [k for k, r in recs.items() if left[k] == 0 and r.pins == 0
+                and leased.get(k, 0) <= times[k]]
+        put = []
         if drop:
-            recs = {k: r._replace(pending=max(0, r.pending - times[k])) for k, r in recs.items()}
-            if lease.end in recs:
-                end = recs[lease.end]
-                recs[lease.end] = end._replace(ends=max(0, end.ends - 1))
-        gone = [k for k, r in recs.items() if r.pending == 0 and r.pins == 0
-                and self.holds.leased.get(k, 0) <= times[k]]
-        going = set(gone)  # not the list: ``in`` on it made a release O(entries^2)
-        self.catalog.apply(put=[r for k, r in recs.items() if drop and k not in going],
-                           drop=gone)
+            going = set(gone)  # not the list: ``in`` on it made a release O(entries^2)
+            for k, r in recs.items():
+                if k not in going:
+                    r = r._replace(pending=left[k])
+                    put.append(r._replace(ends=max(0, r.ends - 1)) if k == lease.end else r)
+        self.catalog.apply(put=put, drop=gone)
         self.holds.end_lease(lease)
         self.counts["dropped"] += len(gone)
         return len(gone)
@@ -361,6 +365,18 @@ class Reads(Operations):
                 self.counts["collisions"] += 1
                 break
             out.append(rec)
+        return out
+
+    def _infos(self, recs: list[Record]) -> list[EntryInfo]:
+        """``_info`` of each, the tier looked up once per run of one tier."""
+        out, tiers = [], self.place.tiers
+        name, address = None, None
+        for rec in recs:
+            if rec.tier != name:
+                name, address = rec.tier, tiers[rec.tier].address
+            out.append(EntryInfo(rec.key, rec.tier, rec.offset, rec.nbytes,
+                                 address(Extent(rec.tier, rec.offset, rec.nbytes)),
+                                 rec.checksum, rec.ntokens, rec.meta))
         return out
 
     def _info(self, rec: Record) -> EntryInfo:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from kvstore.core.errors import ChecksumError, InvalidRequestError, StorageError
 from kvstore.core.hashing import checksum, hidden_key
-from kvstore.store.index import Record
+from kvstore.store.index import COMMITTED, Record
 from kvstore.store.holds import Open
 from kvstore.store.parts import Operations
 from kvstore.store.types import (
@@ -241,14 +241,17 @@ def _new_records(op: Open, new: list[int], sums: list[int], now: float) -> dict[
     plus those that deduped onto it while it was in flight."""
     put: dict[bytes, Record] = {}
     end = prompt_end(op.keys)
+    keys, extents, tokens, metas, namespace = op.keys, op.extents, op.tokens, op.meta, \
+        op.namespace
+    extra_pins, extra, extra_ends = op.extra_pins, op.extra, op.extra_ends
     for i, s in zip(new, sums):
-        key, ext = op.keys[i], op.extents[i]
+        key, ext, tok = keys[i], extents[i], tokens[i]
         assert ext is not None  # ``new`` lists the written placements only
-        put[key] = Record(key, ext.tier, ext.offset, ext.nbytes, len(op.tokens[i]) // 4,
-                          op.tokens[i], s, now, now, op.extra_pins.get(key, 0),
-                          1 + op.extra.get(key, 0),
-                          op.meta[i], namespace=op.namespace,
-                          ends=(key == end) + op.extra_ends.get(key, 0))
+        # Positional: keyword arguments cost a NamedTuple a third more, per entry.
+        put[key] = Record(key, ext.tier, ext.offset, ext.nbytes, len(tok) // 4, tok, s, now,
+                          now, extra_pins.get(key, 0), 1 + extra.get(key, 0), metas[i],
+                          COMMITTED, None, namespace,
+                          (key == end) + extra_ends.get(key, 0))
     return put
 
 

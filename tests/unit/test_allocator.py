@@ -55,6 +55,31 @@ class AllocatorModel(RuleBasedStateMachine):
         self.a.free(off, ln - data.draw(st.integers(0, PAGE - 1)))  # any size in the pages
         self.freed.append((off, ln))
 
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free_many(self, data):
+        """A batch, in any order: neighbours merge into one run (check_integrity
+        proves the free set is still maximal runs)."""
+        offs = data.draw(st.lists(st.sampled_from(sorted(self.live)), min_size=1,
+                                  unique=True))
+        batch = [(off, self.live[off] - data.draw(st.integers(0, PAGE - 1))) for off in offs]
+        self.a.free_many(batch)
+        for off in offs:
+            self.freed.append((off, self.live.pop(off)))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free_many_with_a_bad_range_frees_nothing(self, data):
+        offs = data.draw(st.lists(st.sampled_from(sorted(self.live)), min_size=1,
+                                  unique=True))
+        bad = data.draw(st.sampled_from(["twice", "not live"]))
+        batch = [(off, self.live[off]) for off in offs]
+        batch.append(batch[0] if bad == "twice" else (64 * PAGE + PAGE, PAGE))
+        before = snapshot(self.a)
+        with pytest.raises(IntegrityError):
+            self.a.free_many(batch)
+        assert snapshot(self.a) == before
+
     @precondition(lambda self: self.freed)
     @rule(data=st.data())
     def double_free_raises(self, data):
