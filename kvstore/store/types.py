@@ -100,6 +100,9 @@ def new_id() -> int:
 
 
 def check_keys(keys: Sequence[bytes]) -> list[bytes]:
+    # The usual case in two C-level passes (a prompt has thousands of keys).
+    if set(map(type, keys)) <= {bytes} and set(map(len, keys)) <= {KEY_BYTES}:
+        return list(keys)
     out = []
     for key in keys:
         if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
@@ -111,6 +114,10 @@ def check_keys(keys: Sequence[bytes]) -> list[bytes]:
 def check_tokens(tokens: Sequence[bytes], n: int) -> list[bytes]:
     if len(tokens) != n:
         raise InvalidRequestError(f"{n} keys but {len(tokens)} token blocks")
+    if set(map(type, tokens)) <= {bytes}:  # the usual case, checked in C-level passes
+        sizes = set(map(len, tokens))
+        if 0 not in sizes and not any(size % 4 for size in sizes):
+            return list(tokens)
     out = []
     for tok in tokens:
         if not isinstance(tok, (bytes, bytearray)) or not tok or len(tok) % 4:
