@@ -83,6 +83,10 @@ STREAM_MIN_PIECE_BYTES = 256 << 10
 # bytes, short against a piece (>= 256 KiB: ~150 us at 1.7 GB/s). Measured against
 # yielding and spinning in docs/benchmarks.md ("Sleeping between polls").
 STREAM_NAP_S = 30e-6
+# ... but only once a move has taken this long: a short move (2 MiB: ~1.3 ms here)
+# lands within a nap or two, and sleeping through its last piece lost it time
+# (docs/benchmarks.md, "Sleeping between polls").
+STREAM_YIELD_S = 1e-3
 _PAGE = 4096
 
 

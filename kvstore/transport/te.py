@@ -65,7 +65,7 @@ from kvstore.transport.env import (
     protocol_env,
     set_timeouts,
 )
-from kvstore.transport.ranges import STREAM_NAP_S, Addrs, coalesce, nonempty_ranges
+from kvstore.transport.ranges import STREAM_NAP_S, STREAM_YIELD_S, Addrs, coalesce, nonempty_ranges
 from kvstore.transport.regions import Region, RegionsMixin, StagingBuffer
 
 # Re-exported: callers import these names from here.
@@ -212,8 +212,9 @@ class Transport(RegionsMixin):
                on_landed: Callable[[int], None] | None = None,
                nap_s: float = STREAM_NAP_S) -> TransferStats:
         """The ranges, in the order given, each as its own one-entry async TE batch, all
-        in flight at once; between polls the wait sleeps ``nap_s`` (0: it only yields
-        the CPU, ``sched_yield``) instead of spinning.
+        in flight at once; between polls the wait only yields the CPU (``sched_yield``)
+        for the first ``STREAM_YIELD_S`` of the move, and sleeps ``nap_s`` after that
+        (0: it always yields) instead of spinning.
 
         TE's sync calls busy-wait a core for the whole transfer; on a machine whose
         cores also run TE's own worker threads (both ends, on 2 cores here) that spin
@@ -289,7 +290,7 @@ class Transport(RegionsMixin):
                         # TE never finished them: their ids leak, as a sync call's would.
                         return (failed or f"{len(ids) - done} transfer(s) unfinished, no "
                                 "progress within the timeout"), now - last, error
-                    if nap_s > 0:
+                    if nap_s > 0 and now - start > STREAM_YIELD_S:
                         time.sleep(nap_s)
                     else:
                         os.sched_yield()
