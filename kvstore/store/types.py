@@ -100,6 +100,8 @@ def new_id() -> int:
 
 
 def check_keys(keys: Sequence[bytes]) -> list[bytes]:
+    if not isinstance(keys, (list, tuple)):
+        keys = list(keys)  # an iterator: the passes below must see every key
     # The usual case in two C-level passes (a prompt has thousands of keys).
     if set(map(type, keys)) <= {bytes} and set(map(len, keys)) <= {KEY_BYTES}:
         return list(keys)
@@ -112,6 +114,8 @@ def check_keys(keys: Sequence[bytes]) -> list[bytes]:
 
 
 def check_tokens(tokens: Sequence[bytes], n: int) -> list[bytes]:
+    if not isinstance(tokens, (list, tuple)):
+        tokens = list(tokens)
     if len(tokens) != n:
         raise InvalidRequestError(f"{n} keys but {len(tokens)} token blocks")
     if set(map(type, tokens)) <= {bytes}:  # the usual case, checked in C-level passes
