@@ -111,9 +111,9 @@ class ExtentAllocator:
         part of a drop_select's release)."""
         lengths = [(offset, self.round_up(nbytes)) for offset, nbytes in ranges]
         seen: set[int] = set()
-        for offset, length in lengths:
+        for (offset, length), (_, nbytes) in zip(lengths, ranges):
             if self._live.get(offset) != length or length <= 0 or offset in seen:
-                raise IntegrityError(f"free of [{offset}, +{length}): not a live range "
+                raise IntegrityError(f"free of [{offset}, +{nbytes}): not a live range "
                                      "(double free or never allocated); nothing freed")
             seen.add(offset)
         run_start = run_end = -1

@@ -213,8 +213,8 @@ class Transport(RegionsMixin):
                nap_s: float = STREAM_NAP_S) -> TransferStats:
         """The ranges, in the order given, each as its own one-entry async TE batch, all
         in flight at once; between polls the wait only yields the CPU (``sched_yield``)
-        for the first ``STREAM_YIELD_S`` of the move, and sleeps ``nap_s`` after that
-        (0: it always yields) instead of spinning.
+        for the first ``STREAM_YIELD_S`` after its first poll, and sleeps ``nap_s``
+        after that (0: it always yields) instead of spinning.
 
         TE's sync calls busy-wait a core for the whole transfer; on a machine whose
         cores also run TE's own worker threads (both ends, on 2 cores here) that spin
@@ -264,7 +264,7 @@ class Transport(RegionsMixin):
         check = te.transfer_check_status
         ids: list[int] = []  # submitted, in order; ids[:done] are finished (freed)
         failed, error = "", None
-        last = start = time.perf_counter()  # ``last``: the latest progress
+        last = time.perf_counter()  # the latest progress
 
         def submit_upto(upto: int) -> None:
             nonlocal failed
@@ -281,6 +281,7 @@ class Transport(RegionsMixin):
             submit_upto(STREAM_WINDOW)
             if overlap is not None and not failed:
                 error = _call(overlap)
+            yield_until = time.perf_counter() + STREAM_YIELD_S  # from the first poll
             while done < len(ids):
                 status = check(ids[done])
                 now = time.perf_counter()
@@ -290,7 +291,7 @@ class Transport(RegionsMixin):
                         # TE never finished them: their ids leak, as a sync call's would.
                         return (failed or f"{len(ids) - done} transfer(s) unfinished, no "
                                 "progress within the timeout"), now - last, error
-                    if nap_s > 0 and now - start > STREAM_YIELD_S:
+                    if nap_s > 0 and now > yield_until:
                         time.sleep(nap_s)
                     else:
                         os.sched_yield()

@@ -32,12 +32,22 @@ def test_drop_select_into_a_reused_buffer(clean_server, client_factory, same_nod
 
 
 @pytest.mark.parametrize("wait", ["sleep", "yield", "spin"])
-def test_every_te_wait_moves_and_verifies_the_same_bytes(clean_server, client_factory, wait):
+def test_every_te_wait_moves_and_verifies_the_same_bytes(clean_server, client_factory, wait,
+                                                         monkeypatch):
     """``client.te_wait``: each way of waiting for TE (sleeping or yielding between
     polls of streamed pieces, or TE's spinning sync call) writes and reads the exact
-    bytes, into a reused buffer and into new memory, and catches no false corruption."""
+    bytes, into a reused buffer and into new memory, and catches no false corruption.
+    These moves are short: the yielding first millisecond is cut to nothing, so that
+    "sleep" does sleep between polls (counted), and only "sleep" does."""
+    import time
+
+    import kvstore.transport.te as te_mod
     from kvstore.core.config import ClientConfig
 
+    naps: list[float] = []
+    real_sleep = time.sleep
+    monkeypatch.setattr(te_mod, "STREAM_YIELD_S", 0.0)
+    monkeypatch.setattr(te_mod.time, "sleep", lambda s: (naps.append(s), real_sleep(s)))
     client = client_factory(clean_server, same_node=False, staging_bytes=4 << 20,
                             config=ClientConfig(te_wait=wait))
     assert client._data.engine.wait == wait
@@ -49,6 +59,8 @@ def test_every_te_wait_moves_and_verifies_the_same_bytes(clean_server, client_fa
         assert got.matched_tokens == n
         assert np.array_equal(got.kv.numpy(), kv)
     assert client.stats()["entries"] == 0
+    te_naps = [s for s in naps if s == te_mod.STREAM_NAP_S]
+    assert bool(te_naps) == (wait == "sleep"), (wait, naps[:5])
 
 
 def test_get_into_a_torch_tensor_keeps_the_entries(clean_server, client_factory):

@@ -72,9 +72,16 @@ class AllocatorModel(RuleBasedStateMachine):
     def free_many_with_a_bad_range_frees_nothing(self, data):
         offs = data.draw(st.lists(st.sampled_from(sorted(self.live)), min_size=1,
                                   unique=True))
-        bad = data.draw(st.sampled_from(["twice", "not live"]))
+        bad = data.draw(st.sampled_from(["twice", "past the end", "wrong length",
+                                         "inside a live range"]))
         batch = [(off, self.live[off]) for off in offs]
-        batch.append(batch[0] if bad == "twice" else (64 * PAGE + PAGE, PAGE))
+        first = batch[0]
+        wrong = {"twice": first, "past the end": (64 * PAGE + PAGE, PAGE),
+                 "wrong length": (first[0], first[1] + PAGE),
+                 "inside a live range": (first[0] + PAGE, PAGE)}[bad]
+        if bad == "inside a live range" and (first[1] == PAGE or first[0] + PAGE in self.live):
+            wrong = first  # a one-page range has no inside: give it twice instead
+        batch.insert(data.draw(st.integers(0, len(batch))), wrong)
         before = snapshot(self.a)
         with pytest.raises(IntegrityError):
             self.a.free_many(batch)
