@@ -92,7 +92,7 @@ HELP = {
                              "contiguous on both sides); N, N-byte pieces (N >= 64KiB).",
     "client.te_wait": "How the client waits for TE: `sleep` (default), the pieces in "
                       "flight together as async batches, each hashed as it lands, the "
-                      "wait sleeping ~30 us between polls once the move has taken 1 ms; "
+                      "wait sleeping ~30 us between polls after the first 1 ms; "
                       "`yield`, the same, the wait only yielding the CPU; `spin`, TE's sync calls, which busy-wait a "
                       "core until the last byte (try it where cores are plenty).",
     "client.curve_server_public_key": "Server public key file (CURVE); empty: no CURVE.",
