@@ -369,13 +369,14 @@ class Reads(Operations):
 
     def _infos(self, recs: list[Record]) -> list[EntryInfo]:
         """``_info`` of each, the tier looked up once per run of one tier."""
-        out, tiers = [], self.place.tiers
-        name, address = None, None
+        out: list[EntryInfo] = []
+        tiers = self.place.tiers
+        name, tier = "", None
         for rec in recs:
-            if rec.tier != name:
-                name, address = rec.tier, tiers[rec.tier].address
+            if tier is None or rec.tier != name:
+                name, tier = rec.tier, tiers[rec.tier]
             out.append(EntryInfo(rec.key, rec.tier, rec.offset, rec.nbytes,
-                                 address(Extent(rec.tier, rec.offset, rec.nbytes)),
+                                 tier.address(Extent(rec.tier, rec.offset, rec.nbytes)),
                                  rec.checksum, rec.ntokens, rec.meta))
         return out
 
