@@ -95,13 +95,7 @@ class ExtentAllocator:
         return self._allocate_split(rounded, total)
 
     def free(self, offset: int, nbytes: int) -> None:
-        length = self.round_up(nbytes)
-        if self._live.get(offset) != length or length <= 0:
-            raise IntegrityError(
-                f"free of [{offset}, +{nbytes}): not a live range (double free or never allocated)")
-        del self._live[offset]
-        self._used -= length
-        self._release(offset, length)
+        self.free_many([(offset, nbytes)])
 
     def free_many(self, ranges: list[tuple[int, int]]) -> None:
         """Free every ``(offset, nbytes)``; all or nothing (``IntegrityError`` and

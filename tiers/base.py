@@ -16,7 +16,7 @@ Invariants:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 from tiers.errors import InvalidRequestError
@@ -137,3 +137,13 @@ class Tier(ABC):
 def same_length(extents: list, bufs: list) -> None:
     if len(extents) != len(bufs):
         raise InvalidRequestError(f"{len(extents)} extents but {len(bufs)} buffers")
+
+
+def free_by_tier(tiers: Mapping[str, Tier], extents: Iterable[Extent]) -> None:
+    """Give ``extents`` back to their tiers, one ``free_many`` per tier (a prompt's
+    neighbouring extents merge once)."""
+    by_tier: dict[str, list[Extent]] = {}
+    for ext in extents:
+        by_tier.setdefault(ext.tier, []).append(ext)
+    for name, group in by_tier.items():
+        tiers[name].free_many(group)

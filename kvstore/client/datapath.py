@@ -56,7 +56,7 @@ DIRECT_WRITE_MIN_BYTES = 8 << 20
 # How a move is handed to TE. ``client.te_wait``: "sleep" (the default) and "yield"
 # stream it (``Transport.stream``): pieces in flight together as one-entry async
 # batches, each piece hashed as it lands, the wait sleeping between polls
-# (``te.STREAM_NAP_S``) or only yielding the CPU; "spin" hands each run to TE's sync
+# (``ranges.STREAM_NAP_S``) or only yielding the CPU; "spin" hands each run to TE's sync
 # call, which busy-waits a core until the last byte, and hashes after.
 # ``client.te_piece_bytes``: 0 (the default) lets the wait choose (streamed:
 # ``ranges.stream_piece``; spin: one transfer per run of entries contiguous on both

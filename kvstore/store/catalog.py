@@ -13,7 +13,7 @@ from pathlib import Path
 from kvstore.core.errors import StorageError
 from kvstore.store.index import Index, Record, open_volatile
 from kvstore.store.order import GroupOrder
-from tiers.base import Extent, Tier
+from tiers.base import Extent, Tier, free_by_tier
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class Catalog:
                     self._tiers[ext.tier].free(ext)
 
     def _drop_records(self, drop: list[bytes]) -> None:
-        freed: dict[str, list[Extent]] = {}
+        freed: list[Extent] = []
         for key in drop:
             rec = self.records.pop(key)
             self.pinned -= rec.pins > 0
@@ -186,11 +186,8 @@ class Catalog:
             self.condemned.pop(key, None)
             del self.by_tier[rec.tier][key]
             self.copies.pop(key, None)
-            freed.setdefault(rec.tier, []).append(Extent(rec.tier, rec.offset, rec.nbytes))
-            if rec.nvme_copy is not None:
-                freed.setdefault("nvme", []).append(Extent("nvme", rec.nvme_copy, rec.nbytes))
-        for tier, extents in freed.items():  # neighbours merge once (free_many)
-            self._tiers[tier].free_many(extents)
+            freed += owned(rec)
+        free_by_tier(self._tiers, freed)
 
     def _write_index(self, put: Sequence[Record], drop: list[bytes]) -> None:
         """Each change into its environment: records naming NVMe bytes into the

@@ -23,7 +23,7 @@ from kvstore.store.policy import (
     over_watermark,
 )
 from kvstore.store.types import MEMORY_TIERS, NO_ROOM_TO_STAGE, TIER_ORDER
-from tiers.base import Extent, Tier
+from tiers.base import Extent, Tier, free_by_tier
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +75,7 @@ class Placement:
 
     def free(self, extents: list[Extent]) -> None:
         """Give extents no record owns back to their tiers (a reservation given up)."""
-        by_tier: dict[str, list[Extent]] = {}
-        for ext in extents:
-            by_tier.setdefault(ext.tier, []).append(ext)
-        for tier, group in by_tier.items():
-            self.tiers[tier].free_many(group)
+        free_by_tier(self.tiers, extents)
 
     def close(self) -> None:
         for tier in self.tiers.values():
