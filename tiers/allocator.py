@@ -123,6 +123,35 @@ class ExtentAllocator:
         if run_end > run_start:
             self._release(run_start, run_end - run_start)
 
+    def retain(self, offset: int, pieces: list[tuple[int, int]]) -> None:
+        """Keep ``pieces`` (``(offset, nbytes)``, each page-aligned) of the live range
+        at ``offset`` live as ranges of their own and free the rest of it: a writer's
+        standing room becomes the extents of the entries written into it. All or
+        nothing: ``InvalidRequestError`` (and nothing changed) if a piece is not
+        page-aligned, leaves the range, or overlaps another; ``IntegrityError`` if
+        ``offset`` is not live."""
+        length = self._live.get(offset)
+        if length is None:
+            raise IntegrityError(f"retain in [{offset}, ...): not a live range")
+        kept = sorted((start, self._rounded_request(nbytes)) for start, nbytes in pieces)
+        cursor = offset
+        for start, size in kept:
+            if start % self.page_size or start < cursor or start + size > offset + length:
+                raise InvalidRequestError(
+                    f"piece [{start}, +{size}) is not page-aligned, overlaps another, or "
+                    f"leaves [{offset}, +{length})")
+            cursor = start + size
+        del self._live[offset]
+        self._used -= length
+        cursor = offset
+        for start, size in kept:
+            if start > cursor:
+                self._release(cursor, start - cursor)
+            self._mark_live(start, size)
+            cursor = start + size
+        if cursor < offset + length:
+            self._release(cursor, offset + length - cursor)
+
     def claim(self, offset: int, nbytes: int) -> None:
         """Mark a range live again (restart of a persistent tier). It must lie wholly
         inside one free run, i.e. overlap nothing live."""

@@ -58,6 +58,13 @@ class ArenaTier(Tier):
             self._own(extent)
         self._alloc.free_many([(e.offset, e.nbytes) for e in extents])
 
+    def retain(self, extent: Extent, pieces: list[tuple[int, int]]) -> list[Extent]:
+        self._own(extent)
+        if not self._alloc.is_live(extent.offset, extent.nbytes):
+            raise IntegrityError(f"{self.name}: extent {extent} is not live")
+        self._alloc.retain(extent.offset, pieces)
+        return [Extent(self.name, off, int(n)) for off, n in pieces]
+
     def claim(self, extent: Extent) -> None:
         self._own(extent)
         self._alloc.claim(extent.offset, extent.nbytes)

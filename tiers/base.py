@@ -80,6 +80,12 @@ class Tier(ABC):
         for extent in extents:
             self.free(extent)
 
+    def retain(self, extent: Extent, pieces: list[tuple[int, int]]) -> list[Extent]:
+        """Split the live ``extent`` into the live extents ``pieces`` (``(offset,
+        nbytes)`` inside it, page-aligned, not overlapping) and free the rest of it.
+        All or nothing: a bad piece raises ``InvalidRequestError`` and changes nothing."""
+        raise InvalidRequestError(f"{self.name}: extents cannot be split")
+
     @abstractmethod
     def claim(self, extent: Extent) -> None:
         """Mark an extent live again after a restart (persistent tiers only)."""

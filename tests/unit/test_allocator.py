@@ -100,6 +100,50 @@ class AllocatorModel(RuleBasedStateMachine):
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
+    def retain(self, data):
+        """A room split into the entries written into it: the pieces stay live, the
+        gaps around them go back to the free set."""
+        off = data.draw(st.sampled_from(sorted(self.live)))
+        pages = self.live[off] // PAGE
+        starts = sorted(data.draw(st.sets(st.integers(0, pages - 1), max_size=pages)))
+        pieces = []
+        for i, page in enumerate(starts):
+            room = (starts[i + 1] if i + 1 < len(starts) else pages) - page
+            size = data.draw(st.integers(1, room * PAGE))  # any size within its pages
+            pieces.append((off + page * PAGE, size))
+        self.a.retain(off, data.draw(st.permutations(pieces)))
+        del self.live[off]
+        for start, size in pieces:
+            self.live[start] = self._round(size)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def retain_with_a_bad_piece_changes_nothing(self, data):
+        off = data.draw(st.sampled_from(sorted(self.live)))
+        ln = self.live[off]
+        bad = data.draw(st.sampled_from([
+            (off + 1, PAGE),  # not page-aligned
+            (off + ln - PAGE, 2 * PAGE),  # leaves the range
+            (off - PAGE, PAGE),  # starts before it
+        ]))
+        pieces = [(off, PAGE), bad] if bad[0] >= off + PAGE else [bad]
+        overlapping = [(off, ln), (off, PAGE)]  # two pieces over one page
+        before = snapshot(self.a)
+        with pytest.raises(InvalidRequestError):
+            self.a.retain(off, data.draw(st.sampled_from([pieces, overlapping])))
+        assert snapshot(self.a) == before
+
+    @rule(page=st.integers(0, 63))
+    def retain_in_a_range_not_live_raises(self, page):
+        if page * PAGE in self.live:
+            return
+        before = snapshot(self.a)
+        with pytest.raises(IntegrityError):
+            self.a.retain(page * PAGE, [(page * PAGE, PAGE)])
+        assert snapshot(self.a) == before
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
     def claim_over_live_raises(self, data):
         off = data.draw(st.sampled_from(sorted(self.live)))
         before = snapshot(self.a)
