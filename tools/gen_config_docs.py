@@ -47,6 +47,8 @@ HELP = {
     "server.busy_after_s": "A request that would wait longer than this behind others (a slow request in flight, a queue) is answered `busy` at once, a miss the caller can retry or recompute, instead of a late reply. Keep clients' timeouts above it.",
     "policy.background_writeback": "A background thread writes NVMe copies of the least-recently-used entries of the tier above NVMe, one demotion ahead, so demotion under pressure is an index change (no NVMe write on the request path).",
     "policy.writeback_batch_bytes": "Most bytes one background writeback round copies to NVMe (the store's lock is not held while they are written).",
+    "policy.room_fraction": "After each insert the server sets aside room for the writer's next one, so that insert is stored in one round trip (`put`) instead of two (reserve, commit). Rooms are cut from free memory below the high watermark only (never by demoting or evicting), are freed when unused for `policy.room_lease_s`, and take at most this fraction of a memory tier, all of them together; 0: no rooms (docs/architecture.md, \"Rooms\").",
+    "policy.room_lease_s": "A room not used within this many seconds of its grant is freed (its writer uses it only in the first half). Short, so an idle writer's room soon goes back: while it is held, other writers' inserts cannot use that memory.",
     "store.data_dir": "Directory of the LMDB index and the default NVMe slab; one server "
                       "per directory (a second one refuses to start).",
     "store.block_tokens": "Only reported in `hello`; not part of any key: each client's "

@@ -48,7 +48,7 @@ LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
 # Which logical operation each wire op belongs to (the ``kind`` label), so a
 # dashboard can sum reserve+commit into "insert" and acquire+release into "drop_select".
 OP_KINDS = {
-    "reserve": "insert", "commit": "insert", "abort": "insert",
+    "reserve": "insert", "commit": "insert", "put": "insert", "abort": "insert",
     "acquire": "drop_select", "release": "drop_select",
     "lookup": "lookup",
     "te_write": "transfer", "te_read": "transfer",
@@ -60,8 +60,8 @@ OP_KINDS = {
 COUNTER_KEYS = frozenset({
     "hits", "misses", "bytes_in", "bytes_out", "evictions", "demotions", "promotions",
     "stagings", "checksum_failures", "commit_checksum_failures", "collisions", "commits",
-    "aborts", "dropped", "reservations_expired", "leases_expired", "requests", "errors",
-    "storage_errors", "staging_shortfalls", "staging_spent", "transfer_checksum_failures",
+    "aborts", "dropped", "reservations_expired", "rooms_expired", "leases_expired", "requests",
+    "errors", "storage_errors", "staging_shortfalls", "staging_spent", "transfer_checksum_failures",
     "writebacks", "busy",
 })
 # Names this module's own metrics use; a stats key of the same name is skipped so

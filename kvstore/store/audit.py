@@ -2,9 +2,9 @@
 
 Checked, each raising ``IntegrityError`` with what is wrong:
 * each tier's own allocator books (``tier.check_integrity``);
-* every extent is owned once: no two records / reservations share an offset, and
-  per tier the page-rounded sizes of records plus open reservations equal
-  ``tier.used`` (so no extent is leaked or owned twice);
+* every extent is owned once: no two records / reservations / rooms share an
+  offset, and per tier the page-rounded sizes of records plus open reservations
+  and rooms equal ``tier.used`` (so no extent is leaked or owned twice);
 * the per-tier membership lists and the pinned count match the records exactly;
 * hold counts equal the holds of open acquisitions plus reservation dedups, and
   every held key is stored; pins and pending counts are never negative;
@@ -77,6 +77,8 @@ class Audit(Operations):
             for ext in op.extents:
                 if ext is not None:
                     own(ext.tier, ext.offset, ext.nbytes, f"reservation {op.id}")
+        for room in self.holds.rooms.values():
+            own(room.extent.tier, room.extent.offset, room.extent.nbytes, f"room {room.id}")
         for ext in self.place.copies_in_flight:
             own(ext.tier, ext.offset, ext.nbytes, "a writeback copy being written")
         for plan in self.place.staging_in_flight.values():

@@ -59,14 +59,17 @@ from kvstore.store.types import (  # the result types are re-exported: callers i
     EvictResult,
     LookupResult,
     EntryPlacement,
+    PutResult,
     Reservation,
+    RoomGrant,
     VerifyResult,
 )
 from kvstore.store.writes import Writes
 from tiers.base import MemoryRegion, Tier
 
 __all__ = ["Acquisition", "CommitResult", "DemoteResult", "EntryInfo", "EntryPlacement",
-           "EvictResult", "LookupResult", "Reservation", "Store", "VerifyResult"]
+           "EvictResult", "LookupResult", "PutResult", "Reservation", "RoomGrant", "Store",
+           "VerifyResult"]
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +78,8 @@ SCRUB_AFTER_S = 1.0
 
 _COUNTED = ("misses", "bytes_in", "bytes_out", "evictions", "demotions", "stagings",
             "checksum_failures", "commit_checksum_failures", "collisions", "commits",
-            "aborts", "dropped", "reservations_expired", "leases_expired", "storage_errors",
+            "aborts", "dropped", "reservations_expired", "rooms_expired", "leases_expired",
+            "storage_errors",
             "staging_shortfalls", "staging_spent", "transfer_checksum_failures", "writebacks")
 
 
@@ -159,8 +163,21 @@ class Store:
         """Verify the written bytes and make the entries visible (``Writes.commit``)."""
         return self._writes.commit(reservation_id, checksums, pin)
 
+    def put(self, room_id: int, keys: Sequence[bytes], sizes: Sequence[int],
+            tokens: Sequence[bytes], offsets: Sequence[int], checksums: Sequence[int],
+            meta: Sequence[bytes | None] | None = None, skip: int = 0, pin: bool = False,
+            namespace: bytes = b"") -> PutResult:
+        """Store entries already copied into a room: reserve + commit in one step
+        (``Writes.put``)."""
+        return self._writes.put(room_id, keys, sizes, tokens, offsets, checksums, meta, skip,
+                                pin, namespace)
+
+    def grant_room(self, nbytes: int) -> RoomGrant | None:
+        """Room for a writer's next insert, from free space only (``Writes.grant_room``)."""
+        return self._writes.grant_room(nbytes)
+
     def abort(self, reservation_id: int) -> None:
-        """Forget a reservation; its space is free at once."""
+        """Forget a reservation, or give a room back; its space is free at once."""
         self._writes.abort(reservation_id)
 
     # ------------------------------------------------------------ reads
@@ -254,7 +271,7 @@ class Store:
         return {name: tier.regions() for name, tier in self.place.tiers.items()}
 
     def reap(self) -> int:
-        """Reclaim expired reservations and read leases, then restore watermarks.
+        """Reclaim expired reservations, rooms and read leases, then restore watermarks.
         Called periodically by the server; returns how many were reclaimed."""
         with self._lock:
             now = time.time()
@@ -264,6 +281,11 @@ class Store:
                 self._writes.close_reservation(op)
                 holds.remember_expired(op.id)
                 counts["reservations_expired"] += 1
+                done += 1
+            for rid in [r.id for r in holds.rooms.values() if r.expires_at <= now]:
+                self._writes.close_room(rid)
+                holds.remember_expired(rid)
+                counts["rooms_expired"] += 1
                 done += 1
             for aid, lease in [(a, le) for a, le in holds.leases.items() if le.expires_at <= now]:
                 try:
@@ -406,6 +428,8 @@ class Store:
             out: dict[str, Any] = {
                 "tiers": tiers, "entries": len(records), "hits": sum(c.hits.values()),
                 "reservations": len(self.holds.reservations), "leases": len(self.holds.leases),
+                "rooms": len(self.holds.rooms),
+                "room_bytes": sum(r.extent.nbytes for r in self.holds.rooms.values()),
                 "leased_entries": len(self.holds.leased),
                 "pinned_entries": self.catalog.pinned,
                 "nvme_copies": len(self.catalog.copies),

@@ -34,6 +34,16 @@ class Open:
     extra_ends: dict[bytes, int] = field(default_factory=dict)
 
 
+class Room(NamedTuple):
+    """Room a writer holds for its next insert (``Writes.put``): one extent of a
+    memory tier, reserved for no key yet; lives only in memory."""
+
+    id: int
+    extent: Extent
+    expires_at: float
+    lease_s: float
+
+
 class Lease(NamedTuple):
     keys: list[bytes]
     expires_at: float
@@ -45,7 +55,8 @@ class Lease(NamedTuple):
 
 class Holds:
     """Owner of: ``reservations`` (id -> Open), ``inflight`` (key being written -> its
-    reservation), ``leases`` (id -> Lease), ``leased`` (key -> number of holds),
+    reservation), ``rooms`` (id -> Room), ``leases`` (id -> Lease), ``leased`` (key ->
+    number of holds),
     ``claims`` (key -> pending consumers claimed by open leases), ``end_claims`` (key
     -> its prompt ends claimed by open leases), the ids recently reaped (for a clear
     "expired" error) and when the next lease runs out (``next_reap``).
@@ -64,6 +75,7 @@ class Holds:
         keys are due to go."""
         self._records = records
         self.reservations: dict[int, Open] = {}
+        self.rooms: dict[int, Room] = {}
         self.inflight: dict[bytes, int] = {}
         self.leases: dict[int, Lease] = {}
         self.leased: dict[bytes, int] = {}
@@ -106,6 +118,28 @@ class Holds:
         del self.reservations[op.id]
         return self.unhold(op.held)
 
+    # ------------------------------------------------------------ rooms
+    def add_room(self, room: Room) -> None:
+        self.rooms[room.id] = room
+        self.due(room.expires_at)
+
+    def open_room(self, rid: int) -> Room:
+        room = self.rooms.get(rid)
+        if room is None:
+            raise self._gone("room", rid)
+        return room
+
+    def take_room(self, rid: int) -> Room:
+        """Close open room ``rid`` and return it (its extent is the caller's now)."""
+        room = self.rooms.pop(rid, None)
+        if room is None:
+            raise self._gone("room", rid)
+        return room
+
+    def room_bytes(self) -> int:
+        """Bytes that open rooms hold."""
+        return sum(r.extent.nbytes for r in self.rooms.values())
+
     def dedup_onto(self, op: Open, key: bytes, end: bool, pin: bool) -> None:
         """Another reservation dedups onto ``op``'s in-flight ``key``: one more
         pending consumer at ``op``'s commit (and a prompt end, a pin)."""
@@ -119,6 +153,7 @@ class Holds:
         """After a reap: the next one is due when the first open lease or
         reservation runs out (soon again if one could not be ended now)."""
         self.next_reap = min([o.expires_at for o in self.reservations.values()]
+                             + [r.expires_at for r in self.rooms.values()]
                              + [le.expires_at for le in self.leases.values()],
                              default=float("inf"))
         if self.next_reap <= now:  # a lease the index refused to end: retry soon

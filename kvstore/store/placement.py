@@ -114,6 +114,31 @@ class Placement:
                 if not self.shed(name, need):
                     raise
 
+    def room_extent(self, nbytes: int, held: int) -> Extent | None:
+        """An extent of ``nbytes`` of the DRAM tier for a writer's room, if it fits
+        below the high watermark and, with the ``held`` bytes of the rooms already
+        open, within ``policy.room_fraction`` of the tier; else None. Never makes
+        room: a room is taken from free space only, so holding one never costs a
+        stored entry. (DRAM only: rooms are for writers on this node, which copy
+        into the shared arena, ``Writes.grant_room``.)"""
+        pol, tier = self.config.policy, self.tiers.get("dram")
+        if tier is None:
+            return None
+        need = -(-nbytes // tier.page_size) * tier.page_size
+        if (need + held > tier.capacity * pol.room_fraction
+                or over_watermark(tier.used, need, tier.capacity, pol.high_watermark)):
+            return None
+        try:
+            return tier.allocate(need)
+        except TierFullError:  # too fragmented
+            return None
+
+    def retain(self, room: Extent, pieces: list[tuple[int, int]]) -> list[Extent]:
+        """The extents ``pieces`` (``(offset, nbytes)`` inside ``room``) cut out of a
+        room; the rest of the room is free again. A bad piece: ``InvalidRequestError``
+        and nothing changed."""
+        return self.tiers[room.tier].retain(room, pieces)
+
     def allocate_each(self, name: str, recs: list[Record]) -> list[Extent | None]:
         """One extent per record (a batch when possible); None where none fits."""
         try:

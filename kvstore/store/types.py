@@ -34,10 +34,33 @@ class Reservation(NamedTuple):
     expires_at: float  # wall time after which an uncommitted reservation is reaped
 
 
+class RoomGrant(NamedTuple):
+    """Room a writer holds for its next insert: it writes that insert's entries at
+    ``page``-aligned offsets of ``[offset, offset + nbytes)`` and stores them with one
+    ``put`` (which also names the room for the insert after it)."""
+
+    id: int
+    tier: str
+    offset: int
+    nbytes: int
+    address: int | None  # virtual address of ``offset`` for TE; None where the tier has none
+    page: int
+    lease_s: float  # the room is reclaimed this long after it was granted
+
+
 class CommitResult(NamedTuple):
     new: int  # entries made visible by this commit
     deduped: int  # existing entries whose pending-consumer count was bumped
     lost: int = 0  # deduped onto another writer that gave up; not stored
+
+
+class PutResult(NamedTuple):
+    new: int  # entries made visible by this put
+    deduped: int  # as CommitResult's
+    lost: int
+    # Positions (in the put's keys) whose bytes it did not store: the key was stored
+    # already, being written by another writer, or repeated in the put.
+    existing: tuple[int, ...]
 
 
 class LookupResult(NamedTuple):

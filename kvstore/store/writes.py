@@ -16,15 +16,17 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from kvstore.core.errors import ChecksumError, InvalidRequestError, StorageError
+from kvstore.core.errors import ChecksumError, InvalidRequestError, NotFoundError, StorageError
 from kvstore.core.hashing import checksum, hidden_key
 from kvstore.store.index import COMMITTED, Record
-from kvstore.store.holds import Open
+from kvstore.store.holds import Open, Room
 from kvstore.store.parts import Operations
 from kvstore.store.types import (
     CommitResult,
     EntryPlacement,
+    PutResult,
     Reservation,
+    RoomGrant,
     check_keys,
     check_lease,
     check_meta,
@@ -102,19 +104,114 @@ class Writes(Operations):
             op = self.holds.open_reservation(reservation_id)
             new = [i for i, e in enumerate(op.extents) if e is not None]
             sums = _match_checksums(checksums, len(op.keys), new)
-            if self.config.store.verify_commits == "background":
-                result = self._commit_verified(op, new, sums, pin)
-                for i, s in zip(new, sums):  # Store.scrub_step hashes them soon
-                    self.catalog.unchecked[op.keys[i]] = s
-                return result
-            got = self.io.checksums([e for e in op.extents if e is not None])
-            bad = [op.keys[i] for i, s, g in zip(new, sums, got) if g != s]
-            if bad:
-                self.close_reservation(op)
-                self.counts["commit_checksum_failures"] += len(bad)
-                raise ChecksumError(f"{len(bad)} of {len(new)} written entries do not match "
-                                    f"their checksum (first {bad[0].hex()}); nothing stored")
-            return self._commit_verified(op, new, sums, pin)
+            return self._commit_open(op, new, sums, pin)
+
+    def _commit_open(self, op: Open, new: list[int], sums: list[int],
+                     pin: bool) -> CommitResult:
+        """Commit open reservation ``op``, whose entries ``new`` were written with
+        checksums ``sums``: checked now, or by the scrub soon (``verify_commits``)."""
+        if self.config.store.verify_commits == "background":
+            result = self._commit_verified(op, new, sums, pin)
+            for i, s in zip(new, sums):  # Store.scrub_step hashes them soon
+                self.catalog.unchecked[op.keys[i]] = s
+            return result
+        got = self.io.checksums([e for e in op.extents if e is not None])
+        bad = [op.keys[i] for i, s, g in zip(new, sums, got) if g != s]
+        if bad:
+            self.close_reservation(op)
+            self.counts["commit_checksum_failures"] += len(bad)
+            raise ChecksumError(f"{len(bad)} of {len(new)} written entries do not match "
+                                f"their checksum (first {bad[0].hex()}); nothing stored")
+        return self._commit_verified(op, new, sums, pin)
+
+    # ------------------------------------------------------------ rooms
+    # A room is standing room a writer on this node holds for its next insert: it
+    # copies that insert's entries into the room (in the shared DRAM arena) at
+    # offsets of its own choosing, then ``put`` stores them in one step (what reserve
+    # + commit do in two round trips). Rooms are cut from free space only
+    # (``Placement.room_extent``) and reclaimed when their lease runs out
+    # (``policy.room_lease_s``, short: an idle writer's room soon goes back). Only same-node writers get them: a writer copies into a
+    # room before the server has said the room is still there, which is safe only
+    # through the arena file of the very server process that granted it (a
+    # restarted server has a new file); a TE write to a restarted server with the
+    # same segment name could land on someone else's entry.
+    def grant_room(self, nbytes: int) -> RoomGrant | None:
+        """A room of ``nbytes`` (page-rounded) in the DRAM tier, or None: 0 asked,
+        rooms off, or not that much free below the high watermark and the room
+        share. (The server grants one with each commit and put that asks:
+        ``next_room``.)"""
+        if nbytes <= 0 or self.config.policy.room_fraction <= 0:
+            return None
+        with self.lock:
+            ext = self.place.room_extent(nbytes, self.holds.room_bytes())
+            if ext is None:
+                return None
+            lease = self.config.policy.room_lease_s
+            room = Room(new_id(), ext, time.time() + lease, lease)
+            self.holds.add_room(room)
+            tier = self.place.tiers[ext.tier]
+            return RoomGrant(room.id, ext.tier, ext.offset, ext.nbytes, tier.address(ext),
+                             tier.page_size, lease)
+
+    def put(self, room_id: int, keys: Sequence[bytes], sizes: Sequence[int],
+            tokens: Sequence[bytes], offsets: Sequence[int], checksums: Sequence[int],
+            meta: Sequence[bytes | None] | None = None, skip: int = 0, pin: bool = False,
+            namespace: bytes = b"") -> PutResult:
+        """Store entries a writer has already copied into room ``room_id``: the
+        reserve and the commit of ``keys`` in one step.
+
+        ``offsets`` and ``checksums`` are given for ``keys[skip:]`` (the first
+        ``skip`` keys carry no bytes: the writer found them stored; if one is not,
+        ``NotFoundError``, nothing is stored and the room is spent). Each entry lies at its offset from
+        the room's start, page-aligned, inside the room, overlapping no other
+        (else ``InvalidRequestError`` and nothing changes). Keys stored already or
+        being written dedup as a reservation's do, their bytes unused (``existing``
+        in the result). The room is then spent: what no new entry took is free
+        again. A room reclaimed (its lease ran out) or never granted:
+        ``LeaseExpiredError`` / ``NotFoundError``."""
+        keys = check_keys(keys)
+        ns_tag = check_namespace(namespace)
+        sizes = check_sizes(sizes, len(keys))
+        tokens = check_tokens(tokens, len(keys))
+        metas = check_meta(meta, len(keys))
+        n = len(keys)
+        if type(skip) is not int or not 0 <= skip <= n:
+            raise InvalidRequestError(f"skip must be in 0..{n}, got {skip!r}")
+        if len(offsets) != n - skip:
+            raise InvalidRequestError(f"{len(offsets)} offsets for {n - skip} written keys")
+        for off in offsets:
+            if type(off) is not int or off < 0:
+                raise InvalidRequestError(f"offsets must be ints >= 0, got {off!r}")
+        sums = _match_checksums(checksums, n - skip, list(range(n - skip)))
+        with self.lock:
+            self.reap_due()
+            open_room = self.holds.open_room(room_id)
+            new, held = self._split_new(keys)
+            if new and new[0] < skip:
+                self.close_room(room_id)  # spent: the writer reserves anew
+                raise NotFoundError(f"the server lacks block {new[0]} of the {skip} the "
+                                    f"insert skipped (evicted since it was found): not stored")
+            start = open_room.extent.offset
+            extents = self.place.retain(open_room.extent,
+                                        [(start + offsets[i - skip], sizes[i]) for i in new])
+            self.holds.take_room(room_id)
+            self.holds.hold(held)
+            op = Open(new_id(), keys, tokens, metas, [None] * n, held,
+                      time.time() + self.config.store.reservation_lease_s, {}, ns_tag)
+            for i, ext in zip(new, extents):
+                op.extents[i] = ext
+            self.holds.add_reservation(op)
+            try:
+                result = self._commit_open(op, new, [sums[i - skip] for i in new], pin)
+            except BaseException:
+                if op.id in self.holds.reservations:  # not stored: the room is spent anyway
+                    self.close_reservation(op)
+                raise
+            return PutResult(*result, tuple(i for i in range(skip, n) if op.extents[i] is None))
+
+    def close_room(self, room_id: int) -> None:
+        """Give room ``room_id`` back (reaped, or its writer is done with it)."""
+        self.place.free([self.holds.take_room(room_id).extent])
 
     # ------------------------------------------------------------ the scrub
     def unchecked_batch(self, batch_bytes: int, min_age_s: float = 0.0) -> list[Record]:
@@ -224,8 +321,12 @@ class Writes(Operations):
         return deduped, lost
 
     def abort(self, reservation_id: int) -> None:
-        """Forget a reservation; its space is free at once, nothing becomes visible."""
+        """Forget a reservation, or give a room back; its space is free at once,
+        nothing becomes visible."""
         with self.lock:
+            if reservation_id in self.holds.rooms:
+                self.close_room(reservation_id)
+                return
             self.close_reservation(self.holds.open_reservation(reservation_id))
             self.counts["aborts"] += 1
 
