@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -27,7 +28,8 @@ from kvstore.core import protocol as p
 from kvstore.core.config import ClientConfig, parse_te_devices
 from kvstore.client.datapath import DataPath, Segment, TeEngine, flat_buffer
 from kvstore.core.errors import (ChecksumError, ConfigError, InvalidRequestError, KVStoreError,
-                                 KVTimeoutError, NotFoundError, PeerUnavailableError)
+                                 KVTimeoutError, LeaseExpiredError, NotFoundError,
+                                 PeerUnavailableError)
 from kvstore.core.hashing import (block_keys, block_token_bytes, checksummer, hidden_key,
                                   namespace_of, tokens_to_array)
 from kvstore.core.layout import KVLayout, dtype_name, pack_hf
@@ -60,6 +62,19 @@ class LookupResult(NamedTuple):
     matched_tokens: int
     matched_blocks: int
     tiers: list[str]
+
+
+class _Room(NamedTuple):
+    """Room the server holds for this client's next insert (``Writes.put``)."""
+
+    id: int
+    tier: str
+    offset: int
+    nbytes: int
+    address: int | None
+    page: int
+    usable_until: float  # time.monotonic(): half its lease after it was granted
+    segment: str  # the server process it belongs to
 
 
 class _Prompt(NamedTuple):
@@ -121,6 +136,11 @@ class KVStoreClient:
                               piece_bytes=cfg.te_piece_bytes, wait=cfg.te_wait)
         self._rpc = Channel(self.server, self.timeout_s, curve=curve)
         self._hello: dict[str, Any] | None = None
+        # The room the server holds for this client's next insert (one at a time;
+        # taken under the lock, so two threads never write into one room).
+        self._room: _Room | None = None
+        self._room_lock = threading.Lock()
+        self._last_need = 0  # bytes the last insert wrote (rooms are asked that big)
 
     # ------------------------------------------------------------ connection
     def hello(self) -> dict[str, Any]:
@@ -216,6 +236,21 @@ class KVStoreClient:
             buffers.append(hbuf)
             metas.append(hmeta)
             sizes = [*sizes, hbuf.size]
+        first = 0 if count_skipped else skip
+        meta = tuple(metas[first:]) if hidden is not None else None
+        need = _need(sizes[skip:])
+        want, self._last_need = max(need, self._last_need), need
+        if self._segment().shm is None:
+            want = 0  # rooms are for writers on the server's node (Writes.grant_room)
+        room = self._take_room(need)
+        if room is not None:
+            try:
+                return self._put(room, prompt, keys, toks, sizes, buffers, meta, skip, first,
+                                 pin, want)
+            except (LeaseExpiredError, NotFoundError) as exc:
+                # The room was reclaimed, or a skipped block is gone: the reserve
+                # below stores the insert, or says which block is missing.
+                log.debug("insert into room %s failed (%s): reserving instead", room.id, exc)
         res, rid, placements = self._reserve(keys, sizes, toks, skip,
                                              tuple(metas) if hidden is not None else None,
                                              count_skipped)
@@ -230,7 +265,9 @@ class KVStoreClient:
             moved = time.perf_counter() - start
             # The move's time and size go along: TE is one-sided, the server cannot see it.
             done = self._call(p.Commit(rid=rid, checksums=tuple(sums), xfer_s=moved,
-                                       xfer_bytes=sum(pl[2] for _, pl in new), pin=pin))
+                                       xfer_bytes=sum(pl[2] for _, pl in new), pin=pin,
+                                       next_room=want))
+            self._keep_room(done)
         except PeerUnavailableError:
             self._hello = None  # TE or control plane lost the server
             self._abort(rid)
@@ -247,6 +284,90 @@ class KVStoreClient:
                         done["lost"], nblocks)
         return InsertResult(new_blocks, nblocks - new_blocks, prompt.ntokens,
                             sum(pl[2] for pl in placements if pl is not None))
+
+    # ---------------------------------------------------------------- rooms
+    # After an insert the server holds room for this client's next one (``next_room``
+    # on commit and put): the next insert copies its entries into that room and
+    # stores them with one ``Put``, one round trip instead of reserve + commit. Only
+    # on the server's node: the copy goes through the arena file of the server
+    # process that granted the room, so a restarted server is never written into
+    # (kvstore/store/writes.py, "rooms").
+    def _put(self, room: _Room, prompt: _Prompt, keys: list[bytes], toks: list[bytes],
+             sizes: list[int], buffers: list[np.ndarray | None], meta: tuple | None,
+             skip: int, first: int, pin: bool, want: int) -> InsertResult:
+        """Insert ``keys[first:]`` (those before ``skip`` carry no bytes; ``buffers``
+        from ``skip`` on are the rest's) through ``room``: copy every entry into it
+        back to back, page by page, then one ``Put``. Raises ``LeaseExpiredError`` /
+        ``NotFoundError`` when the server no longer holds the room or lacks a
+        skipped block (``insert`` then reserves)."""
+        offsets, placements, at = [], [], 0
+        for n in sizes[skip:]:
+            offsets.append(at)
+            placements.append([room.tier, room.offset + at, n,
+                               None if room.address is None else room.address + at])
+            at += -(-n // room.page) * room.page
+        try:
+            seg = self._segment()
+            start = time.perf_counter()
+            sums = self._data.write(seg, [b for b in buffers[skip:] if b is not None],
+                                    placements)
+            moved = time.perf_counter() - start
+        except BaseException:
+            self._abort(room.id)
+            raise
+        try:
+            done = self._call(p.Put(room=room.id, keys=tuple(keys[first:]),
+                                    sizes=tuple(sizes[first:]), tokens=tuple(toks[first:]),
+                                    offsets=tuple(offsets), checksums=tuple(sums), meta=meta,
+                                    namespace=self.namespace, skip=skip - first, pin=pin,
+                                    xfer_s=moved, xfer_bytes=at, next_room=want))
+        except PeerUnavailableError:
+            self._hello = None
+            raise
+        self._keep_room(done)
+        nblocks = len(prompt.keys)  # keys[nblocks:] is the hidden-state entry, if any
+        existing = sum(first + j < nblocks for j in done.get("existing", ()))
+        new_blocks = max(0, nblocks - skip) - existing
+        if done.get("lost"):
+            log.warning("%d of %d blocks not stored: their other writer aborted",
+                        done["lost"], nblocks)
+        return InsertResult(new_blocks, nblocks - new_blocks, prompt.ntokens,
+                            sum(sizes[skip:]))
+
+    def _take_room(self, need: int) -> _Room | None:
+        """This client's room, if it can take ``need`` bytes now (else it is given
+        back); None: the insert reserves."""
+        with self._room_lock:
+            room, self._room = self._room, None
+        if room is None:
+            return None
+        hello = self._hello
+        if time.monotonic() >= room.usable_until or hello is None \
+                or hello["segment"] != room.segment or not self._data.uses_shared_memory:
+            return None  # reclaimed soon, or a restarted server's: it never got it
+        if need > room.nbytes:
+            self._give_back(room)
+            return None
+        return room
+
+    def _keep_room(self, reply: dict[str, Any]) -> None:
+        """Hold the room a commit or put reply grants for the next insert."""
+        grant, segment = reply.get("room"), reply.get("segment")
+        if not grant or segment is None:
+            return
+        rid, tier, offset, nbytes, address, page, lease_s = grant
+        room = _Room(rid, tier, offset, nbytes, address, page,
+                     time.monotonic() + lease_s / 2, segment)
+        with self._room_lock:
+            old, self._room = self._room, room
+        if old is not None:  # another thread's insert got one meanwhile
+            self._give_back(old)
+
+    def _give_back(self, room: _Room) -> None:
+        try:  # one-way: the room is reclaimed at its lease's end anyway
+            self._rpc.send(p.Abort(rid=room.id), timeout_s=_CLEANUP_TIMEOUT_S)
+        except KVStoreError as exc:
+            log.debug("giving back room %s failed: %s", room.id, exc)
 
     def _reserve(self, keys: list[bytes], sizes: list[int], toks: list[bytes], skip: int,
                  metas: tuple | None = None, count_skipped: bool = True
@@ -507,6 +628,10 @@ class KVStoreClient:
         return self._rpc.call(p.Verify())
 
     def close(self) -> None:
+        with self._room_lock:
+            room, self._room = self._room, None
+        if room is not None and time.monotonic() < room.usable_until:
+            self._give_back(room)
         self._rpc.close()
         self._data.close()
 
@@ -540,6 +665,11 @@ def _check_shared_engine(engine: TeEngine, protocol: str | None, devices: str | 
         if want is not None and want != has:
             raise ConfigError(f"{name} {want!r} asked for, but the shared te_engine runs "
                               f"{has!r}: set it on the TeEngine")
+
+
+def _need(sizes: list[int], page: int = 4096) -> int:
+    """Bytes a room must hold for entries of ``sizes`` laid out page by page."""
+    return sum(-(-n // page) * page for n in sizes)
 
 
 def _split(data: np.ndarray, sizes: list[int]) -> list[np.ndarray]:

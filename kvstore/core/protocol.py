@@ -26,6 +26,7 @@ VERSION = 1
 KEY_BYTES = 16
 MAX_KEYS = 1 << 16  # blocks per message: a 1M-token prompt of 16-token blocks
 MAX_ENTRY_BYTES = 1 << 34  # one entry (block) of one TP rank
+MAX_ROOM_BYTES = MAX_KEYS * MAX_ENTRY_BYTES  # a room holds at most one message's entries
 MAX_TOKEN_BYTES = 4 * 8192  # one block's int32 token ids
 MAX_LEASE_S = 3600.0
 MAX_ID = (1 << 63) - 1
@@ -85,6 +86,10 @@ def _tokens(name: str, v: Any) -> tuple[bytes, ...]:
                 f"{name}: each item must be int32 token bytes (<= {MAX_TOKEN_BYTES}), "
                 f"got {_show(t)}")
     return tuple(out)
+
+
+def _offsets(name: str, v: Any) -> tuple[int, ...]:
+    return tuple(_int(name, o, 0, MAX_ROOM_BYTES) for o in _list(name, v))
 
 
 def _positions(name: str, v: Any) -> tuple[int, ...]:
@@ -184,14 +189,58 @@ class Reserve(Request):
 
 @dataclass(frozen=True)
 class Commit(Request):
+    """``next_room``: bytes the writer wants to hold for its next insert; the reply's
+    ``room`` is the room granted (nil: none), which a ``Put`` then stores into."""
+
     rid: int
     checksums: tuple[int, ...]
     xfer_s: float | None = None
     xfer_bytes: int | None = None
     pin: bool = False
+    next_room: int | None = None
     OP = "commit"
-    CHECKS = {"rid": _rid, "checksums": _checksums, "pin": _bool, **_XFER}
-    OPTIONAL = frozenset({"pin", *_XFER})
+    CHECKS = {"rid": _rid, "checksums": _checksums, "pin": _bool, **_XFER,
+              "next_room": _opt(_int, 0, MAX_ROOM_BYTES)}
+    OPTIONAL = frozenset({"pin", *_XFER, "next_room"})
+
+
+@dataclass(frozen=True)
+class Put(Request):
+    """Store entries the writer already copied into its room ``room`` (a reserve and
+    a commit in one round trip). ``offsets`` (from the room's start) and
+    ``checksums`` are those of ``keys[skip:]``; the first ``skip`` keys carry no
+    bytes (the writer found them stored). ``next_room`` as for ``Commit``."""
+
+    room: int
+    keys: tuple[bytes, ...]
+    sizes: tuple[int, ...]
+    tokens: tuple[bytes, ...]
+    offsets: tuple[int, ...]
+    checksums: tuple[int, ...]
+    meta: tuple[bytes | None, ...] | None = None
+    namespace: bytes | None = None
+    skip: int = 0
+    pin: bool = False
+    xfer_s: float | None = None
+    xfer_bytes: int | None = None
+    next_room: int | None = None
+    OP = "put"
+    CHECKS = {"room": _rid, "keys": _keys, "sizes": _sizes, "tokens": _tokens,
+              "offsets": _offsets, "checksums": _checksums, "meta": _metas,
+              "namespace": _opt(_namespace), "skip": lambda name, v: _int(name, v, 0, MAX_KEYS),
+              "pin": _bool, **_XFER, "next_room": _opt(_int, 0, MAX_ROOM_BYTES)}
+    OPTIONAL = frozenset({"meta", "namespace", "skip", "pin", *_XFER, "next_room"})
+
+    def validate(self) -> None:
+        n = len(self.keys)
+        if len(self.sizes) != n or len(self.tokens) != n or (self.meta is not None
+                                                               and len(self.meta) != n):
+            raise InvalidRequestError("put: keys, sizes, tokens (and meta) must have equal "
+                                      "lengths")
+        if self.skip > n or len(self.offsets) != n - self.skip \
+                or len(self.checksums) != n - self.skip:
+            raise InvalidRequestError("put: need skip <= len(keys), and one offset and one "
+                                      "checksum for each key after the skipped ones")
 
 
 @dataclass(frozen=True)
@@ -332,7 +381,7 @@ class Health(Request):
 
 
 REQUESTS: dict[str, type[Request]] = {
-    cls.OP: cls for cls in (Hello, Reserve, Commit, Abort, Lookup, Acquire, Release, Pin,
+    cls.OP: cls for cls in (Hello, Reserve, Commit, Put, Abort, Lookup, Acquire, Release, Pin,
                             Unpin, Evict, Demote, Clear, Stats, Ls, Verify, Health)}
 
 

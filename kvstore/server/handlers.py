@@ -14,7 +14,7 @@ from typing import Any
 from kvstore.core import protocol as p
 from kvstore.store import Store
 from kvstore.store.reads import Staging
-from kvstore.store.types import Acquisition, EntryInfo, EntryPlacement
+from kvstore.store.types import Acquisition, EntryInfo, EntryPlacement, RoomGrant
 
 MAX_EVICT_KEYS_REPLY = 1000  # an evict reply lists at most this many keys (count is exact)
 
@@ -52,7 +52,22 @@ def reserve(store: Store, req: p.Reserve) -> dict:
 
 def commit(store: Store, req: p.Commit) -> dict:
     res = store.commit(req.rid, list(req.checksums), pin=req.pin)
-    return {"new": res.new, "deduped": res.deduped, "lost": res.lost}
+    return {"new": res.new, "deduped": res.deduped, "lost": res.lost,
+            "room": _room(store.grant_room(req.next_room or 0))}
+
+
+def put(store: Store, req: p.Put) -> dict:
+    res = store.put(req.room, list(req.keys), list(req.sizes), list(req.tokens),
+                    list(req.offsets), list(req.checksums),
+                    meta=None if req.meta is None else list(req.meta), skip=req.skip,
+                    pin=req.pin, namespace=req.namespace or b"")
+    return {"new": res.new, "deduped": res.deduped, "lost": res.lost,
+            "existing": list(res.existing), "room": _room(store.grant_room(req.next_room or 0))}
+
+
+def _room(room: RoomGrant | None) -> list | None:
+    return None if room is None else [room.id, room.tier, room.offset, room.nbytes,
+                                      room.address, room.page, room.lease_s]
 
 
 def abort(store: Store, req: p.Abort) -> dict:
@@ -135,7 +150,7 @@ Handler = Callable[[Store, Any], dict]  # each takes its own p.Request subclass
 
 # hello, stats and health need the server's own state; the server handles those.
 HANDLERS: dict[str, Handler] = {
-    "reserve": reserve, "commit": commit, "abort": abort, "lookup": lookup,
+    "reserve": reserve, "commit": commit, "put": put, "abort": abort, "lookup": lookup,
     "acquire": acquire, "release": release, "pin": pin, "unpin": unpin, "evict": evict,
     "demote": demote,
     "clear": clear, "verify": verify, "ls": ls,

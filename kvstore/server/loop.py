@@ -412,7 +412,7 @@ class Server:
                 self.store.check_integrity()
             return {"status": "ok", "uptime_s": time.time() - self._started}
         result = HANDLERS[req.OP](self.store, req)
-        if isinstance(req, (p.Reserve, p.Acquire)):
+        if isinstance(req, (p.Reserve, p.Acquire)) or result.get("room"):
             result["segment"] = self.transport.segment  # see _acquired
         return result
 

@@ -70,6 +70,8 @@ class TransferMetrics:
         elif isinstance(req, p.Commit):
             self._end("insert", req.rid, now)
             self._transfer("write", req.xfer_s, req.xfer_bytes)
+        elif isinstance(req, p.Put):  # one step: no reserve-to-commit time to measure
+            self._transfer("write", req.xfer_s, req.xfer_bytes)
         elif isinstance(req, p.Release):
             self._end("drop_select", req.aid, now)
             self._transfer("read", req.xfer_s, req.xfer_bytes)

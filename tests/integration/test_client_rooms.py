@@ -1,0 +1,229 @@
+"""Inserts in one round trip: after an insert the server sets aside room for the
+writer's next one, which copies into it and stores with one ``put``. Writers on the
+server's node only (memcpy into the shared arena); a TE writer reserves and commits.
+
+Real server processes; every prompt read back (over TE, loopback TCP) is checked
+byte for byte."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.core.errors import NotFoundError, TierFullError
+from kvstore.core.layout import KVLayout
+from tests.integration.conftest import LAYOUT, make_kv
+
+pytestmark = pytest.mark.timeout(120)
+
+TOKENS = 4 * LAYOUT.block_tokens + 3  # four full blocks and a partial one
+
+
+def _tokens(pid: int, n: int = TOKENS) -> list[int]:
+    return [50_000 + pid, *range(n - 1)]
+
+
+def _ops(client) -> list[str]:
+    """Record the op of every request ``client`` makes (and still make it)."""
+    seen: list[str] = []
+    call = client._call
+
+    def counted(req, *args, **kw):
+        seen.append(req.OP)
+        return call(req, *args, **kw)
+
+    client._call = counted
+    return seen
+
+
+def _read_back(reader, pid: int, n: int = TOKENS):
+    got = reader.drop_select(_tokens(pid, n))
+    assert got.matched_tokens == n
+    assert np.array_equal(got.kv.numpy(), make_kv(n, seed=pid))
+    return got
+
+
+def test_the_second_insert_is_one_put_and_stores_the_same_bytes(server_factory, client_factory):
+    srv = server_factory(dram="8MiB", nvme="0")
+    writer = client_factory(srv, same_node=True)
+    reader = client_factory(srv, same_node=False)
+    ops = _ops(writer)
+    first = writer.insert(_tokens(1), make_kv(TOKENS, seed=1), hidden=torch.tensor([7]))
+    assert ops == ["reserve", "commit"] and writer.stats()["rooms"] == 1
+    for pid in (2, 3, 4):
+        ops.clear()
+        res = writer.insert(_tokens(pid), make_kv(TOKENS, seed=pid),
+                            hidden=torch.tensor([pid]))
+        assert ops == ["put"], ops
+        assert res == first
+        assert (res.new_blocks, res.existing_blocks) == (5, 0)
+    for pid in (1, 2, 3, 4):
+        got = _read_back(reader, pid)
+        assert got.hidden.tolist() == [7 if pid == 1 else pid]
+    stats = writer.stats()
+    assert stats["rooms"] == 1 and stats["entries"] == 0 and stats["reservations"] == 0
+    writer.close()  # gives its room back
+    deadline = time.monotonic() + 5
+    while reader.stats()["rooms"]:
+        assert time.monotonic() < deadline, "the closed writer's room was not given back"
+        time.sleep(0.02)
+    assert reader.stats()["tiers"]["dram"]["used"] == 0
+
+
+def test_a_writer_over_te_asks_for_no_room(server_factory, client_factory):
+    srv = server_factory(dram="8MiB", nvme="0")
+    writer = client_factory(srv, same_node=False)
+    ops = _ops(writer)
+    for pid in (1, 2):
+        writer.insert(_tokens(pid), make_kv(TOKENS, seed=pid))
+    assert ops == ["reserve", "commit"] * 2 and writer.stats()["rooms"] == 0
+    for pid in (1, 2):
+        _read_back(writer, pid)
+
+
+def test_blocks_already_stored_dedup_and_are_counted_as_existing(server_factory,
+                                                                 client_factory):
+    srv = server_factory(dram="8MiB", nvme="0")
+    writer = client_factory(srv)
+    reader = client_factory(srv, same_node=False)
+    writer.insert(_tokens(9), make_kv(TOKENS, seed=9))  # a room for a whole prompt
+    writer.insert(_tokens(1, 2 * LAYOUT.block_tokens), make_kv(TOKENS, seed=1)[
+        :LAYOUT.nbytes(2 * LAYOUT.block_tokens)])
+    ops = _ops(writer)
+    res = writer.insert(_tokens(1), make_kv(TOKENS, seed=1))  # its first two blocks are stored
+    assert ops == ["put"] and (res.new_blocks, res.existing_blocks) == (3, 2)
+    _read_back(reader, 9)
+    _read_back(reader, 1)  # one consumer takes the whole prompt...
+    got = reader.drop_select(_tokens(1, 2 * LAYOUT.block_tokens))  # ...the other the head
+    assert got.matched_tokens == 2 * LAYOUT.block_tokens
+    assert reader.stats()["entries"] == 0
+
+
+def test_a_skipped_block_the_server_lost_fails_the_insert_as_before(server_factory,
+                                                                      client_factory):
+    srv = server_factory(dram="8MiB", nvme="0")
+    writer = client_factory(srv)
+    writer.insert(_tokens(1), make_kv(TOKENS, seed=1))  # now it holds a room
+    assert writer.stats()["rooms"] == 1
+    rest = make_kv(TOKENS, seed=2)[LAYOUT.nbytes(2 * LAYOUT.block_tokens):]
+    with pytest.raises(NotFoundError, match="lacks block"):
+        writer.insert(_tokens(2), rest, skip_blocks=2)  # prompt 2 was never stored
+    stats = writer.stats()
+    assert stats["entries"] == 5 and stats["reservations"] == 0
+
+
+def test_a_reclaimed_room_means_a_reserve_not_a_failure(server_factory, client_factory):
+    srv = server_factory(dram="8MiB", nvme="0", env={"KVSTORE_POLICY_ROOM_LEASE_S": "0.4"})
+    writer = client_factory(srv)
+    reader = client_factory(srv, same_node=False)
+    writer.insert(_tokens(1), make_kv(TOKENS, seed=1))
+    time.sleep(0.6)  # past the room's lease: the server reclaims it
+    deadline = time.monotonic() + 5
+    while writer.stats()["rooms"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert writer.stats()["rooms_expired"] == 1
+    ops = _ops(writer)
+    writer.insert(_tokens(2), make_kv(TOKENS, seed=2))
+    assert ops == ["reserve", "commit"]
+    # and one the client still thinks it holds, which the server reclaimed: put,
+    # refused, then reserve; nothing else changes
+    writer._room = writer._room._replace(usable_until=time.monotonic() + 60)
+    writer._call(__import__("kvstore.core.protocol", fromlist=["Abort"]).Abort(
+        rid=writer._room.id))
+    ops.clear()
+    writer.insert(_tokens(3), make_kv(TOKENS, seed=3))
+    assert ops == ["put", "reserve", "commit"]
+    for pid in (1, 2, 3):
+        _read_back(reader, pid)
+
+
+def test_a_room_of_a_restarted_server_is_never_written(server_factory, client_factory):
+    srv = server_factory(dram="8MiB", nvme="0")
+    writer = client_factory(srv)
+    writer.insert(_tokens(1), make_kv(TOKENS, seed=1))
+    old_arena = writer._data.segment.shm
+    srv.restart()
+    ops = _ops(writer)
+    # The room is the old process's: the copy lands in its arena file (which the
+    # new server never maps), the put is refused, the insert reserves anew.
+    writer.insert(_tokens(2), make_kv(TOKENS, seed=2))
+    assert ops == ["put", "reserve", "commit"], ops
+    assert writer._data.segment.shm is not old_arena
+    _read_back(client_factory(srv, same_node=False), 2)
+
+
+def test_a_smaller_room_than_the_insert_is_given_back(server_factory, client_factory):
+    srv = server_factory(dram="8MiB", nvme="0")
+    writer = client_factory(srv)
+    writer.insert(_tokens(1, 16), make_kv(16, seed=1))  # a room of one block
+    ops = _ops(writer)
+    writer.insert(_tokens(2), make_kv(TOKENS, seed=2))
+    assert ops == ["reserve", "commit"]
+    assert writer._room.nbytes >= LAYOUT.nbytes(TOKENS)  # asked big enough this time
+    assert writer.stats()["rooms"] == 1  # the small one went back
+    ops.clear()
+    writer.insert(_tokens(3, 16), make_kv(16, seed=3))  # fits in the bigger one
+    assert ops == ["put"]
+
+
+def test_threads_sharing_a_client_never_share_a_room(server_factory, client_factory):
+    srv = server_factory(dram="32MiB", nvme="0")
+    writer = client_factory(srv)
+    reader = client_factory(srv, same_node=False)
+    ops = _ops(writer)
+    errors: list[BaseException] = []
+
+    def insert(pids: range) -> None:
+        try:
+            for pid in pids:
+                res = writer.insert(_tokens(pid), make_kv(TOKENS, seed=pid))
+                assert res.new_blocks == 5
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=insert, args=(range(10 * t, 10 * t + 10),))
+               for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert ops.count("put") > 0
+    for pid in range(40):
+        _read_back(reader, pid)
+    stats = reader.stats()
+    assert stats["rooms"] <= 1 and stats["reservations"] == 0 and stats["entries"] == 0
+
+
+def test_an_idle_writers_room_holds_memory_only_until_its_lease_ends(server_factory,
+                                                                       client_factory):
+    """The cost of a room: memory no other writer can use while it is held. In a tier
+    full of entries nobody may evict (pinned), another writer's insert fails for want
+    of it - a miss - but only until the idle room's short lease ends."""
+    big = KVLayout(num_layers=32, kv_heads=8, head_dim=128, dtype="float16", block_tokens=16)
+    block = big.nbytes(16)  # 2 MiB
+    srv = server_factory(dram="8MiB", nvme="0", block_tokens=16,
+                         env={"KVSTORE_POLICY_ROOM_FRACTION": "0.5",
+                              "KVSTORE_POLICY_ROOM_LEASE_S": "1.0"})
+    a = client_factory(srv, layout=big, staging_bytes=4 * block)
+    b = client_factory(srv, layout=big, staging_bytes=4 * block)
+
+    def kv(pid: int, blocks: int) -> np.ndarray:
+        return make_kv(16 * blocks, seed=pid, layout=big)
+
+    a.insert(_tokens(1, 16), kv(1, 1), pin=True)  # A holds 2 MiB, and a 2 MiB room
+    b.insert(_tokens(2, 16), kv(2, 1), pin=True)  # no room for B: 6 of 8 MiB used
+    stats = b.stats()
+    assert stats["rooms"] == 1 and stats["tiers"]["dram"]["used"] == 3 * block
+    with pytest.raises(TierFullError):  # 4 MiB more, 2 free, all the rest pinned
+        b.insert(_tokens(3, 32), kv(3, 2), pin=True)
+    time.sleep(1.1)  # A's room goes back
+    assert b.insert(_tokens(3, 32), kv(3, 2), pin=True).new_blocks == 2
+    stats = b.stats()
+    assert stats["rooms_expired"] == 1 and stats["entries"] == 4
+    assert stats["tiers"]["dram"]["used"] == 4 * block
