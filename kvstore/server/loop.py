@@ -1,24 +1,27 @@
 """kvstore-server: one node's store behind a ZeroMQ ROUTER and a Transfer Engine.
 
-Three threads. The socket thread owns the ROUTER socket: it receives every
-request, queues it, and sends every reply. The request thread handles queued
-requests one at a time, to completion (decode -> store -> encode), and runs
-``store.reap()`` when its timer is due. It never reads an acquire's NVMe entries:
-such an acquire is begun there (held, claimed, staging room allocated under the
-store's lock) and handed to the staging thread, which reads and checks the entries
-without the lock, settles them under it and sends the reply itself, so the
-requests behind it go on. (Allocating the staging room may still make room the
-way a reserve does, demoting inline when the victims have no NVMe copy yet; and
-NVMe I/O the request thread does itself waits while the staging thread holds the
-NVMe tier's I/O lock for a read.) Push-back: a request that would wait longer than
-``server.busy_after_s`` (the one in flight has run that long, or the queue ahead
-of it would take that long at the recent pace) is answered ``busy`` at once by
-the socket thread, and one that did wait that long in the queue (the request
-queue, or the staging queue behind it) is answered ``busy`` instead of being
-served late: a client hears a clear miss, never a silent timeout. (The store's
-background writeback and scrub run in threads of the store's own.)
-A signal only sets a flag: the request in flight finishes, then the store (LMDB),
-TE and sockets close.
+Three threads. The serving thread owns the ROUTER socket: it receives each
+request, handles it to completion (decode -> store -> encode) and sends the reply
+itself, one request at a time, and runs ``store.reap()`` when its timer is due. No
+request is handed between threads: on a small machine every thread woken from idle
+adds ~0.1 ms to a round trip (docs/benchmarks.md). It never reads an acquire's NVMe
+entries: such an acquire is begun there (held, claimed, staging room allocated
+under the store's lock) and handed to the staging thread, which reads and checks
+the entries without the lock, settles them under it and hands the reply back
+through an inproc socket, so the requests behind it go on. (Allocating the staging
+room may still make room the way a reserve does, demoting inline when the victims
+have no NVMe copy yet; and NVMe I/O the serving thread does itself waits while the
+staging thread holds the NVMe tier's I/O lock for a read.) Push-back: while a
+request has been in flight for ``WATCH_S``, the watchdog thread holds the socket
+(the serving thread gives it up while it works, ``_sock_lock``) and queues what
+arrives; a request that would wait longer than ``server.busy_after_s`` (the one in
+flight has run that long, or the queue ahead of it would take that long at the
+recent pace) is answered ``busy`` at once, and one that did wait that long in the
+queue (the request queue, or the staging queue behind it) is answered ``busy``
+instead of being served late: a client hears a clear miss, never a silent
+timeout. (The store's background writeback and scrub run in threads of the
+store's own.) A signal only sets a flag: the request in flight finishes, then the
+store (LMDB), TE and sockets close.
 
 Bytes never cross this socket. reserve/acquire replies carry the TE segment name
 and per-entry addresses inside the registered tier arenas; the client moves the
@@ -62,6 +65,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL_MS = 100  # upper bound on how long a stop request waits for the loop
+# A request in flight this long lets the watchdog answer what arrives meanwhile.
+WATCH_S = 0.02
 _EWMA = 0.2  # weight of the latest request in the recent service time
 _INPROC = itertools.count()
 Observer = Callable[[str, float, bool], None]
@@ -88,13 +93,15 @@ class Server:
         self._started = time.time()
         self.counters = {"requests": 0, "errors": 0, "busy": 0}
         self._counters_lock = threading.Lock()
-        # The request queue: (frames, arrival time); the request thread's state.
+        # Whoever holds _sock_lock may use the ROUTER socket: the serving thread while
+        # it receives and sends, the watchdog while the serving thread works.
+        self._sock_lock = threading.Lock()
+        # The request queue: (frames, arrival time); filled under _sock_lock, taken
+        # by the serving thread.
         self._queue: collections.deque[tuple[list[bytes], float]] = collections.deque()
-        self._wake = threading.Condition()
         self._working_since: float | None = None  # when the request in flight began
         self._service_s = 0.0  # recent time per request (EWMA)
         self._busy_after = config.server.busy_after_s
-        self._replies_at = f"inproc://kvstore-replies-{next(_INPROC)}"
         # Acquires waiting on NVMe: (envelope, request id, request, staging, arrival).
         self._staging: collections.deque[tuple[list[bytes], int, p.Acquire, Staging, float]] \
             = collections.deque()
@@ -161,47 +168,86 @@ class Server:
         self._stop = True
 
     def serve_forever(self) -> None:
-        replies = self._ctx.socket(zmq.PAIR)
-        replies.setsockopt(zmq.LINGER, 0)
-        replies.bind(self._replies_at)
+        """The serving thread (the caller's): owns the ROUTER socket, receives each
+        request and answers it itself, one at a time, so a request costs no hand-off
+        between threads (on a machine this small, each thread woken from idle adds
+        ~0.1 ms to a round trip). While it works on one, the watchdog thread answers
+        what cannot wait (``_watch``)."""
         staged = self._ctx.socket(zmq.PULL)
         staged.setsockopt(zmq.LINGER, 0)
         staged.bind(self._staged_at)
-        worker = threading.Thread(target=self._work, name="kvstore-requests", daemon=True)
         stager = threading.Thread(target=self._stage, name="kvstore-staging", daemon=True)
-        worker.start()
+        watchdog = threading.Thread(target=self._watch, args=(staged,), name="kvstore-pushback",
+                                    daemon=True)
         stager.start()
+        watchdog.start()
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        poller.register(replies, zmq.POLLIN)
         poller.register(staged, zmq.POLLIN)
+        reap_every = _reap_interval(self.config)
+        next_reap = time.monotonic() + reap_every
         try:
             while not self._stop:
-                try:
-                    ready = dict(poller.poll(POLL_MS))
-                except zmq.ZMQError as exc:
-                    if exc.errno == errno.EINTR:
-                        continue
-                    raise
-                if replies in ready:
-                    self._forward(replies)
-                if staged in ready:
+                with self._sock_lock:
+                    if not self._queue:
+                        wait_ms = max(0, min(POLL_MS, int((next_reap - time.monotonic()) * 1000)))
+                        try:
+                            poller.poll(wait_ms)
+                        except zmq.ZMQError as exc:
+                            if exc.errno != errno.EINTR:
+                                raise
                     self._forward(staged)
-                if self._sock in ready:
                     self._drain()
+                    item = self._queue.popleft() if self._queue else None
+                    if item is not None:
+                        self._working_since = time.monotonic()
+                if item is not None:
+                    self._serve(*item)
+                if time.monotonic() >= next_reap:
+                    self._reap()
+                    next_reap = time.monotonic() + reap_every
         finally:
-            with self._wake:
-                self._stop = True
-                self._wake.notify()
-            while worker.is_alive() or stager.is_alive():  # what is in flight is answered
-                worker.join(POLL_MS / 1000)
+            self._stop = True
+            self._requests_done.set()
+            while stager.is_alive() or watchdog.is_alive():  # stagings left are answered
                 stager.join(POLL_MS / 1000)
-                self._forward(replies)
-                self._forward(staged)
-            self._forward(replies)
+                watchdog.join(POLL_MS / 1000)
+                with self._sock_lock:
+                    self._forward(staged)
             self._forward(staged)
-            replies.close(0)
             staged.close(0)
+
+    def _serve(self, frames: list[bytes], arrived: float) -> None:
+        """Answer one queued request (``busy`` if it waited too long) and send the
+        reply; the socket is the watchdog's meanwhile."""
+        reply: list[bytes] | None = None
+        try:
+            start = time.monotonic()
+            waited = start - arrived
+            late = waited > self._busy_after and not self._never_busy(frames)
+            reply = self._busy(frames, waited) if late else self._respond(frames, arrived)
+            spent = time.monotonic() - start
+            self._service_s += _EWMA * (spent - self._service_s)
+        finally:
+            with self._sock_lock:
+                self._working_since = None
+                if reply is not None:  # None: the staging thread answers it
+                    self._sock.send_multipart(reply)
+
+    def _watch(self, staged: zmq.Socket) -> None:
+        """The watchdog: every ``WATCH_S``, if a request has been in flight that long,
+        take the socket for a moment: queue what arrived, answer ``busy`` at once
+        what could not start within ``busy_after_s``, pass on staged replies. It
+        never wakes the serving thread, and costs nothing per request."""
+        while not self._stop:
+            time.sleep(WATCH_S)
+            since = self._working_since
+            if since is None or time.monotonic() - since < WATCH_S:
+                continue
+            with self._sock_lock:
+                if self._working_since is not None:
+                    self._forward(staged)
+                    self._drain()
 
     def _forward(self, replies: zmq.Socket) -> None:
         while True:
@@ -211,21 +257,20 @@ class Server:
                 return
 
     def _drain(self, budget: int = 256) -> None:
-        """Queue what arrived, answering ``busy`` at once what could not start in time."""
+        """Queue what arrived, answering ``busy`` at once what could not start in
+        time. Holds the socket (``_sock_lock``)."""
         for _ in range(budget):
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return
             now = time.monotonic()
-            with self._wake:
-                working = self._working_since
-                wait = (now - working if working is not None else 0.0) \
-                    + len(self._queue) * self._service_s
-                if wait <= self._busy_after or self._never_busy(frames):
-                    self._queue.append((frames, now))
-                    self._wake.notify()
-                    continue
+            working = self._working_since
+            wait = (now - working if working is not None else 0.0) \
+                + len(self._queue) * self._service_s
+            if wait <= self._busy_after or self._never_busy(frames):
+                self._queue.append((frames, now))
+                continue
             self._sock.send_multipart(self._busy(frames, wait))
 
     def _never_busy(self, frames: list[bytes]) -> bool:
@@ -242,47 +287,6 @@ class Server:
         err = BusyError(f"server busy: the request would start after {waited:.1f} s "
                         f"(server.busy_after_s = {self._busy_after:g}); retry or recompute")
         return [*envelope[:2], p.encode_error(p.peek_id(body, self.max_bytes), err)]
-
-    def _work(self) -> None:
-        """The request thread: queued requests in order, and the reaper."""
-        out = self._ctx.socket(zmq.PAIR)
-        out.setsockopt(zmq.LINGER, 0)
-        out.connect(self._replies_at)
-        reap_every = _reap_interval(self.config)
-        next_reap = time.monotonic() + reap_every
-        try:
-            while True:
-                with self._wake:
-                    while not self._queue and not self._stop:
-                        left = next_reap - time.monotonic()
-                        if left <= 0:
-                            break
-                        self._wake.wait(left)
-                    if self._stop:
-                        return
-                    item = self._queue.popleft() if self._queue else None
-                    self._working_since = time.monotonic()
-                try:
-                    if item is not None:
-                        frames, arrived = item
-                        start = time.monotonic()
-                        waited = start - arrived
-                        late = waited > self._busy_after and not self._never_busy(frames)
-                        reply = self._busy(frames, waited) if late else \
-                            self._respond(frames, arrived)
-                        if reply is not None:  # None: the staging thread answers it
-                            out.send_multipart(reply)
-                        spent = time.monotonic() - start
-                        self._service_s += _EWMA * (spent - self._service_s)
-                    if time.monotonic() >= next_reap:
-                        self._reap()
-                        next_reap = time.monotonic() + reap_every
-                finally:
-                    with self._wake:
-                        self._working_since = None
-        finally:
-            self._requests_done.set()
-            out.close(0)
 
     def _respond(self, frames: list[bytes], arrived: float) -> list[bytes] | None:
         # DEALER peers send [identity, body]; a REQ peer adds an empty delimiter.
