@@ -2,15 +2,18 @@
 
     python -m tools.bench.levers [--layout large] [--tokens 2048] [--reps 9]
 
-Two kvstore-servers on loopback (DRAM only, sized to two prompts): one with
+Three kvstore-servers on loopback (DRAM only, ``parts.server_opts``): one with
 ``--verify-commits inline`` (the commit hashes every byte before it answers, as
-before), one with the default ``background``. Then, round by round so that every
-variant sees the same moment of this noisy machine, the same prompt size is moved
-by each variant and each call timed in the calling process:
+before), two with the default ``background``, one of them without rooms. Then,
+round by round so that every variant sees the same moment of this noisy machine,
+the same prompt size is moved by each variant and each call timed in the calling
+process:
 
 * ``put``, same node (memcpy into the server's shared arena):
   ``inline, 1 thread`` (the old path), ``background, 1 thread``,
-  ``background, 2 threads`` (now: ``kvstore.client.shm.COPY_THREADS``);
+  ``background, 2 threads`` (``kvstore.client.shm.COPY_THREADS``; reserve, copy,
+  commit: two round trips) and ``background, 2 threads, room`` (now: the copy into
+  the room the last insert's reply granted, then one ``put``);
 * ``get`` over TE (loopback TCP, into a reused buffer):
   ``spin, acked release`` (the old path: one TE sync transfer per run of entries,
   which busy-waits a core, hashed after it landed, and a release that waits for its
@@ -20,7 +23,10 @@ by each variant and each call timed in the calling process:
   and ``streamed, sleeping`` (now: ``"sleep"``, the wait sleeping between polls);
 * ``put-te``, a producer on another node (TE write from the caller's buffer):
   ``spin`` (hash after the transfer) against ``streamed`` (hash while it flies,
-  yielding) and ``streamed, sleeping``.
+  yielding) and ``streamed, sleeping`` (TE writers get no rooms).
+
+Rooms are switched off (``KVSTORE_POLICY_ROOM_FRACTION=0``) on the servers of every
+variant but ``background, 2 threads, room``, which runs on a third server as shipped.
 
 Prints the median ms of each variant and its ratio to the old path (> 1: faster).
 Both ends are on this machine, so TE's numbers are loopback's, not a network's; the
@@ -48,10 +54,12 @@ from tools.bench.parts import server_opts
 MiB = 1 << 20
 PIECE = 2 * MiB
 
-PUTS = ("inline, 1 thread", "background, 1 thread", "background, 2 threads")
+PUTS = ("inline, 1 thread", "background, 1 thread", "background, 2 threads",
+        "background, 2 threads, room")
 GETS = ("spin, acked release", "spin, one-way release", "spin, 2 MiB pieces",
         "streamed, one-way release", "streamed, sleeping")
 TE_PUTS = ("spin", "streamed", "streamed, sleeping")
+NO_ROOMS = {"KVSTORE_POLICY_ROOM_FRACTION": "0"}  # every insert reserves, then commits
 
 
 def _acked(client: Any) -> Callable[[], None]:
@@ -78,8 +86,9 @@ def run(layout_name: str, ntokens: int, reps: int) -> dict[str, dict[str, float]
     threads = shm.COPY_THREADS
     try:
         opts = server_opts(layout, nbytes)
-        inline = servers(extra=("--verify-commits", "inline"), **opts)
-        background = servers(**opts)
+        inline = servers(extra=("--verify-commits", "inline"), env=NO_ROOMS, **opts)
+        background = servers(env=NO_ROOMS, **opts)
+        rooms = servers(**opts)  # as shipped: rooms on
 
         def client(srv: Any, same_node: Any, piece: int = 0, wait: str = "spin"
                    ) -> KVStoreClient:
@@ -88,7 +97,8 @@ def run(layout_name: str, ntokens: int, reps: int) -> dict[str, dict[str, float]
                                  config=ClientConfig(te_piece_bytes=piece, te_wait=wait))
 
         writers = {PUTS[0]: (client(inline, True), 1), PUTS[1]: (client(background, True), 1),
-                   PUTS[2]: (client(background, True), threads)}
+                   PUTS[2]: (client(background, True), threads),
+                   PUTS[3]: (client(rooms, True), threads)}
         # The getters read what a same-node writer stored on the background server.
         feeder = client(background, True)
         readers = {GETS[0]: client(background, False), GETS[1]: client(background, False),

@@ -51,8 +51,9 @@ def _timed(obj: Any, name: str, label: str, sink: dict[str, float]) -> None:
 
 def server_opts(layout: Any, nbytes: int) -> dict[str, Any]:
     """``ServerFactory`` options of a one-node bench server: DRAM only, room for two
-    prompts of ``nbytes``, leases long enough for any round."""
-    return dict(dram=str(2 * nbytes + 64 * MiB), nvme="0", block_tokens=layout.block_tokens,
+    prompts of ``nbytes`` and a writer's room for a third (rooms may take half the
+    tier), leases long enough for any round."""
+    return dict(dram=str(4 * nbytes + 64 * MiB), nvme="0", block_tokens=layout.block_tokens,
                 reservation_lease=60, read_lease=60)
 
 
