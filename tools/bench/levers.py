@@ -2,9 +2,10 @@
 
     python -m tools.bench.levers [--layout large] [--tokens 2048] [--reps 9]
 
-Three kvstore-servers on loopback (DRAM only, ``parts.server_opts``): one with
+Four kvstore-servers on loopback (DRAM only, ``parts.server_opts``): one with
 ``--verify-commits inline`` (the commit hashes every byte before it answers, as
-before), two with the default ``background``, one of them without rooms. Then,
+before), three with the default ``background``, two of them without rooms (each
+put variant runs on a server of its own, idle since the last round). Then,
 round by round so that every variant sees the same moment of this noisy machine,
 the same prompt size is moved by each variant and each call timed in the calling
 process:
@@ -88,6 +89,10 @@ def run(layout_name: str, ntokens: int, reps: int) -> dict[str, dict[str, float]
         opts = server_opts(layout, nbytes)
         inline = servers(extra=("--verify-commits", "inline"), env=NO_ROOMS, **opts)
         background = servers(env=NO_ROOMS, **opts)
+        # Each put variant on a server of its own, idle since the last round like the
+        # others: a server that has just served a request answers the next one faster
+        # (its threads are awake), which would favour whichever variant runs second.
+        two_threads = servers(env=NO_ROOMS, **opts)
         rooms = servers(**opts)  # as shipped: rooms on
 
         def client(srv: Any, same_node: Any, piece: int = 0, wait: str = "spin"
@@ -97,7 +102,7 @@ def run(layout_name: str, ntokens: int, reps: int) -> dict[str, dict[str, float]
                                  config=ClientConfig(te_piece_bytes=piece, te_wait=wait))
 
         writers = {PUTS[0]: (client(inline, True), 1), PUTS[1]: (client(background, True), 1),
-                   PUTS[2]: (client(background, True), threads),
+                   PUTS[2]: (client(two_threads, True), threads),
                    PUTS[3]: (client(rooms, True), threads)}
         # The getters read what a same-node writer stored on the background server.
         feeder = client(background, True)
