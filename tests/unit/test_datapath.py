@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from kvstore.client.datapath import _mirror
-from kvstore.client.shm import RUN_BYTES, copy_in, copy_out
+from kvstore.client.shm import PIECE_BYTES, RUN_BYTES, copy_in, copy_out
 from kvstore.core.hashing import checksum
 
 BASE = 1 << 30
@@ -73,6 +73,24 @@ def test_shm_copies_merge_neighbours_and_hash_every_entry_from_the_callers_side(
     shm[offsets[7] + 100] ^= 0xFF  # inside the first run
     assert copy_out(shm, out, list(zip(starts, entries)), verify=True) == 7
     assert copy_out(shm, out, list(zip(starts, entries)), verify=False) is None
+    shm[offsets[7] + 100] ^= 0xFF
+    shm[offsets[40] + (2 << 20) - 1] ^= 0xFF  # the last piece of the large entry
+    assert copy_out(shm, out, list(zip(starts, entries)), verify=True) == 40
+
+
+@pytest.mark.parametrize("nbytes", [PIECE_BYTES + 1, 3 * PIECE_BYTES - 123])
+def test_large_entries_copy_and_hash_piece_by_piece_to_the_same_digest(nbytes):
+    rng = np.random.default_rng(nbytes)
+    buf = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    shm = np.zeros(4 * PIECE_BYTES, np.uint8)
+    assert copy_in(shm, [buf], [["dram", 4096, nbytes, None]]) == [checksum(buf)]
+    assert np.array_equal(shm[4096:4096 + nbytes], buf)
+    out = np.zeros(nbytes, np.uint8)
+    entry = ["dram", 4096, nbytes, None, checksum(buf), 1, None]
+    assert copy_out(shm, out, [(0, entry)], verify=True) is None
+    assert np.array_equal(out, buf)
+    shm[4096 + nbytes - 1] ^= 1
+    assert copy_out(shm, out, [(0, entry)], verify=True) == 0
 
 
 def test_write_refuses_a_buffer_whose_size_is_not_its_placements():
