@@ -63,10 +63,23 @@ def _list(name: str, v: Any, limit: int = MAX_KEYS) -> list:
     return v
 
 
+# The list checks below first try the usual case in C-level passes (a prompt has
+# thousands of blocks: a Python loop per item was most of decoding a big request),
+# and only walk the items one by one to name the one that is wrong.
+def _ints(name: str, v: Any, lo: int, hi: int) -> tuple[int, ...]:
+    items = _list(name, v)
+    if not items or (set(map(type, items)) == {int} and lo <= min(items)
+                     and max(items) <= hi):
+        return tuple(items)
+    return tuple(_int(name, i, lo, hi) for i in items)
+
+
 def _keys(name: str, v: Any) -> tuple[bytes, ...]:
     items = _list(name, v)
     if not items:
         raise InvalidRequestError(f"{name}: must not be empty")
+    if set(map(type, items)) == {bytes} and set(map(len, items)) == {KEY_BYTES}:
+        return tuple(items)
     for k in items:
         if type(k) is not bytes or len(k) != KEY_BYTES:
             raise InvalidRequestError(
@@ -75,11 +88,15 @@ def _keys(name: str, v: Any) -> tuple[bytes, ...]:
 
 
 def _sizes(name: str, v: Any) -> tuple[int, ...]:
-    return tuple(_int(name, s, 1, MAX_ENTRY_BYTES) for s in _list(name, v))
+    return _ints(name, v, 1, MAX_ENTRY_BYTES)
 
 
 def _tokens(name: str, v: Any) -> tuple[bytes, ...]:
     out = _list(name, v)
+    if set(map(type, out)) <= {bytes}:
+        lengths = set(map(len, out))
+        if not any(n % 4 or n > MAX_TOKEN_BYTES for n in lengths):
+            return tuple(out)
     for t in out:
         if type(t) is not bytes or len(t) % 4 or len(t) > MAX_TOKEN_BYTES:
             raise InvalidRequestError(
@@ -89,15 +106,15 @@ def _tokens(name: str, v: Any) -> tuple[bytes, ...]:
 
 
 def _offsets(name: str, v: Any) -> tuple[int, ...]:
-    return tuple(_int(name, o, 0, MAX_ROOM_BYTES) for o in _list(name, v))
+    return _ints(name, v, 0, MAX_ROOM_BYTES)
 
 
 def _positions(name: str, v: Any) -> tuple[int, ...]:
-    return tuple(_int(name, i, 0, MAX_KEYS - 1) for i in _list(name, v))
+    return _ints(name, v, 0, MAX_KEYS - 1)
 
 
 def _checksums(name: str, v: Any) -> tuple[int, ...]:
-    return tuple(_int(name, c, 0, (1 << 64) - 1) for c in _list(name, v))
+    return _ints(name, v, 0, (1 << 64) - 1)
 
 
 def _metas(name: str, v: Any) -> tuple[bytes | None, ...] | None:
