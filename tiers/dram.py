@@ -34,8 +34,15 @@ def _map_arena(path: str | None, nbytes: int) -> mmap.mmap:
     if path is None:
         return mmap.mmap(-1, nbytes, mmap.MAP_PRIVATE)  # fd -1: anonymous
     try:
-        # Truncate: a volatile tier starts empty, whatever an earlier server left.
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        # A new file, never one an earlier process left at this path (a server
+        # restarted under the same pid, in a container): clients of that process
+        # may still map the old file and write into it (a room they were granted),
+        # and must never reach this server's memory that way.
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as exc:
         raise ConfigError(f"cannot create shared DRAM arena {path}: {exc}") from exc
     try:

@@ -182,6 +182,28 @@ def test_shared_arena_is_visible_to_another_process(shm_dir):
     assert not os.path.exists(path)
 
 
+def test_an_arena_at_a_path_an_earlier_process_left_is_a_new_file(shm_dir):
+    """A server restarted under the same pid (a container) gets the same arena path.
+    A client of the old process may still map the old file and write into it (a
+    room it was granted): that must never reach the new server's memory."""
+    path = os.path.join(shm_dir, "arena")
+    old = DramTier(CAP, shared_path=path)  # as a SIGKILLed server leaves it
+    client = map_shared(path, CAP)
+    new = DramTier(CAP, shared_path=path)
+    try:
+        ext = new.allocate(5)
+        new.write(ext, memoryview(b"fresh"))
+        client[ext.offset:ext.offset + 5] = memoryview(b"stale")
+        out = bytearray(5)
+        new.read_into(ext, memoryview(out))
+        assert out == b"fresh"
+    finally:
+        del client
+        new.close()
+        old.shared_path = None  # its file is gone already: a dead process's is
+        old.close()
+
+
 def test_map_shared_refuses_missing_or_short_files(shm_dir):
     with pytest.raises(ConfigError):
         map_shared(os.path.join(shm_dir, "absent"), 4096)
