@@ -117,14 +117,12 @@ class PolicyConfig:
     # Rooms (standing room writers hold for their next insert, so it stores in one
     # round trip) take at most this fraction of a memory tier, all together; 0: none.
     room_fraction: float = 0.25
-    room_lease_s: float = 2.0  # an unused room is freed this long after it was granted
 
     def __post_init__(self) -> None:
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise ConfigError("policy: need 0 < low_watermark <= high_watermark <= 1")
         if not 0 <= self.room_fraction <= 0.5:
             raise ConfigError("policy: room_fraction must be in [0, 0.5]")
-        _positive(self, "room_lease_s")
         _sizes(self, "writeback_batch_bytes")
         if self.writeback_batch_bytes <= 0:
             raise ConfigError("policy: writeback_batch_bytes must be > 0")

@@ -129,8 +129,9 @@ class Writes(Operations):
     # copies that insert's entries into the room (in the shared DRAM arena) at
     # offsets of its own choosing, then ``put`` stores them in one step (what reserve
     # + commit do in two round trips). Rooms are cut from free space only
-    # (``Placement.room_extent``) and reclaimed when their lease runs out
-    # (``policy.room_lease_s``, short: an idle writer's room soon goes back). Only same-node writers get them: a writer copies into a
+    # (``Placement.room_extent``) and reclaimed when their lease runs out, as a
+    # reservation's extents are (``store.reservation_lease_s``: the lease is what
+    # keeps a writer stalled mid-copy from writing into space given to another). Only same-node writers get them: a writer copies into a
     # room before the server has said the room is still there, which is safe only
     # through the arena file of the very server process that granted it (a
     # restarted server has a new file); a TE write to a restarted server with the
@@ -146,7 +147,7 @@ class Writes(Operations):
             ext = self.place.room_extent(nbytes, self.holds.room_bytes())
             if ext is None:
                 return None
-            lease = self.config.policy.room_lease_s
+            lease = self.config.store.reservation_lease_s
             room = Room(new_id(), ext, time.time() + lease, lease)
             self.holds.add_room(room)
             tier = self.place.tiers[ext.tier]
@@ -284,10 +285,12 @@ class Writes(Operations):
     def _commit_verified(self, op: Open, new: list[int], sums: list[int],
                          pin: bool = False) -> CommitResult:
         put = _new_records(op, new, sums, time.time())
-        deduped, lost = self._count_dedups(op, put, pin)
+        deduped, lost, onto = self._count_dedups(op, put, pin)
         if pin:
             put = {k: r._replace(pins=r.pins + 1) for k, r in put.items()}
         self.catalog.apply(put=list(put.values()))  # first: if the index refuses, nothing changed
+        for other, key, end, pin_it in onto:  # (so only now the other writers' books)
+            self.holds.dedup_onto(other, key, end=end, pin=pin_it)
         self.catalog.drop_idle(self.holds.end_reservation(op))
         written = [e for e in op.extents if e is not None]
         self.counts["bytes_in"] += sum(e.nbytes for e in written)
@@ -296,11 +299,13 @@ class Writes(Operations):
         self.counts["commits"] += 1
         return CommitResult(len(new), deduped, lost)
 
-    def _count_dedups(self, op: Open, put: dict[bytes, Record],
-                      pin: bool = False) -> tuple[int, int]:
-        """Give each deduped key of ``op`` its extra pending consumer (in ``put``, or
-        on the in-flight reservation that writes it); returns (deduped, lost)."""
+    def _count_dedups(self, op: Open, put: dict[bytes, Record], pin: bool = False
+                      ) -> tuple[int, int, list[tuple[Open, bytes, bool, bool]]]:
+        """Give each deduped key of ``op`` its extra pending consumer in ``put``;
+        returns (deduped, lost, the dedups onto other writers' in-flight keys, as
+        ``Holds.dedup_onto`` arguments, for the caller to apply once ``put`` is)."""
         deduped = lost = 0
+        onto: list[tuple[Open, bytes, bool, bool]] = []
         pinned: set[bytes] = set()
         end = prompt_end(op.keys)
         for i in (i for i, e in enumerate(op.extents) if e is None):
@@ -314,11 +319,11 @@ class Writes(Operations):
                     and other is not op:
                 pin_it = pin and key not in pinned  # one pin per key, as for committed keys
                 pinned.add(key)
-                self.holds.dedup_onto(other, key, end=key == end, pin=pin_it)
+                onto.append((other, key, key == end, pin_it))
                 deduped += 1
             else:  # its writer gave up, or a different block under the same key
                 lost += 1
-        return deduped, lost
+        return deduped, lost, onto
 
     def abort(self, reservation_id: int) -> None:
         """Forget a reservation, or give a room back; its space is free at once,

@@ -14,6 +14,7 @@ from kvstore.core.errors import (
     InvalidRequestError,
     LeaseExpiredError,
     NotFoundError,
+    StorageError,
 )
 from kvstore.core.hashing import checksum
 from kvstore.store.facade import Store
@@ -24,10 +25,9 @@ from tests.unit.conftest import ENTRY, data, key, put, store_config, toks, where
 def open_store(tmp_path):
     opened = []
 
-    def make(dram=16, room_fraction=0.5, room_lease_s=30.0, **kw) -> Store:
+    def make(dram=16, room_fraction=0.5, **kw) -> Store:
         cfg = store_config(tmp_path / f"data{len(opened)}", dram=dram, **kw)
-        store = Store(cfg.replace(policy={"room_fraction": room_fraction,
-                                          "room_lease_s": room_lease_s}))
+        store = Store(cfg.replace(policy={"room_fraction": room_fraction}))
         opened.append(store)
         return store
 
@@ -203,7 +203,7 @@ def test_an_unused_room_is_given_back_by_abort(open_store):
 
 
 def test_an_expired_room_is_reclaimed_and_a_late_put_stores_nothing(open_store):
-    store = open_store(room_lease_s=0.05)
+    store = open_store(reservation_lease_s=0.05)
     room = store.grant_room(2 * ENTRY)
     write(store, room, [1])
     time.sleep(0.1)
@@ -235,3 +235,29 @@ def test_background_checks_condemn_a_bad_put_like_a_bad_commit(open_store):
     assert store.catalog.unchecked == {key(1): checksum(data(2))}
     store.scrub_step(min_age_s=0)
     assert where(store) == {} and store.stats()["commit_checksum_failures"] == 1
+
+
+def test_a_put_the_index_refuses_leaves_no_trace_on_other_writers(open_store, monkeypatch):
+    """The index refuses the put's records (a full or failing disk): nothing is
+    stored, the room's space comes back, and the writer whose in-flight key the put
+    deduped onto is not left counting a consumer (or a pin) that never came."""
+    store = open_store()
+    other = store.reserve([key(2)], [ENTRY], [toks(2)])
+    room = store.grant_room(2 * ENTRY)
+    write(store, room, [1, 2])
+
+    def refuse(*args, **kw):
+        raise StorageError("index full")
+
+    monkeypatch.setattr(store.catalog, "_write_index", refuse)
+    with pytest.raises(StorageError):
+        store.put(room.id, [key(1), key(2)], [ENTRY] * 2, [toks(1), toks(2)], [0, ENTRY],
+                  [checksum(data(1)), checksum(data(2))], pin=True)
+    monkeypatch.undo()
+    assert where(store) == {} and store.stats()["rooms"] == 0
+    assert store.stats()["tiers"]["dram"]["used"] == ENTRY  # the other reservation's
+    store.check_integrity()
+    store.write(other.id, 0, data(2))
+    store.commit(other.id, [checksum(data(2))])
+    rec = store.catalog.records[key(2)]
+    assert (rec.pending, rec.pins) == (1, 0)
