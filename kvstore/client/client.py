@@ -74,7 +74,7 @@ class _Room(NamedTuple):
     address: int | None
     page: int
     usable_until: float  # time.monotonic(): half its lease after it was granted
-    segment: str  # the server process it belongs to
+    hello: int  # the hello it was granted under (KVStoreClient._hellos)
 
 
 class _Prompt(NamedTuple):
@@ -136,6 +136,7 @@ class KVStoreClient:
                               piece_bytes=cfg.te_piece_bytes, wait=cfg.te_wait)
         self._rpc = Channel(self.server, self.timeout_s, curve=curve)
         self._hello: dict[str, Any] | None = None
+        self._hellos = 0  # hellos said: a room is only good under the one it came with
         # The room the server holds for this client's next insert (one at a time;
         # taken under the lock, so two threads never write into one room).
         self._room: _Room | None = None
@@ -150,6 +151,7 @@ class KVStoreClient:
             self._rpc.max_bytes = int(info.get("max_message_bytes", self._rpc.max_bytes))
             self._data.connect(info)
             self._hello = info
+            self._hellos += 1  # the server may be another process now: rooms are void
         return self._hello
 
     def _segment(self, current: str | None = None) -> Segment:
@@ -242,7 +244,7 @@ class KVStoreClient:
         want, self._last_need = max(need, self._last_need), need
         if self._segment().shm is None:
             want = 0  # rooms are for writers on the server's node (Writes.grant_room)
-        room = self._take_room(need)
+        room = self._take_room(sizes[skip:])
         if room is not None:
             try:
                 return self._put(room, prompt, keys, toks, sizes, buffers, meta, skip, first,
@@ -306,6 +308,7 @@ class KVStoreClient:
             placements.append([room.tier, room.offset + at, n,
                                None if room.address is None else room.address + at])
             at += -(-n // room.page) * room.page
+        assert at <= room.nbytes  # _take_room measured it
         try:
             seg = self._segment()
             start = time.perf_counter()
@@ -315,14 +318,19 @@ class KVStoreClient:
         except BaseException:
             self._abort(room.id)
             raise
+        moved_bytes = sum(sizes[skip:])
         try:
             done = self._call(p.Put(room=room.id, keys=tuple(keys[first:]),
                                     sizes=tuple(sizes[first:]), tokens=tuple(toks[first:]),
                                     offsets=tuple(offsets), checksums=tuple(sums), meta=meta,
                                     namespace=self.namespace, skip=skip - first, pin=pin,
-                                    xfer_s=moved, xfer_bytes=at, next_room=want))
-        except PeerUnavailableError:
-            self._hello = None
+                                    xfer_s=moved, xfer_bytes=moved_bytes, next_room=want))
+        except (LeaseExpiredError, NotFoundError):
+            raise  # the room is gone or spent: insert reserves
+        except BaseException:
+            # Refused before the store (invalid, busy) or unanswered: the room may
+            # still be held; give it back (if the put was applied, that is a no-op).
+            self._give_back(room)
             raise
         self._keep_room(done)
         nblocks = len(prompt.keys)  # keys[nblocks:] is the hidden-state entry, if any
@@ -331,21 +339,21 @@ class KVStoreClient:
         if done.get("lost"):
             log.warning("%d of %d blocks not stored: their other writer aborted",
                         done["lost"], nblocks)
-        return InsertResult(new_blocks, nblocks - new_blocks, prompt.ntokens,
-                            sum(sizes[skip:]))
+        return InsertResult(new_blocks, nblocks - new_blocks, prompt.ntokens, moved_bytes)
 
-    def _take_room(self, need: int) -> _Room | None:
-        """This client's room, if it can take ``need`` bytes now (else it is given
+    def _take_room(self, sizes: list[int]) -> _Room | None:
+        """This client's room, if entries of ``sizes`` fit it now (else it is given
         back); None: the insert reserves."""
         with self._room_lock:
             room, self._room = self._room, None
         if room is None:
             return None
-        hello = self._hello
-        if time.monotonic() >= room.usable_until or hello is None \
-                or hello["segment"] != room.segment or not self._data.uses_shared_memory:
-            return None  # reclaimed soon, or a restarted server's: it never got it
-        if need > room.nbytes:
+        if time.monotonic() >= room.usable_until or room.hello != self._hellos \
+                or self._hello is None or not self._data.uses_shared_memory:
+            # Reclaimed soon, or granted before the last hello (the server may have
+            # restarted since): never written, and not worth a message.
+            return None
+        if _need(sizes, room.page) > room.nbytes:
             self._give_back(room)
             return None
         return room
@@ -353,11 +361,11 @@ class KVStoreClient:
     def _keep_room(self, reply: dict[str, Any]) -> None:
         """Hold the room a commit or put reply grants for the next insert."""
         grant, segment = reply.get("room"), reply.get("segment")
-        if not grant or segment is None:
+        if not grant or self._hello is None or segment != self._hello["segment"]:
             return
         rid, tier, offset, nbytes, address, page, lease_s = grant
         room = _Room(rid, tier, offset, nbytes, address, page,
-                     time.monotonic() + lease_s / 2, segment)
+                     time.monotonic() + lease_s / 2, self._hellos)
         with self._room_lock:
             old, self._room = self._room, room
         if old is not None:  # another thread's insert got one meanwhile

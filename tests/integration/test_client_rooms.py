@@ -117,7 +117,7 @@ def test_a_skipped_block_the_server_lost_fails_the_insert_as_before(server_facto
 
 
 def test_a_reclaimed_room_means_a_reserve_not_a_failure(server_factory, client_factory):
-    srv = server_factory(dram="8MiB", nvme="0", env={"KVSTORE_POLICY_ROOM_LEASE_S": "0.4"})
+    srv = server_factory(dram="8MiB", nvme="0", reservation_lease=0.4)
     writer = client_factory(srv)
     reader = client_factory(srv, same_node=False)
     writer.insert(_tokens(1), make_kv(TOKENS, seed=1))
@@ -155,6 +155,22 @@ def test_a_room_of_a_restarted_server_is_never_written(server_factory, client_fa
     assert ops == ["put", "reserve", "commit"], ops
     assert writer._data.segment.shm is not old_arena
     _read_back(client_factory(srv, same_node=False), 2)
+
+
+def test_a_room_granted_before_the_client_said_hello_again_is_dropped(server_factory,
+                                                                     client_factory):
+    """After a timeout or a lost peer the client says hello again: the server may be
+    another process by then, so a room from before is never written."""
+    srv = server_factory(dram="8MiB", nvme="0")
+    writer = client_factory(srv)
+    writer.insert(_tokens(1), make_kv(TOKENS, seed=1))
+    assert writer._room is not None
+    writer._hello = None  # what a timeout or a lost peer does
+    ops = _ops(writer)
+    writer.insert(_tokens(2), make_kv(TOKENS, seed=2))
+    assert ops == ["reserve", "commit"]
+    for pid in (1, 2):
+        _read_back(client_factory(srv, same_node=False), pid)
 
 
 def test_a_smaller_room_than_the_insert_is_given_back(server_factory, client_factory):
@@ -204,12 +220,11 @@ def test_an_idle_writers_room_holds_memory_only_until_its_lease_ends(server_fact
                                                                        client_factory):
     """The cost of a room: memory no other writer can use while it is held. In a tier
     full of entries nobody may evict (pinned), another writer's insert fails for want
-    of it - a miss - but only until the idle room's short lease ends."""
+    of it - a miss - but only until the idle room's lease ends."""
     big = KVLayout(num_layers=32, kv_heads=8, head_dim=128, dtype="float16", block_tokens=16)
     block = big.nbytes(16)  # 2 MiB
-    srv = server_factory(dram="8MiB", nvme="0", block_tokens=16,
-                         env={"KVSTORE_POLICY_ROOM_FRACTION": "0.5",
-                              "KVSTORE_POLICY_ROOM_LEASE_S": "1.0"})
+    srv = server_factory(dram="8MiB", nvme="0", block_tokens=16, reservation_lease=1.0,
+                         env={"KVSTORE_POLICY_ROOM_FRACTION": "0.5"})
     a = client_factory(srv, layout=big, staging_bytes=4 * block)
     b = client_factory(srv, layout=big, staging_bytes=4 * block)
 
