@@ -418,24 +418,42 @@ def _no_ext(code: int, data: bytes) -> Any:
     raise InvalidRequestError(f"msgpack ext type {code} is not accepted")
 
 
+def _peek(frame: bytes, max_bytes: int) -> tuple[int, str]:
+    """The request id and op of a frame, read from its map header and first fields
+    only (the rest is skipped, never built: the server's watchdog peeks at frames
+    while it holds the socket); (0, "") where they cannot be read."""
+    if len(frame) > max_bytes:
+        return 0, ""
+    rid, op = 0, ""
+    try:
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, ext_hook=_no_ext,
+                                    max_buffer_size=max(len(frame), 1))
+        unpacker.feed(frame)
+        for _ in range(min(unpacker.read_map_header(), 8)):
+            name = unpacker.unpack()
+            if name == "id" or name == "op":
+                value = unpacker.unpack()
+                if name == "id" and type(value) is int and 0 <= value <= MAX_ID:
+                    rid = value
+                elif name == "op" and type(value) is str:
+                    op = value
+                if rid and op:
+                    break
+            else:
+                unpacker.skip()
+    except Exception:  # noqa: BLE001 - not a readable map: nothing to peek at
+        pass
+    return rid, op
+
+
 def peek_id(frame: bytes, max_bytes: int) -> int:
     """The request id of a frame, if it can be read; 0 otherwise (for error replies)."""
-    try:
-        msg = _unpack(frame, max_bytes)
-    except InvalidRequestError:
-        return 0
-    rid = msg.get("id") if type(msg) is dict else None
-    return rid if type(rid) is int and 0 <= rid <= MAX_ID else 0
+    return _peek(frame, max_bytes)[0]
 
 
 def peek_op(frame: bytes, max_bytes: int) -> str:
     """The op a frame names, if it can be read; "" otherwise."""
-    try:
-        msg = _unpack(frame, max_bytes)
-    except InvalidRequestError:
-        return ""
-    op = msg.get("op") if type(msg) is dict else None
-    return op if type(op) is str else ""
+    return _peek(frame, max_bytes)[1]
 
 
 def decode_request(frame: bytes, max_bytes: int) -> tuple[int, Request]:

@@ -204,10 +204,20 @@ class Server:
                 if item is not None:
                     self._serve(*item)
                 if time.monotonic() >= next_reap:
-                    self._reap()
+                    with self._sock_lock:  # slow work too: the watchdog pushes back
+                        self._working_since = time.monotonic()
+                    try:
+                        self._reap()
+                    finally:
+                        with self._sock_lock:
+                            self._working_since = None
                     next_reap = time.monotonic() + reap_every
         finally:
             self._stop = True
+            with self._sock_lock:  # queued and never served: a clear answer, not silence
+                while self._queue:
+                    frames, _ = self._queue.popleft()
+                    self._sock.send_multipart(self._busy(frames, 0.0, "server stopping"))
             self._requests_done.set()
             while stager.is_alive() or watchdog.is_alive():  # stagings left are answered
                 stager.join(POLL_MS / 1000)
@@ -235,10 +245,11 @@ class Server:
                     self._sock.send_multipart(reply)
 
     def _watch(self, staged: zmq.Socket) -> None:
-        """The watchdog: every ``WATCH_S``, if a request has been in flight that long,
-        take the socket for a moment: queue what arrived, answer ``busy`` at once
-        what could not start within ``busy_after_s``, pass on staged replies. It
-        never wakes the serving thread, and costs nothing per request."""
+        """The watchdog: every ``WATCH_S``, if a request (or the reaper) has been at
+        work that long, take the socket for a moment: queue what arrived, answer
+        ``busy`` what could not start within ``busy_after_s`` (so within about two
+        ``WATCH_S`` of its arrival), pass on staged replies. It never wakes the
+        serving thread, and costs nothing per request."""
         while not self._stop:
             time.sleep(WATCH_S)
             since = self._working_since
@@ -280,12 +291,13 @@ class Server:
         never hear a ``busy``. Read only on the slow path, when ``busy`` is due."""
         return p.peek_op(frames[-1], self.max_bytes) in NEVER_BUSY
 
-    def _busy(self, frames: list[bytes], waited: float) -> list[bytes]:
+    def _busy(self, frames: list[bytes], waited: float, why: str = "") -> list[bytes]:
         with self._counters_lock:
             self.counters["busy"] += 1
         envelope, body = frames[:-1], frames[-1]
-        err = BusyError(f"server busy: the request would start after {waited:.1f} s "
-                        f"(server.busy_after_s = {self._busy_after:g}); retry or recompute")
+        why = why or (f"the request would start after {waited:.1f} s "
+                      f"(server.busy_after_s = {self._busy_after:g})")
+        err = BusyError(f"server busy: {why}; retry or recompute")
         return [*envelope[:2], p.encode_error(p.peek_id(body, self.max_bytes), err)]
 
     def _respond(self, frames: list[bytes], arrived: float) -> list[bytes] | None:
