@@ -6,12 +6,13 @@ from __future__ import annotations
 import collections
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from kvstore.core.errors import LeaseExpiredError, NotFoundError
 from kvstore.store.index import Record
 from tiers.base import Extent
 
+_T = TypeVar("_T")
 _EXPIRED_MEMORY = 4096  # ids of reaped reservations/leases remembered for a clear error
 
 
@@ -124,16 +125,12 @@ class Holds:
         self.due(room.expires_at)
 
     def open_room(self, rid: int) -> Room:
-        room = self.rooms.get(rid)
-        if room is None:
-            raise self._gone("room", rid)
-        return room
+        return self._found(self.rooms, "room", rid)
 
     def take_room(self, rid: int) -> Room:
         """Close open room ``rid`` and return it (its extent is the caller's now)."""
-        room = self.rooms.pop(rid, None)
-        if room is None:
-            raise self._gone("room", rid)
+        room = self._found(self.rooms, "room", rid)
+        del self.rooms[rid]
         return room
 
     def room_bytes(self) -> int:
@@ -201,16 +198,17 @@ class Holds:
         self.next_reap = min(self.next_reap, expires_at)
 
     def open_reservation(self, rid: int) -> Open:
-        op = self.reservations.get(rid)
-        if op is None:
-            raise self._gone("reservation", rid)
-        return op
+        return self._found(self.reservations, "reservation", rid)
 
     def open_lease(self, aid: int) -> Lease:
-        lease = self.leases.get(aid)
-        if lease is None:
-            raise self._gone("acquisition", aid)
-        return lease
+        return self._found(self.leases, "acquisition", aid)
+
+    def _found(self, table: Mapping[int, _T], what: str, ident: int) -> _T:
+        """``table[ident]``, or the clear error: expired (reaped lately) or unknown."""
+        found = table.get(ident)
+        if found is None:
+            raise self._gone(what, ident)
+        return found
 
     def remember_expired(self, ident: int) -> None:
         self._expired[ident] = None
