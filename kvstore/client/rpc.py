@@ -61,6 +61,35 @@ class CurveKeys(NamedTuple):
         return cls(public, secret, server_public)
 
 
+class _Context(zmq.Context):
+    """A context that closes its own sockets when it is garbage-collected.
+
+    pyzmq's ``Context.__del__`` closes the sockets it knows of (a WeakSet), then
+    terms. When a client nobody closed is collected as part of a reference cycle
+    (e.g. inside a vLLM lookup buffer), the garbage collector clears the cycle's weak
+    references before it runs any finalizer: the context saw no sockets, termed, and
+    waited forever for the sockets still open, hanging the whole process inside a
+    GC pass. This one also holds its sockets strongly and closes them first."""
+
+    _held: list[zmq.Socket]  # declared: pyzmq takes other attributes for options
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._held = []
+
+    def socket(self, socket_type: int, *args: Any, **kwargs: Any) -> Any:
+        sock = super().socket(socket_type, *args, **kwargs)
+        self._held = [s for s in self._held if not s.closed]
+        self._held.append(sock)
+        return sock
+
+    def __del__(self) -> None:
+        for sock in getattr(self, "_held", ()):
+            if not sock.closed:
+                sock.close(0)
+        super().__del__()
+
+
 class _Socket(NamedTuple):
     """The DEALER and the monitor watching it: opened, used and closed together."""
 
@@ -85,7 +114,7 @@ class Channel:
         self._ids = itertools.count(1)
         self._one_way: collections.OrderedDict[int, str] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self._ctx = zmq.Context()
+        self._ctx = _Context()
         self._sock: _Socket | None = None  # None once closed
         self._handshake_error: Exception | None = None
         self._open()
