@@ -61,6 +61,12 @@ def run_writer_and_kill(data_dir: Path, kill_after: int) -> dict[str, set[int]]:
                 os.kill(proc.pid, signal.SIGKILL)
                 break
         proc.wait(timeout=30)
+        # What it printed before it died, still in the pipe: the writer runs ahead of
+        # this reader, and an entry it reported committed is one restart may show.
+        for line in proc.stdout:
+            step, *ids = line.split()
+            if step in seen:
+                seen[step].update(int(n) for n in ids)
     finally:
         watchdog.cancel()
         if proc.poll() is None:
@@ -81,13 +87,18 @@ def stored_ids(store: Store) -> dict[int, str]:
 def test_sigkilled_writer_loses_nothing_committed_and_shows_nothing_uncommitted(tmp_path):
     data_dir = tmp_path / "data"
     seen = run_writer_and_kill(data_dir, kill_after=60)
-    assert len(seen["P"]) == 120
+    assert len(seen["P"]) >= 120
+    # The pair reserved last may have been killed between its commit and the line
+    # saying so: visible or not, either is right. Every other visible entry must
+    # have been reported committed.
+    in_flight = seen["R"] - seen["C"]
+    assert len(in_flight) <= 2, in_flight
 
     with Store(store_config(data_dir, **TIERS)) as store:
         store.check_integrity()
         found = stored_ids(store)
         assert seen["P"] <= set(found), "a persisted entry was lost"
-        assert set(found) <= seen["C"], "an uncommitted entry became visible"
+        assert set(found) <= seen["C"] | in_flight, "an uncommitted entry became visible"
         assert set(found.values()) == {"nvme"}  # DRAM died with the process
         ids = sorted(found)
         for pair in zip(ids[::2], ids[1::2]):  # DRAM (4) can stage two at a time
