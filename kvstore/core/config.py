@@ -162,6 +162,9 @@ class ServerConfig:
     curve_secret_key: str = ""  # file written by `kvstore keys`; empty: no CURVE
     curve_authorized_keys: str = ""  # directory of client public keys
     busy_after_s: float = 2.0
+    # A Unix socket beside the shared DRAM arena for clients on this node
+    # (kvstore/server/local.py); off, or without a shared arena, they use the ROUTER.
+    local_socket: bool = True
 
     def __post_init__(self) -> None:
         _sizes(self, "max_message_bytes")

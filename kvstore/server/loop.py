@@ -23,7 +23,12 @@ timeout. (The store's background writeback and scrub run in threads of the
 store's own.) A signal only sets a flag: the request in flight finishes, then the
 store (LMDB), TE and sockets close.
 
-Bytes never cross this socket. reserve/acquire replies carry the TE segment name
+Clients on this node may talk through a second door, a Unix socket beside the
+shared DRAM arena (kvstore/server/local.py): the serving thread polls it with the
+ROUTER, its requests join the same queue and its replies go back on the connection
+they came from (``_send``); it skips libzmq's I/O threads, half a round trip here.
+
+Bytes never cross these sockets. reserve/acquire replies carry the TE segment name
 and per-entry addresses inside the registered tier arenas; the client moves the
 bytes one-sided with its own TE engine (or memcpy into the shared DRAM arena when
 it runs on this node) and then commits or releases.
@@ -53,6 +58,7 @@ from kvstore.core.errors import BusyError, ConfigError, InvalidRequestError, KVS
 from kvstore.core.nodeid import host_id
 from kvstore.server import handlers
 from kvstore.server.handlers import HANDLERS
+from kvstore.server.local import LOCAL_TAG, LocalDoor, socket_path
 from kvstore.store.reads import Staging
 from kvstore.store.types import Acquisition
 
@@ -77,7 +83,8 @@ NEVER_BUSY = frozenset({"release", "abort"})
 
 
 class Server:
-    """Owns the ROUTER socket; the store and transport are handed in (and closed here)."""
+    """Owns the ROUTER socket and the same-node door; the store and transport are
+    handed in (and closed here)."""
 
     def __init__(self, config: KVStoreConfig, store: Store, transport: Transport,
                  observer: Observer | None = None) -> None:
@@ -91,7 +98,7 @@ class Server:
         self.max_bytes = config.server.max_message_bytes
         self._stop = False
         self._started = time.time()
-        self.counters = {"requests": 0, "errors": 0, "busy": 0}
+        self.counters = {"requests": 0, "errors": 0, "busy": 0, "local_requests": 0}
         self._counters_lock = threading.Lock()
         # Whoever holds _sock_lock may use the ROUTER socket: the serving thread while
         # it receives and sends, the watchdog while the serving thread works.
@@ -117,6 +124,15 @@ class Server:
             raise
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._register_arenas()
+        # Same-node clients' door (kvstore/server/local.py), beside the shared arena.
+        self._local: LocalDoor | None = None
+        arena = store.dram_shared_path
+        if config.server.local_socket and arena is not None:
+            try:
+                self._local = LocalDoor(socket_path(arena), 2 * self.max_bytes + 4096)
+            except OSError as exc:
+                log.warning("no same-node socket at %s (%s): local clients use the ROUTER",
+                            socket_path(arena), exc)
 
     # ---------------------------------------------------------------- set-up
     def _bind(self) -> zmq.Socket:
@@ -181,14 +197,14 @@ class Server:
                                     daemon=True)
         stager.start()
         watchdog.start()
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(staged, zmq.POLLIN)
+        poller = self._poller(staged)
         reap_every = _reap_interval(self.config)
         next_reap = time.monotonic() + reap_every
         try:
             while not self._stop:
                 with self._sock_lock:
+                    if self._local is not None and self._local.changed:
+                        poller = self._poller(staged)
                     if not self._queue:
                         wait_ms = max(0, min(POLL_MS, int((next_reap - time.monotonic()) * 1000)))
                         try:
@@ -217,7 +233,7 @@ class Server:
             with self._sock_lock:  # queued and never served: a clear answer, not silence
                 while self._queue:
                     frames, _ = self._queue.popleft()
-                    self._sock.send_multipart(self._busy(frames, 0.0, "server stopping"))
+                    self._send(self._busy(frames, 0.0, "server stopping"))
             self._requests_done.set()
             while stager.is_alive() or watchdog.is_alive():  # stagings left are answered
                 stager.join(POLL_MS / 1000)
@@ -242,7 +258,7 @@ class Server:
             with self._sock_lock:
                 self._working_since = None
                 if reply is not None:  # None: the staging thread answers it
-                    self._sock.send_multipart(reply)
+                    self._send(reply)
 
     def _watch(self, staged: zmq.Socket) -> None:
         """The watchdog: every ``WATCH_S``, if a request (or the reaper) has been at
@@ -260,10 +276,28 @@ class Server:
                     self._forward(staged)
                     self._drain()
 
+    def _poller(self, staged: zmq.Socket) -> zmq.Poller:
+        """What the serving thread waits on: the ROUTER, staged replies, and the
+        same-node door's listener and connections (rebuilt when those change)."""
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(staged, zmq.POLLIN)
+        for sock in self._local.sockets() if self._local is not None else ():
+            poller.register(sock, zmq.POLLIN)
+        return poller
+
+    def _send(self, frames: list[bytes]) -> None:
+        """A reply, to the ROUTER peer or the local connection its envelope names.
+        Holds the socket (``_sock_lock``)."""
+        if self._local is not None and frames[0].startswith(LOCAL_TAG):
+            self._local.send(frames[0], frames[-1])
+        else:
+            self._sock.send_multipart(frames)
+
     def _forward(self, replies: zmq.Socket) -> None:
         while True:
             try:
-                self._sock.send_multipart(replies.recv_multipart(zmq.NOBLOCK))
+                self._send(replies.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
 
@@ -274,15 +308,24 @@ class Server:
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
-                return
-            now = time.monotonic()
-            working = self._working_since
-            wait = (now - working if working is not None else 0.0) \
-                + len(self._queue) * self._service_s
-            if wait <= self._busy_after or self._never_busy(frames):
-                self._queue.append((frames, now))
-                continue
-            self._sock.send_multipart(self._busy(frames, wait))
+                break
+            self._admit(frames)
+        if self._local is not None:
+            for frames in self._local.read():
+                with self._counters_lock:
+                    self.counters["local_requests"] += 1
+                self._admit(frames)
+
+    def _admit(self, frames: list[bytes]) -> None:
+        """Queue one arrived request, or answer it ``busy`` at once."""
+        now = time.monotonic()
+        working = self._working_since
+        wait = (now - working if working is not None else 0.0) \
+            + len(self._queue) * self._service_s
+        if wait <= self._busy_after or self._never_busy(frames):
+            self._queue.append((frames, now))
+        else:
+            self._send(self._busy(frames, wait))
 
     def _never_busy(self, frames: list[bytes]) -> bool:
         """Releases and aborts are always served, however late: they only give back
@@ -301,7 +344,8 @@ class Server:
         return [*envelope[:2], p.encode_error(p.peek_id(body, self.max_bytes), err)]
 
     def _respond(self, frames: list[bytes], arrived: float) -> list[bytes] | None:
-        # DEALER peers send [identity, body]; a REQ peer adds an empty delimiter.
+        # DEALER peers send [identity, body]; a REQ peer adds an empty delimiter; a
+        # local connection's requests come as [its tag, body].
         envelope, body = frames[:-1], frames[-1]
         if len(envelope) > 2 or (len(envelope) == 2 and envelope[1] != b""):
             self._count("invalid", 0.0, False)
@@ -434,12 +478,14 @@ class Server:
 
     def hello(self) -> dict:
         path = self.store.dram_shared_path
+        local = None if self._local is None else self._local.path
         # te_metadata: a client's TE engine must resolve this segment the way ours was
         # registered (P2P handshake, or the same metadata server).
         return {"version": p.VERSION, "segment": self.transport.segment, "host_id": host_id(),
                 "te_metadata": self.transport.metadata,
                 "dram": None if path is None else {"path": path,
                                                    "nbytes": self.capacities()["dram"]},
+                "local": local,
                 "block_tokens": self.config.store.block_tokens,
                 "max_message_bytes": self.max_bytes, "te_probe": self._te_probe()}
 
@@ -457,7 +503,9 @@ class Server:
 
     def stats(self) -> dict:
         """The store's stats plus this server's request counters (metrics read this)."""
-        return {**self.store.stats(), **self.counters, "uptime_s": time.time() - self._started}
+        local = 0 if self._local is None else self._local.connections
+        return {**self.store.stats(), **self.counters, "local_connections": local,
+                "uptime_s": time.time() - self._started}
 
     def _reap(self) -> None:
         try:
@@ -479,6 +527,10 @@ class Server:
         sock: zmq.Socket | None = getattr(self, "_sock", None)  # unset if _bind failed
         if sock is not None:
             sock.close(0)  # a second close does nothing
+        local: LocalDoor | None = getattr(self, "_local", None)
+        if local is not None:
+            local.close()
+            self._local = None
         if self._auth is not None:
             self._auth.stop()
             self._auth = None

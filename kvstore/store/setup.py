@@ -99,7 +99,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_stale_arenas(data_dir: Path) -> list[str]:
-    """Unlink this data dir's shared DRAM arenas whose process is gone; the paths.
+    """Unlink this data dir's shared DRAM arenas whose process is gone, and their
+    servers' same-node sockets (``<arena>.sock``, kvstore/server/local.py); the paths.
 
     Called with the data-dir lock held, so no live store uses this data dir; the pid
     check still keeps any file whose pid is alive (e.g. reused by another process).
@@ -113,7 +114,7 @@ def remove_stale_arenas(data_dir: Path) -> list[str]:
         return []  # no /dev/shm: arenas are private, nothing to clean
     removed = []
     for name in names:
-        pid = name[len(prefix):]
+        pid = name[len(prefix):].removesuffix(".sock")
         if not name.startswith(prefix) or not pid.isdigit() or _pid_alive(int(pid)):
             continue
         path = f"{_SHM_DIR}/{name}"
@@ -123,8 +124,9 @@ def remove_stale_arenas(data_dir: Path) -> list[str]:
         except OSError as exc:
             log.warning("cannot remove stale DRAM arena %s: %s", path, exc)
             continue
-        log.warning("removed stale DRAM arena %s (%s bytes) of dead process %s",
-                    path, nbytes, pid)
+        what = "same-node socket" if name.endswith(".sock") else "DRAM arena"
+        log.warning("removed stale %s %s (%s bytes) of dead process %s",
+                    what, path, nbytes, pid)
         removed.append(path)
     return removed
 

@@ -126,8 +126,9 @@ class ServerProc:
 
 
 def _remove_arena_of(pid: int) -> None:
-    # A SIGKILLed server cannot unlink its shared DRAM arena (named ...-<pid>).
-    for path in glob.glob(f"/dev/shm/kvstore-*-{pid}"):
+    # A SIGKILLed server cannot unlink its shared DRAM arena (named ...-<pid>), nor
+    # its same-node socket beside it.
+    for path in [*glob.glob(f"/dev/shm/kvstore-*-{pid}"), *glob.glob(f"/dev/shm/kvstore-*-{pid}.sock")]:
         try:
             os.unlink(path)
         except OSError:

@@ -1,4 +1,5 @@
-"""A SIGKILLed server's shared DRAM arena is removed by the next store on its data dir.
+"""A SIGKILLed server's shared DRAM arena, and the same-node socket beside it, are
+removed by the next store on its data dir.
 
 Real server processes: the first is SIGKILLed (it cannot unlink its /dev/shm arena),
 the second opens the same data dir and removes that file, but never an arena of a
@@ -29,6 +30,7 @@ def test_restart_removes_only_dead_arenas_of_its_data_dir(server_factory):
     os.kill(first.pid, signal.SIGKILL)  # not first.kill(): its teardown unlinks the arena
     first.proc.wait(timeout=10)
     assert os.path.exists(old)
+    assert os.path.exists(f"{old}.sock")
 
     live = subprocess.Popen(["sleep", "60"])
     keep = [f"{prefix}{live.pid}",  # this data dir, live process
@@ -40,10 +42,12 @@ def test_restart_removes_only_dead_arenas_of_its_data_dir(server_factory):
                 f.write(b"x" * 4096)
         second = server_factory(data_dir=first.data_dir)
         assert not os.path.exists(old)
+        assert not os.path.exists(f"{old}.sock")
         assert all(os.path.exists(path) for path in keep)
         assert os.path.exists(_arena_of(second.pid))  # its own, new arena
-        assert f"removed stale DRAM arena {old}" in second.log()
-        assert second.log().count("removed stale DRAM arena") == 1
+        assert f"removed stale DRAM arena {old} " in second.log()
+        assert f"removed stale same-node socket {old}.sock " in second.log()
+        assert second.log().count("removed stale") == 2
     finally:
         live.kill()
         live.wait(timeout=10)
