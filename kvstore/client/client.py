@@ -33,6 +33,7 @@ from kvstore.core.errors import (ChecksumError, ConfigError, InvalidRequestError
 from kvstore.core.hashing import (block_keys, block_token_bytes, checksummer, hidden_key,
                                   namespace_of, tokens_to_array)
 from kvstore.core.layout import KVLayout, dtype_name, pack_hf
+from kvstore.client.local import Control
 from kvstore.client.rpc import Channel, CurveKeys
 
 log = logging.getLogger(__name__)
@@ -134,8 +135,11 @@ class KVStoreClient:
                               protocol=te_protocol or cfg.te_protocol,
                               devices=cfg.te_devices if te_devices is None else te_devices,
                               piece_bytes=cfg.te_piece_bytes, wait=cfg.te_wait)
-        self._rpc = Channel(self.server, self.timeout_s, curve=curve)
+        # The ROUTER, or the server's same-node socket once a hello names one
+        # (kvstore/client/local.py).
+        self._rpc = Control(Channel(self.server, self.timeout_s, curve=curve))
         self._hello: dict[str, Any] | None = None
+        self._hello_lock = threading.Lock()
         self._hellos = 0  # hellos said: a room is only good under the one it came with
         # The room the server holds for this client's next insert (one at a time;
         # taken under the lock, so two threads never write into one room).
@@ -146,13 +150,25 @@ class KVStoreClient:
     # ------------------------------------------------------------ connection
     def hello(self) -> dict[str, Any]:
         """The server's identity; cached. Verifies the peer before any TE transfer."""
-        if self._hello is None:
-            info = self._rpc.call(p.Hello())
-            self._rpc.max_bytes = int(info.get("max_message_bytes", self._rpc.max_bytes))
-            self._data.connect(info)
-            self._hello = info
-            self._hellos += 1  # the server may be another process now: rooms are void
-        return self._hello
+        hello = self._hello
+        if hello is not None:
+            return hello
+        # One hello at a time: threads sharing this client wait for it instead of
+        # each saying its own (every hello voids the room the others hold).
+        with self._hello_lock:
+            hello = self._hello
+            if hello is None:
+                self._rpc.use_local(None)  # hello over the ROUTER: it names the server
+                info = self._rpc.call(p.Hello())
+                self._rpc.max_bytes = int(info.get("max_message_bytes", self._rpc.max_bytes))
+                self._data.connect(info)
+                # A client that writes into the server's arena is on its node: its
+                # requests take the server's Unix socket from now on.
+                self._rpc.use_local(info.get("local") if self._data.uses_shared_memory
+                                    else None)
+                self._hello = hello = info
+                self._hellos += 1  # the server may be another process now: rooms are void
+            return hello
 
     def _segment(self, current: str | None = None) -> Segment:
         """The server's data segment; ``current`` is the one a reply just named; if
