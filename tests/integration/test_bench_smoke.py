@@ -110,3 +110,13 @@ def test_profile_writes_the_workers_profiles(tmp_path, capsys):
     assert (spy.exists() and spy.stat().st_size > 0) or "py-spy on the server failed" in said \
         or "py-spy caught the server busy in none" in said
     assert (tmp_path / "py-spy.log").exists()
+
+
+def test_rtt_times_both_doors():
+    from tools.bench import rtt
+
+    out = rtt.run(calls=20, gaps=[0.0, 0.001])
+    assert set(out) == {0.0, 0.001}
+    for doors in out.values():
+        assert set(doors) == {"router", "local"}
+        assert all(0 < ms < 1000 for ms in doors.values()), doors

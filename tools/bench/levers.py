@@ -2,9 +2,9 @@
 
     python -m tools.bench.levers [--layout large] [--tokens 2048] [--reps 9]
 
-Four kvstore-servers on loopback (DRAM only, ``parts.server_opts``): one with
+Five kvstore-servers on loopback (DRAM only, ``parts.server_opts``): one with
 ``--verify-commits inline`` (the commit hashes every byte before it answers, as
-before), three with the default ``background``, two of them without rooms (each
+before), four with the default ``background``, two of them without rooms (each
 put variant runs on a server of its own, idle since the last round). Then,
 round by round so that every variant sees the same moment of this noisy machine,
 the same prompt size is moved by each variant and each call timed in the calling
@@ -13,8 +13,10 @@ process:
 * ``put``, same node (memcpy into the server's shared arena):
   ``inline, 1 thread`` (the old path), ``background, 1 thread``,
   ``background, 2 threads`` (``kvstore.client.shm.COPY_THREADS``; reserve, copy,
-  commit: two round trips) and ``background, 2 threads, room`` (now: the copy into
-  the room the last insert's reply granted, then one ``put``);
+  commit: two round trips), ``background, 2 threads, room, ZeroMQ`` (the copy into
+  the room the last insert's reply granted, then one ``put`` over the server's ZeroMQ
+  port) and ``background, 2 threads, room`` (now: that ``put`` over the server's
+  same-node Unix socket, kvstore/server/local.py);
 * ``get`` over TE (loopback TCP, into a reused buffer):
   ``spin, acked release`` (the old path: one TE sync transfer per run of entries,
   which busy-waits a core, hashed after it landed, and a release that waits for its
@@ -27,7 +29,9 @@ process:
   yielding) and ``streamed, sleeping`` (TE writers get no rooms).
 
 Rooms are switched off (``KVSTORE_POLICY_ROOM_FRACTION=0``) on the servers of every
-variant but ``background, 2 threads, room``, which runs on a third server as shipped.
+variant but the two room ones; the same-node socket is off
+(``KVSTORE_SERVER_LOCAL_SOCKET=false``) on all of them but the last, which runs on a
+server as shipped.
 
 Prints the median ms of each variant and its ratio to the old path (> 1: faster).
 Both ends are on this machine, so TE's numbers are loopback's, not a network's; the
@@ -56,11 +60,12 @@ MiB = 1 << 20
 PIECE = 2 * MiB
 
 PUTS = ("inline, 1 thread", "background, 1 thread", "background, 2 threads",
-        "background, 2 threads, room")
+        "background, 2 threads, room, ZeroMQ", "background, 2 threads, room")
 GETS = ("spin, acked release", "spin, one-way release", "spin, 2 MiB pieces",
         "streamed, one-way release", "streamed, sleeping")
 TE_PUTS = ("spin", "streamed", "streamed, sleeping")
-NO_ROOMS = {"KVSTORE_POLICY_ROOM_FRACTION": "0"}  # every insert reserves, then commits
+NO_SOCKET = {"KVSTORE_SERVER_LOCAL_SOCKET": "false"}  # same-node requests over ZeroMQ
+NO_ROOMS = {"KVSTORE_POLICY_ROOM_FRACTION": "0", **NO_SOCKET}  # reserve, then commit
 
 
 def _acked(client: Any) -> Callable[[], None]:
@@ -93,7 +98,8 @@ def run(layout_name: str, ntokens: int, reps: int) -> dict[str, dict[str, float]
         # others: a server that has just served a request answers the next one faster
         # (its threads are awake), which would favour whichever variant runs second.
         two_threads = servers(env=NO_ROOMS, **opts)
-        rooms = servers(**opts)  # as shipped: rooms on
+        rooms_zmq = servers(env=NO_SOCKET, **opts)
+        rooms = servers(**opts)  # as shipped: rooms on, the same-node socket too
 
         def client(srv: Any, same_node: Any, piece: int = 0, wait: str = "spin"
                    ) -> KVStoreClient:
@@ -103,7 +109,8 @@ def run(layout_name: str, ntokens: int, reps: int) -> dict[str, dict[str, float]
 
         writers = {PUTS[0]: (client(inline, True), 1), PUTS[1]: (client(background, True), 1),
                    PUTS[2]: (client(two_threads, True), threads),
-                   PUTS[3]: (client(rooms, True), threads)}
+                   PUTS[3]: (client(rooms_zmq, True), threads),
+                   PUTS[4]: (client(rooms, True), threads)}
         # The getters read what a same-node writer stored on the background server.
         feeder = client(background, True)
         readers = {GETS[0]: client(background, False), GETS[1]: client(background, False),

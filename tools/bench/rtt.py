@@ -3,11 +3,15 @@
     python -m tools.bench.rtt [--calls 400] [--gaps 0,0.0005,0.002,0.01]
 
 Starts one kvstore-server on loopback and times ``health`` requests from one
-client: for each gap, ``calls`` requests each sent ``gap`` seconds after the last
-reply. A request does nothing in the store, so the times are what the control plane
-itself costs: ZeroMQ, the server's threads and their wake-ups. On a VM every thread
-woken from idle costs more the longer it slept, which is what the gaps show.
-Prints the median ms per gap (the first tenth of the calls is a warm-up).
+client over each of its doors, alternating call by call so both see the same
+moments of this noisy machine: the ZeroMQ port (``router``, every client's) and
+the same-node Unix socket (``local``, kvstore/server/local.py, what a client on the
+server's node uses). For each gap, ``calls`` requests per door, each sent ``gap``
+seconds after the last reply. A request does nothing in the store, so the times are
+what the control plane itself costs: the sockets, the threads they wake and the
+wake-ups. On a VM every thread woken from idle costs more the longer it slept, which
+is what the gaps show. Prints the median ms per gap and door (the first tenth of the
+calls is a warm-up).
 """
 
 from __future__ import annotations
@@ -22,8 +26,12 @@ from pathlib import Path
 from tests.integration.conftest import ServerFactory
 
 
-def run(calls: int, gaps: list[float]) -> dict[float, float]:
-    """{gap s: median round trip ms}."""
+DOORS = ("router", "local")
+
+
+def run(calls: int, gaps: list[float]) -> dict[float, dict[str, float]]:
+    """{gap s: {door: median round trip ms}}."""
+    from kvstore.client.local import LocalChannel
     from kvstore.client.rpc import Channel
     from kvstore.core import protocol as p
 
@@ -31,20 +39,27 @@ def run(calls: int, gaps: list[float]) -> dict[float, float]:
     servers = ServerFactory(base)
     try:
         srv = servers(dram="64MiB", nvme="0")
-        channel = Channel(srv.address, timeout_s=10.0)
-        out = {}
+        router = Channel(srv.address, timeout_s=10.0)
+        path = router.call(p.Hello())["local"]
+        if path is None:
+            raise RuntimeError("the server has no same-node socket (no /dev/shm?)")
+        local = LocalChannel(path, timeout_s=10.0, max_bytes=router.max_bytes)
+        out: dict[float, dict[str, float]] = {}
         try:
             for gap in gaps:
-                times = []
+                times: dict[str, list[float]] = {door: [] for door in DOORS}
                 for _ in range(calls):
-                    if gap:
-                        time.sleep(gap)
-                    start = time.perf_counter()
-                    channel.call(p.Health())
-                    times.append(time.perf_counter() - start)
-                out[gap] = statistics.median(times[calls // 10:]) * 1e3
+                    for door, channel in zip(DOORS, (router, local)):
+                        if gap:
+                            time.sleep(gap)
+                        start = time.perf_counter()
+                        channel.call(p.Health())
+                        times[door].append(time.perf_counter() - start)
+                out[gap] = {door: statistics.median(t[calls // 10:]) * 1e3
+                            for door, t in times.items()}
         finally:
-            channel.close()
+            local.close()
+            router.close()
         return out
     finally:
         servers.stop_all()
@@ -58,8 +73,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds of idle before each call, comma-separated")
     args = parser.parse_args(argv)
     gaps = [float(g) for g in args.gaps.split(",")]
-    for gap, ms in run(args.calls, gaps).items():
-        print(f"  idle {gap * 1e3:6.1f} ms before each call: round trip {ms:.3f} ms")
+    for gap, doors in run(args.calls, gaps).items():
+        router, local = doors["router"], doors["local"]
+        print(f"  idle {gap * 1e3:6.1f} ms before each call: round trip router {router:.3f} ms, "
+              f"local socket {local:.3f} ms ({router / local:.2f}x)")
     return 0
 
 
