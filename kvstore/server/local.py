@@ -1,11 +1,11 @@
 """The same-node control door: a Unix stream socket beside the shared DRAM arena.
 
 A request over the ROUTER wakes four threads on its way (libzmq's I/O thread on
-each side, the serving thread, the caller); after 10 ms idle that was 0.49 ms on
-this machine against 0.10 ms for the same frame over a Unix socket, which wakes the
-serving thread and the caller only (docs/benchmarks.md, "The same-node door"). A
-client on the server's node, the one that already writes into the shared arena,
-sends its requests here instead.
+each side, the serving thread, the caller); a Unix socket wakes the serving thread
+and the caller only. A health round trip after 10 ms idle: 0.87 - 0.89 ms over the
+ROUTER, 0.53 - 0.55 ms here (``python -m tools.bench.rtt``; docs/benchmarks.md, "The
+same-node door"). A client on the server's node, the one that already writes into
+the shared arena, sends its requests here instead.
 
 Frames are the ROUTER's request and reply frames, each behind a 4-byte
 little-endian length. The serving thread polls the listening socket and every
