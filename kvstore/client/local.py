@@ -14,25 +14,19 @@ so one client's requests (a one-way release, then an acquire) keep their order.
 
 from __future__ import annotations
 
-import collections
-import itertools
 import logging
 import socket
 import struct
-import threading
 import time
 from typing import Any
 
-from kvstore.client.rpc import Channel
+from kvstore.client.rpc import REPLY_CAP, Channel, Requests
 from kvstore.core import protocol as p
-from kvstore.core.errors import (InvalidRequestError, KVStoreError, KVTimeoutError,
-                                 PeerUnavailableError)
+from kvstore.core.errors import KVStoreError, KVTimeoutError, PeerUnavailableError
 
 log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<I")
-_REPLY_CAP = 256 << 20  # as the ROUTER channel's
-_ONE_WAY_KEPT = 1024
 
 
 class NotSent(PeerUnavailableError):
@@ -41,16 +35,12 @@ class NotSent(PeerUnavailableError):
     another way."""
 
 
-class LocalChannel:
+class LocalChannel(Requests):
     """Request/reply over one Unix stream socket. Thread-safe (one call at a time)."""
 
     def __init__(self, path: str, timeout_s: float, max_bytes: int) -> None:
+        super().__init__(path, timeout_s, max_bytes)
         self.path = path
-        self.timeout_s = timeout_s
-        self.max_bytes = max_bytes
-        self._ids = itertools.count(1)
-        self._one_way: collections.OrderedDict[int, str] = collections.OrderedDict()
-        self._lock = threading.Lock()
         self._buf = bytearray()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(min(timeout_s, 2.0))
@@ -65,23 +55,9 @@ class LocalChannel:
     def open(self) -> bool:
         return self._sock is not None
 
-    def call(self, req: p.Request, timeout_s: float | None = None) -> dict[str, Any]:
-        result = self._exchange(req, timeout_s, wait_reply=True)
-        assert result is not None
-        if "error" in result:
-            raise result["error"]
-        return result
-
-    def send(self, req: p.Request, timeout_s: float | None = None) -> None:
-        self._exchange(req, timeout_s, wait_reply=False)
-
     def _exchange(self, req: p.Request, timeout_s: float | None,
                   wait_reply: bool) -> dict[str, Any] | None:
-        rid = next(self._ids)
-        frame = p.encode_request(rid, req)
-        if len(frame) > self.max_bytes:
-            raise InvalidRequestError(f"{req.OP} request of {len(frame)} bytes exceeds the "
-                                      f"server's limit of {self.max_bytes}")
+        frame_id, frame = self._frame(req)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
             sock = self._sock
@@ -98,21 +74,15 @@ class LocalChannel:
                 self._close()
                 raise PeerUnavailableError(f"local connection {self.path} failed sending "
                                            f"{req.OP}: {exc}") from None
+            if not wait_reply:
+                self._sent_one_way(frame_id, req.OP)
+                return None
             try:
-                if not wait_reply:
-                    self._one_way[rid] = req.OP
-                    while len(self._one_way) > _ONE_WAY_KEPT:
-                        self._one_way.popitem(last=False)
-                    return None
                 while True:
-                    got, result = p.decode_reply(self._read_frame(sock, deadline, req.OP),
-                                                 _REPLY_CAP)
-                    if got == rid:
+                    rid, result = p.decode_reply(self._read_frame(sock, deadline, req.OP),
+                                                 REPLY_CAP)
+                    if self._is_reply(rid, result, frame_id):
                         return result
-                    op = self._one_way.pop(got, "")
-                    if op and "error" in result:
-                        log.warning("one-way %s to %s failed: %s", op, self.path,
-                                    result["error"])
             except (KVTimeoutError, PeerUnavailableError):
                 self._close()
                 raise
@@ -127,7 +97,7 @@ class LocalChannel:
             if len(self._buf) >= need:
                 if need == _HEADER.size:
                     (n,) = _HEADER.unpack_from(self._buf)
-                    if n > _REPLY_CAP:
+                    if n > REPLY_CAP:
                         raise PeerUnavailableError(f"{self.path} sent a {n}-byte reply")
                     need = _HEADER.size + n
                     continue

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 _EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
            | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-_REPLY_CAP = 256 << 20  # a reply larger than this is refused by libzmq
+REPLY_CAP = 256 << 20  # a reply larger than this is refused (by libzmq, here)
 _ONE_WAY_KEPT = 1024  # ids of one-way sends remembered, to report a failed one
 _CLOSE_LINGER_MS = 1000
 # A wait polls the DEALER alone, in slices this long, and reads the handshake
@@ -102,18 +102,76 @@ class _Socket(NamedTuple):
         self.monitor.close(0)
 
 
-class Channel:
+class Requests:
+    """What a request channel is, whatever its socket (``Channel`` here, the
+    same-node ``kvstore.client.local.LocalChannel``): ``call`` and ``send`` over the
+    subclass's ``_exchange``, request ids, the size check, and the one-way sends
+    remembered so that a late reply saying one failed is logged, not lost.
+    Thread-safe through ``_lock`` (one call at a time)."""
+
+    def __init__(self, where: str, timeout_s: float, max_bytes: int) -> None:
+        self.where = where  # for messages: the address or path
+        self.timeout_s = timeout_s
+        self.max_bytes = max_bytes
+        self._ids = itertools.count(1)
+        self._one_way: collections.OrderedDict[int, str] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def call(self, req: p.Request, timeout_s: float | None = None) -> dict[str, Any]:
+        """Send ``req`` and return the reply map; a server error is raised as its class."""
+        result = self._exchange(req, timeout_s, wait_reply=True)
+        assert result is not None
+        if "error" in result:
+            raise result["error"]
+        return result
+
+    def send(self, req: p.Request, timeout_s: float | None = None) -> None:
+        """Send ``req`` and do not wait for its reply (a release the caller needs no
+        answer to): one network trip instead of two. The server still answers; the
+        reply is recognised as stale and dropped by the next ``call``. Raises as
+        ``call`` does when the request cannot be sent."""
+        self._exchange(req, timeout_s, wait_reply=False)
+
+    def _exchange(self, req: p.Request, timeout_s: float | None,
+                  wait_reply: bool) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def _frame(self, req: p.Request) -> tuple[int, bytes]:
+        """A new request id and ``req``'s frame; ``InvalidRequestError`` when the
+        frame is larger than the server takes."""
+        frame_id = next(self._ids)
+        frame = p.encode_request(frame_id, req)
+        if len(frame) > self.max_bytes:
+            raise InvalidRequestError(f"{req.OP} request of {len(frame)} bytes exceeds the "
+                                      f"server's limit of {self.max_bytes}")
+        return frame_id, frame
+
+    def _sent_one_way(self, frame_id: int, op: str) -> None:
+        self._one_way[frame_id] = op
+        while len(self._one_way) > _ONE_WAY_KEPT:
+            self._one_way.popitem(last=False)
+
+    def _is_reply(self, rid: int, result: dict[str, Any], frame_id: int) -> bool:
+        """Whether a reply with id ``rid`` answers request ``frame_id``; else it is
+        stale (a one-way send's, logged if it failed) and dropped."""
+        if rid == frame_id:
+            return True
+        op = self._one_way.pop(rid, "")
+        if op and "error" in result:
+            log.warning("one-way %s to %s failed: %s", op, self.where, result["error"])
+        else:
+            log.debug("dropping stale reply %s (waiting for %s)", rid, frame_id)
+        return False
+
+
+class Channel(Requests):
     """Request/reply over one DEALER. Thread-safe (one call at a time)."""
 
     def __init__(self, address: str, timeout_s: float, max_bytes: int = 16 << 20,
                  curve: CurveKeys | None = None) -> None:
+        super().__init__(address, timeout_s, max_bytes)
         self.address = address
-        self.timeout_s = timeout_s
-        self.max_bytes = max_bytes
         self.curve = curve
-        self._ids = itertools.count(1)
-        self._one_way: collections.OrderedDict[int, str] = collections.OrderedDict()
-        self._lock = threading.Lock()
         self._ctx = _Context()
         self._sock: _Socket | None = None  # None once closed
         self._handshake_error: Exception | None = None
@@ -125,7 +183,7 @@ class Channel:
         # IMMEDIATE: queue only on a finished connection, so "server not there" is
         # visible (not writable) instead of piling requests into a dead pipe.
         sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.setsockopt(zmq.MAXMSGSIZE, _REPLY_CAP)
+        sock.setsockopt(zmq.MAXMSGSIZE, REPLY_CAP)
         sock.setsockopt(zmq.RECONNECT_IVL, 50)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         if self.curve is not None:
@@ -149,33 +207,9 @@ class Channel:
             self._sock = None
         self._open()
 
-    def call(self, req: p.Request, timeout_s: float | None = None) -> dict[str, Any]:
-        """Send ``req`` and return the reply map; a server error is raised as its class."""
-        result = self._exchange(req, timeout_s, wait_reply=True)
-        assert result is not None
-        if "error" in result:
-            raise result["error"]
-        return result
-
-    def send(self, req: p.Request, timeout_s: float | None = None) -> None:
-        """Send ``req`` and do not wait for its reply (a release the caller needs no
-        answer to): one network trip instead of two. The server still answers; the
-        reply is recognised as stale and dropped by the next ``call``. Raises as
-        ``call`` does when the request cannot be sent."""
-        self._exchange(req, timeout_s, wait_reply=False)
-
-    def _sent_one_way(self, frame_id: int, op: str) -> None:
-        self._one_way[frame_id] = op
-        while len(self._one_way) > _ONE_WAY_KEPT:
-            self._one_way.popitem(last=False)
-
     def _exchange(self, req: p.Request, timeout_s: float | None,
                   wait_reply: bool) -> dict[str, Any] | None:
-        frame_id = next(self._ids)
-        frame = p.encode_request(frame_id, req)
-        if len(frame) > self.max_bytes:
-            raise InvalidRequestError(f"{req.OP} request of {len(frame)} bytes exceeds the "
-                                      f"server's limit of {self.max_bytes}")
+        frame_id, frame = self._frame(req)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
             sock = self._sock
@@ -201,14 +235,9 @@ class Channel:
                  op: str) -> dict[str, Any]:
         while True:
             self._wait(sock, zmq.POLLIN, deadline, op, sent=True)
-            rid, result = p.decode_reply(sock.dealer.recv(zmq.NOBLOCK), _REPLY_CAP)
-            if rid == frame_id:
+            rid, result = p.decode_reply(sock.dealer.recv(zmq.NOBLOCK), REPLY_CAP)
+            if self._is_reply(rid, result, frame_id):
                 return result
-            op = self._one_way.pop(rid, "")
-            if op and "error" in result:
-                log.warning("one-way %s to %s failed: %s", op, self.address, result["error"])
-            else:
-                log.debug("dropping stale reply %s (waiting for %s)", rid, frame_id)
 
     def _wait(self, sock: _Socket, event: int, deadline: float, op: str, sent: bool,
               timeout: float | None = None) -> None:
