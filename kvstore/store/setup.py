@@ -118,15 +118,14 @@ def remove_stale_arenas(data_dir: Path) -> list[str]:
         if not name.startswith(prefix) or not pid.isdigit() or _pid_alive(int(pid)):
             continue
         path = f"{_SHM_DIR}/{name}"
+        what = "same-node socket" if name.endswith(".sock") else "DRAM arena"
         try:
-            nbytes = os.stat(path).st_size
+            size = "" if name.endswith(".sock") else f" ({os.stat(path).st_size} bytes)"
             os.unlink(path)
         except OSError as exc:
-            log.warning("cannot remove stale DRAM arena %s: %s", path, exc)
+            log.warning("cannot remove stale %s %s: %s", what, path, exc)
             continue
-        what = "same-node socket" if name.endswith(".sock") else "DRAM arena"
-        log.warning("removed stale %s %s (%s bytes) of dead process %s",
-                    what, path, nbytes, pid)
+        log.warning("removed stale %s %s%s of dead process %s", what, path, size, pid)
         removed.append(path)
     return removed
 

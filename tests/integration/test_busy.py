@@ -54,17 +54,27 @@ def test_a_request_behind_slow_work_is_answered_busy_at_once(server_factory, cli
     alone = time.monotonic() - start
     assert alone > 0.3, f"verify took {alone:.2f} s: too short to be behind"
 
-    other = client_factory(srv, layout=BIG, timeout_s=30.0)
+    other = client_factory(srv, layout=BIG, timeout_s=30.0)  # over the ZeroMQ port
+    neighbour = client_factory(srv, layout=BIG, timeout_s=30.0)
+    _patient(neighbour.hello)
+    assert neighbour._rpc.local  # over the same-node socket
     done = threading.Event()
     worker = threading.Thread(target=lambda: (admin.verify(), done.set()))
     worker.start()
     time.sleep(0.2)  # the verify is in flight (it alone takes > 0.3 s)
     asked = time.monotonic()
+    # the same-node socket's requests are pushed back the same way, meanwhile
+    local_busy: list[BaseException] = []
+    beside = threading.Thread(target=lambda: local_busy.append(
+        pytest.raises(BusyError, neighbour._rpc.call, p.Stats()).value))
+    beside.start()
     with pytest.raises(BusyError, match="busy"):
         other._rpc.call(p.Stats())
     answered = time.monotonic() - asked
+    beside.join()
     worker.join()
     assert done.is_set()
+    assert len(local_busy) == 1 and "busy" in str(local_busy[0])
     # At once: well before the verify in flight ended, and nowhere near the client's
     # 30 s timeout. (Not a speed target: the point is busy instead of a timeout.)
     assert answered < alone

@@ -188,19 +188,22 @@ def test_another_user_is_refused(server_factory, client_factory):
     client = client_factory(srv)
     path = client.hello()["local"]
     os.chmod(path, 0o666)  # past the file's mode: the server's own check must refuse
-    code = ("import os, socket, struct, sys\n"
+    code = ("import os, socket, struct, sys, msgpack\n"
             "os.setgid(65534); os.setuid(65534)\n"
             "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); s.settimeout(10)\n"
             f"s.connect({path!r})\n"
-            "f = b'\\x81\\xa1v\\x01'\n"
-            "try:\n"
-            "    s.sendall(struct.pack('<I', len(f)) + f)\n"
-            "    got = s.recv(100)\n"
-            "except OSError as exc:\n"
-            "    got = b''\n"
-            "sys.exit(0 if got == b'' else 1)\n")
-    done = subprocess.run([sys.executable, "-c", code], timeout=30, capture_output=True)
+            "got = b''\n"
+            "while True:\n"
+            "    chunk = s.recv(4096)\n"
+            "    if not chunk: break\n"
+            "    got += chunk\n"
+            "reply = msgpack.unpackb(got[4:], raw=False)\n"
+            "print(reply['code'], reply['message'])\n"
+            "sys.exit(0 if reply['code'] == 'auth' and not reply['ok'] else 1)\n")
+    done = subprocess.run([sys.executable, "-c", code], timeout=30, capture_output=True,
+                          text=True)
     assert done.returncode == 0, done
+    assert "admits only user 0 and root, not user 65534" in done.stdout, done.stdout
     deadline = time.monotonic() + 5
     while "refused: user 65534" not in srv.log() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -236,3 +239,149 @@ def test_fuzzed_frames_on_the_socket_are_all_answered(server_factory, client_fac
     got = client.get(tokens)
     assert got.matched_tokens == 40 and np.array_equal(got.kv.numpy(), kv)
     assert "Traceback" not in srv.log()
+
+
+def test_a_router_peer_cannot_pose_as_a_local_connection(server_factory, client_factory):
+    """A ZeroMQ peer may choose its own routing id, the local envelope's included:
+    its requests are dropped, never answered into a local connection, and the
+    server goes on."""
+    import zmq
+
+    srv = server_factory(dram="16MiB", nvme="0")
+    client = client_factory(srv)
+    tokens = list(range(64))
+    kv = _kv(64, seed=4)
+    client.insert(tokens, kv=kv)
+    assert client._rpc.local
+    ctx = zmq.Context()
+    try:
+        for ident in (b"\x00kvstore-local:x", b"\x00kvstore-local:1", b"\x00kvstore-local:2"):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTING_ID, ident)
+            sock.connect(srv.address)
+            prompt = client._prompt(tokens)
+            for rid in range(1, 40):  # ids the local client uses too
+                sock.send(p.encode_request(rid, p.Acquire(
+                    keys=tuple(prompt.keys), tokens=tuple(prompt.tokens), claim=True)))
+            assert not sock.poll(500)  # nothing comes back to it either
+            sock.close(0)
+    finally:
+        ctx.term()
+    assert "poses as a local connection" in srv.log()
+    got = client.drop_select(tokens)  # nothing was leased or taken by them
+    assert got.matched_tokens == 64 and np.array_equal(got.kv.numpy(), kv)
+    assert client.stats()["leases"] == 0
+    assert srv.proc.poll() is None and "Traceback" not in srv.log()
+
+
+def test_a_peer_that_does_not_read_holds_up_nobody(server_factory, client_factory):
+    """Replies a local peer does not read wait in its connection's buffer; the
+    serving thread never blocks on them, and the peer that reads at last gets them
+    all, in order."""
+    srv = server_factory(dram="16MiB", nvme="0")
+    client = client_factory(srv)
+    path = client.hello()["local"]
+    sleeper = _raw(path)
+    try:
+        n = 3000  # ~2 KiB of stats each: more than the socket's buffer holds
+        frames = b"".join(HEADER.pack(len(f)) + f for f in
+                          (p.encode_request(i, p.Stats()) for i in range(1, n + 1)))
+        sleeper.sendall(frames)
+        other = client_factory(srv)  # over the ZeroMQ port
+        other.stats()  # queued behind them: all of them are answered (and unread) now
+        for _ in range(20):
+            start = time.monotonic()
+            other.health()
+            assert time.monotonic() - start < 0.5
+        assert client.health()["status"] == "ok"  # another local connection
+        buf, ids = bytearray(), []
+        while len(ids) < n:
+            chunk = sleeper.recv(1 << 20)
+            assert chunk, f"closed after {len(ids)} replies"
+            buf += chunk
+            while len(buf) >= HEADER.size and \
+                    len(buf) >= HEADER.size + (size := HEADER.unpack_from(buf)[0]):
+                ids.append(msgpack.unpackb(bytes(buf[HEADER.size:HEADER.size + size]))["id"])
+                del buf[:HEADER.size + size]
+        assert ids == list(range(1, n + 1)) and not buf
+    finally:
+        sleeper.close()
+
+
+def test_a_forked_child_never_shares_the_parents_connection(server_factory, client_factory):
+    srv = server_factory(dram="16MiB", nvme="0")
+    client = client_factory(srv)
+    client.hello()
+    parent_channel = client._rpc._local
+    assert parent_channel is not None and parent_channel.open
+    child = os.fork()
+    if child == 0:  # the child: its own connection, never the parent's
+        code = 1
+        try:
+            if not parent_channel.open and client._rpc.local is False:
+                code = 2
+                stats = client._rpc.call(p.Stats())  # opens its own
+                if client._rpc._local is not parent_channel and client._rpc.local \
+                        and stats["stats"]["local_connections"] >= 2:
+                    code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert parent_channel.open
+    assert client.health()["status"] == "ok"  # the parent's still works
+
+
+def test_a_failed_socket_is_opened_again(server_factory, client_factory):
+    """After the local connection failed (here: closed under the client), requests
+    go over the ZeroMQ port, and the socket is opened again a moment later."""
+    from kvstore.client.local import Control
+
+    srv = server_factory(dram="16MiB", nvme="0")
+    client = client_factory(srv)
+    client.hello()
+    client._rpc._local.close()
+    assert not client._rpc.local
+    before = client.stats()["local_requests"]  # over the ZeroMQ port
+    assert client.stats()["local_requests"] == before
+    time.sleep(Control.RETRY_S + 0.1)
+    client.stats()
+    assert client._rpc.local
+    assert client.stats()["local_requests"] > before
+
+
+def test_a_drop_select_is_seen_by_the_next_reader_on_another_connection(server_factory,
+                                                                         client_factory):
+    """Client A's drop_select ends with a one-way release; client B's acquire, sent
+    after it on its own connection, must find the prompt gone. The server is frozen
+    while both are sent, so it reads them in one pass, B's connection first: it
+    queues the release first."""
+    import signal
+    import threading
+
+    srv = server_factory(dram="16MiB", nvme="0")
+    b = client_factory(srv)  # connected first: its connection is read first
+    a = client_factory(srv)
+    b.hello()
+    a.hello()
+    assert a._rpc.local and b._rpc.local
+    tokens = list(range(32))
+    a.insert(tokens, kv=_kv(32))
+    prompt = a._prompt(tokens)
+    acquire = p.Acquire(keys=tuple(prompt.keys), tokens=tuple(prompt.tokens), claim=True)
+    lease = a._rpc.call(acquire)
+    assert len(lease["entries"]) == 32 // LAYOUT.block_tokens
+    os.kill(srv.pid, signal.SIGSTOP)
+    try:
+        a._rpc.send(p.Release(aid=lease["aid"], drop=True))
+        got: list = []
+        peek = p.Acquire(keys=acquire.keys, tokens=acquire.tokens)  # a get: no claim
+        reader = threading.Thread(target=lambda: got.append(b._rpc.call(peek)))
+        reader.start()
+        time.sleep(0.3)  # both are in the server's sockets now
+    finally:
+        os.kill(srv.pid, signal.SIGCONT)
+    reader.join(timeout=30)
+    assert got and got[0]["entries"] == [], got
+    assert b.stats()["entries"] == 0
