@@ -85,8 +85,7 @@ class LocalChannel(Requests):
 
     def _exchange(self, req: p.Request, timeout_s: float | None,
                   wait_reply: bool) -> dict[str, Any] | None:
-        frame_id, frame = self._frame(req)
-        timeout = self.timeout_s if timeout_s is None else timeout_s
+        frame_id, frame, timeout = self._frame(req, timeout_s)
         with self._lock:
             sock = self._sock
             if sock is None:

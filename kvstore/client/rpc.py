@@ -136,15 +136,16 @@ class Requests:
                   wait_reply: bool) -> dict[str, Any] | None:
         raise NotImplementedError
 
-    def _frame(self, req: p.Request) -> tuple[int, bytes]:
-        """A new request id and ``req``'s frame; ``InvalidRequestError`` when the
-        frame is larger than the server takes."""
+    def _frame(self, req: p.Request, timeout_s: float | None) -> tuple[int, bytes, float]:
+        """A new request id, ``req``'s frame and the call's timeout (``timeout_s`` or
+        the channel's); ``InvalidRequestError`` when the frame is larger than the
+        server takes."""
         frame_id = next(self._ids)
         frame = p.encode_request(frame_id, req)
         if len(frame) > self.max_bytes:
             raise InvalidRequestError(f"{req.OP} request of {len(frame)} bytes exceeds the "
                                       f"server's limit of {self.max_bytes}")
-        return frame_id, frame
+        return frame_id, frame, self.timeout_s if timeout_s is None else timeout_s
 
     def _sent_one_way(self, frame_id: int, op: str) -> None:
         self._one_way[frame_id] = op
@@ -209,8 +210,7 @@ class Channel(Requests):
 
     def _exchange(self, req: p.Request, timeout_s: float | None,
                   wait_reply: bool) -> dict[str, Any] | None:
-        frame_id, frame = self._frame(req)
-        timeout = self.timeout_s if timeout_s is None else timeout_s
+        frame_id, frame, timeout = self._frame(req, timeout_s)
         with self._lock:
             sock = self._sock
             if sock is None:

@@ -54,6 +54,10 @@ _READ_CAP = 4 << 20  # bytes read from one connection per pass: no peer holds th
 _BACKLOG_CAP = 256 << 20  # replies a peer has not read yet, at most
 _STUCK_S = 10.0  # a peer that takes none of its pending replies this long is dropped
 _ACCEPT_PAUSE_S = 1.0  # after a failed accept (out of fds): stop polling the listener
+# accept() is tried when the serving thread's poll saw the listener ready, else at
+# most this often (a serving thread that never polls under load still takes new
+# connections): not once per request.
+_ACCEPT_EVERY_S = 0.01
 
 
 def socket_path(arena_path: str) -> str:
@@ -88,6 +92,7 @@ class LocalDoor:
         self._conns: dict[int, _Conn] = {}
         self._scratch = bytearray(_READ_BYTES)
         self._accept_paused_until = 0.0
+        self._accepted_at = 0.0  # when accept() was last tried
         self.changed = True  # the set of sockets to poll changed since sockets() was read
         if os.path.exists(path):
             # The name carries this process's pid (setup.dram_shared_path): an old one
@@ -119,11 +124,23 @@ class LocalDoor:
     def connections(self) -> int:
         return len(self._conns)
 
-    def read(self) -> Iterator[list[bytes]]:
-        """Send what replies wait, accept what is waiting, then every whole frame
-        that arrived, each as ``[envelope, body]``; never blocks."""
+    def polled_ready(self, ready: list) -> bool:
+        """Whether the listener is among the sockets a poll found ready."""
+        return any(sock is self._listener for sock, _ in ready)
+
+    def read(self, listener_ready: bool = False) -> Iterator[list[bytes]]:
+        """Send what replies wait, accept what is waiting (when ``listener_ready``,
+        or ``_ACCEPT_EVERY_S`` after the last try), then every whole frame that
+        arrived, each as ``[envelope, body]``; never blocks."""
         self._flush()
-        self._accept()
+        now = time.monotonic()
+        if self._accept_paused_until:
+            if now >= self._accept_paused_until:
+                self._accept_paused_until = 0.0
+                self.changed = True  # poll the listener again
+        elif listener_ready or now - self._accepted_at >= _ACCEPT_EVERY_S:
+            self._accepted_at = now
+            self._accept()
         view = memoryview(self._scratch)
         for cid, conn in list(self._conns.items()):
             closed, got = False, 0
@@ -229,11 +246,6 @@ class LocalDoor:
             pass
 
     def _accept(self) -> None:
-        if self._accept_paused_until:
-            if time.monotonic() < self._accept_paused_until:
-                return
-            self._accept_paused_until = 0.0
-            self.changed = True
         while True:
             try:
                 sock, _ = self._listener.accept()

@@ -206,15 +206,17 @@ class Server:
                 with self._sock_lock:
                     if self._local is not None and self._local.changed:
                         poller = self._poller(staged)
+                    ready: list = []
                     if not self._queue:
                         wait_ms = max(0, min(POLL_MS, int((next_reap - time.monotonic()) * 1000)))
                         try:
-                            poller.poll(wait_ms)
+                            ready = poller.poll(wait_ms)
                         except zmq.ZMQError as exc:
                             if exc.errno != errno.EINTR:
                                 raise
                     self._forward(staged)
-                    self._drain()
+                    self._drain(listener_ready=self._local is not None
+                                and self._local.polled_ready(ready))
                     item = self._queue.popleft() if self._queue else None
                     if item is not None:
                         self._working_since = time.monotonic()
@@ -303,7 +305,7 @@ class Server:
             except zmq.Again:
                 return
 
-    def _drain(self, budget: int = 256) -> None:
+    def _drain(self, budget: int = 256, listener_ready: bool = False) -> None:
         """Queue what arrived, answering ``busy`` at once what could not start in
         time. Holds the socket (``_sock_lock``).
 
@@ -324,7 +326,7 @@ class Server:
                 continue
             batch.append(frames)
         if self._local is not None:
-            local = list(self._local.read())
+            local = list(self._local.read(listener_ready))
             if local:
                 with self._counters_lock:
                     self.counters["local_requests"] += len(local)
