@@ -4,11 +4,14 @@
 
 Starts one kvstore-server on loopback (DRAM only, sized to two prompts), then
 inserts and drop_selects (``into=`` a reused buffer) the same prompt size ``reps``
-times and prints, per operation, the median of: the whole call, the data move
-(``DataPath.write`` / ``read``: copy or TE transfer plus the client's checksums)
-and the two control round trips (which include the server's work: reservation,
-the commit's checksum verification, the index). The first prompt is a warm-up and
-not counted. ``--path shm``: the same-node shared-memory path; ``te``: TE over
+times and prints, per operation, the median of: the whole call, the prompt's keys
+(the client hashing its tokens), the data move (``DataPath.write`` / ``read``: copy
+or TE transfer plus the client's checksums), the control round trips the caller
+waits for (reserve + commit, or the one ``put`` into a room; the ``acquire``) and,
+inside those, the server's own time (its ``/metrics`` histogram
+``kvstore_request_duration_seconds``: decoding, the store's work, encoding the
+reply). What the round trips take beyond the server's time is the sockets and the
+threads they wake on both sides. The first prompt is a warm-up and not counted. ``--path shm``: the same-node shared-memory path; ``te``: TE over
 loopback TCP. Not a benchmark of the network: both ends are on this machine.
 """
 
@@ -20,6 +23,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import urllib.request
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -28,11 +32,19 @@ from typing import Any
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.conftest import ServerFactory
+from tests.integration.conftest import ServerFactory, free_port
 from tools.bench.cluster_worker import LAYOUTS
 
 MiB = 1 << 20
+# The ops whose replies each call waits for (a drop_select's last release is
+# one-way: the server handles it after the call has returned).
+WAITED_OPS = {"insert": frozenset({"reserve", "commit", "put", "abort"}),
+              "get": frozenset({"acquire"})}
+# Between reading /metrics and the call: the server's HTTP thread is done with the
+# scrape before the call starts, so the call never waits for it.
+SETTLE_S = 0.002
 
 
 def _timed(obj: Any, name: str, label: str, sink: dict[str, float]) -> None:
@@ -57,6 +69,15 @@ def server_opts(layout: Any, nbytes: int) -> dict[str, Any]:
                 reservation_lease=60, read_lease=60)
 
 
+def _server_seconds(port: int, ops: frozenset[str]) -> float:
+    """The server's handling time of ``ops`` so far (its latency histogram's sums)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "kvstore_request_duration_seconds_sum"
+               and s.labels.get("op") in ops)
+
+
 def run(layout_name: str, ntokens: int, path: str, reps: int) -> dict[str, dict[str, float]]:
     """Median ms per part of insert and drop_select."""
     from kvstore.client.client import KVStoreClient
@@ -68,13 +89,15 @@ def run(layout_name: str, ntokens: int, path: str, reps: int) -> dict[str, dict[
     parts: dict[str, dict[str, list[float]]] = {"insert": defaultdict(list),
                                                 "get": defaultdict(list)}
     try:
-        srv = servers(**server_opts(layout, nbytes))
+        port = free_port()
+        srv = servers(**server_opts(layout, nbytes), extra=("--metrics-port", str(port)))
         client = KVStoreClient(srv.address, layout=layout, timeout_s=60,
                                same_node="auto" if path == "shm" else False,
                                staging_bytes=nbytes + 64 * MiB)
         sink: dict[str, float] = defaultdict(float)
         _timed(client._data, "write", "move", sink)
         _timed(client._data, "read", "move", sink)
+        _timed(client, "_prompt", "keys", sink)
         _timed(client, "_call", "round trips", sink)
         kv = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
         out = np.empty(nbytes + MiB, np.uint8)
@@ -83,13 +106,17 @@ def run(layout_name: str, ntokens: int, path: str, reps: int) -> dict[str, dict[
             for op, call, kwargs in (("insert", client.insert, {"kv": kv}),
                                      ("get", client.drop_select, {"into": out})):
                 sink.clear()
+                served = _server_seconds(port, WAITED_OPS[op])
+                time.sleep(SETTLE_S)
                 start = time.perf_counter()
                 call(tokens, **kwargs)
                 total = time.perf_counter() - start
+                served = _server_seconds(port, WAITED_OPS[op]) - served
                 if rep:  # the first round is a warm-up (TE start, first page faults)
                     parts[op]["total"].append(total)
                     for label, seconds in sink.items():
                         parts[op][label].append(seconds)
+                    parts[op]["server"].append(served)
         client.close()
     finally:
         servers.stop_all()
@@ -110,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.layout} layout, {args.tokens} tokens ({mib:.0f} MiB), {args.path} path, "
           f"median of {args.reps}:")
     for op, parts in result.items():
-        print(f"  {op:6s} " + ", ".join(f"{k} {v:.1f} ms" for k, v in parts.items()))
+        print(f"  {op:6s} " + ", ".join(f"{k} {v:.2f} ms" for k, v in parts.items())
+              + f" (sockets and wake-ups: {parts['round trips'] - parts['server']:.2f} ms)")
     return 0
 
 
