@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 # Abort/release after a failure are courtesies (leases reclaim anyway): wait briefly.
 _CLEANUP_TIMEOUT_S = 2.0
 _SCOPES_KEPT = 4096  # per-request namespaces remembered (a cache_salt per user is normal)
+# A layer-wise insert writes into its room only until this long (at most a quarter
+# of the lease) before the room's lease ends, when the server may give the bytes
+# away: covers a layer's copy and the reply's way back.
+_WRITE_MARGIN_S = 2.0
 
 
 class InsertResult(NamedTuple):
@@ -76,6 +80,7 @@ class _Room(NamedTuple):
     page: int
     usable_until: float  # time.monotonic(): half its lease after it was granted
     hello: int  # the hello it was granted under (KVStoreClient._hellos)
+    expires: float  # time.monotonic() when the server may reclaim it (its whole lease)
 
 
 class _Prompt(NamedTuple):
@@ -318,13 +323,7 @@ class KVStoreClient:
         back to back, page by page, then one ``Put``. Raises ``LeaseExpiredError`` /
         ``NotFoundError`` when the server no longer holds the room or lacks a
         skipped block (``insert`` then reserves)."""
-        offsets, placements, at = [], [], 0
-        for n in sizes[skip:]:
-            offsets.append(at)
-            placements.append([room.tier, room.offset + at, n,
-                               None if room.address is None else room.address + at])
-            at += -(-n // room.page) * room.page
-        assert at <= room.nbytes  # _take_room measured it
+        offsets, placements = _room_layout(room, sizes[skip:])
         try:
             seg = self._segment()
             start = time.perf_counter()
@@ -334,6 +333,15 @@ class KVStoreClient:
         except BaseException:
             self._abort(room.id)
             raise
+        return self._put_room(room, prompt, keys, toks, sizes, offsets, sums, meta, skip,
+                              first, pin, want, moved)
+
+    def _put_room(self, room: _Room, prompt: _Prompt, keys: list[bytes], toks: list[bytes],
+                  sizes: list[int], offsets: list[int], sums: list[int], meta: tuple | None,
+                  skip: int, first: int, pin: bool, want: int, moved: float) -> InsertResult:
+        """The ``Put`` that stores entries already copied into ``room`` at ``offsets``
+        (``_put``, ``PendingInsert.commit``). ``LeaseExpiredError`` / ``NotFoundError``:
+        the room is gone or spent, or a skipped block is; the caller reserves."""
         moved_bytes = sum(sizes[skip:])
         try:
             done = self._call(p.Put(room=room.id, keys=tuple(keys[first:]),
@@ -380,8 +388,9 @@ class KVStoreClient:
         if not grant or self._hello is None or segment != self._hello["segment"]:
             return
         rid, tier, offset, nbytes, address, page, lease_s = grant
-        room = _Room(rid, tier, offset, nbytes, address, page,
-                     time.monotonic() + lease_s / 2, self._hellos)
+        now = time.monotonic()
+        room = _Room(rid, tier, offset, nbytes, address, page, now + lease_s / 2,
+                     self._hellos, now + lease_s)
         with self._room_lock:
             old, self._room = self._room, room
         if old is not None:  # another thread's insert got one meanwhile
@@ -417,16 +426,47 @@ class KVStoreClient:
     def begin_insert(self, tokens: Sequence[int] | np.ndarray, scope: bytes | str = b"",
                      skip_blocks: int = 0, count_skipped: bool = True) -> PendingInsert | None:
         """An insert whose bytes come layer by layer (a connector saving each layer as
-        the forward computes it): the room is reserved now, ``write_layer`` copies
-        one layer of every entry into it, ``commit`` writes what is left, checks and
-        commits. Only where the server is on this node and every entry lands in its
-        shared DRAM arena; else None (nothing reserved) and the caller inserts whole.
-        Same rules as ``insert`` (``skip_blocks``, ``count_skipped``, NotFoundError)."""
+        the forward computes it): ``write_layer`` copies one layer of every entry into
+        the server's shared DRAM arena, ``commit`` writes what is left, checks and
+        stores. The room is the one this client holds for its next insert (the last
+        insert's reply granted it; ``commit`` is then one ``put``), else it is reserved
+        now (``commit`` commits it). Only where the server is on this node and every
+        entry lands in its shared DRAM arena; else None (nothing held) and the caller
+        inserts whole. Same rules as ``insert`` (``skip_blocks``, ``count_skipped``);
+        a skipped block the server lacks is ``NotFoundError`` from here when it
+        reserves, else from ``commit``, and nothing is stored."""
         prompt = self._prompt(tokens, scope)
         skip = min(max(0, int(skip_blocks)), len(prompt.keys))
         sizes = [self._token_nbytes * n for n in prompt.counts]
         if self._segment().shm is None:
             return None  # not on the server's node: nothing to write into early
+        assert self.layout is not None  # _prompt checked it
+        need = _need(sizes[skip:])
+        want, self._last_need = max(need, self._last_need), need
+        first = 0 if count_skipped else skip
+
+        def whole(data: np.ndarray) -> InsertResult:  # reserve, copy, commit, as insert does
+            return self.insert(tokens, data, scope=scope, skip_blocks=skip,
+                               count_skipped=count_skipped)
+
+        room = self._take_room(sizes[skip:])
+        if room is not None:
+            seg = self._segment()
+            if room.tier == "dram" and seg.shm is not None:
+                offsets, placements = _room_layout(room, sizes[skip:])
+                keys, toks = list(prompt.keys), list(prompt.tokens)
+
+                def put(sums: list[int], moved_s: float) -> InsertResult:
+                    return self._put_room(room, prompt, keys, toks, sizes, offsets, sums,
+                                          None, skip, first, False, want, moved_s)
+
+                # Written only before the room's lease ends (less a margin): after it,
+                # the server may have given those bytes to another entry.
+                lease = 2 * (room.expires - room.usable_until)
+                return PendingInsert(self, seg.shm, room.id, prompt, [None] * skip + placements,
+                                     skip, self.layout, _write_until(room.expires, lease),
+                                     whole, put)
+            self._give_back(room)
         res, rid, placements = self._reserve(list(prompt.keys), sizes, list(prompt.tokens),
                                              skip, count_skipped=count_skipped)
         try:
@@ -438,16 +478,33 @@ class KVStoreClient:
         if seg.shm is None or any(placements[i][0] != "dram" for i in new):
             self._abort(rid)  # (room on NVMe: the whole insert after the step)
             return None
-        assert self.layout is not None  # _prompt checked it
-        return PendingInsert(self, seg.shm, rid, prompt, placements, skip, self.layout)
+        # The server's wall clock is this node's: the reservation's end in monotonic time.
+        left = res["expires_at"] - time.time()
+        until = _write_until(time.monotonic() + left, left)
 
-    def _commit_parts(self, rid: int, sums: list[int], moved_s: float, nbytes: int) -> dict:
+        def commit(sums: list[int], moved_s: float) -> InsertResult:
+            nbytes = sum(placements[i][2] for i in new)
+            done = self._commit_parts(rid, sums, moved_s, nbytes, want)
+            if done.get("lost"):
+                log.warning("%d of %d blocks not stored: their other writer aborted",
+                            done["lost"], len(prompt.keys))
+            new_blocks = sum(pl is not None for pl in placements[:len(prompt.keys)])
+            return InsertResult(new_blocks, len(prompt.keys) - new_blocks, prompt.ntokens,
+                                nbytes)
+
+        return PendingInsert(self, seg.shm, rid, prompt, placements, skip, self.layout, until,
+                             whole, commit)
+
+    def _commit_parts(self, rid: int, sums: list[int], moved_s: float, nbytes: int,
+                      want: int) -> dict:
         try:
-            return self._call(p.Commit(rid=rid, checksums=tuple(sums), xfer_s=moved_s,
-                                       xfer_bytes=nbytes, pin=False))
+            done = self._call(p.Commit(rid=rid, checksums=tuple(sums), xfer_s=moved_s,
+                                       xfer_bytes=nbytes, pin=False, next_room=want))
         except BaseException:
             self._abort(rid)
             raise
+        self._keep_room(done)
+        return done
 
     def _entry_bytes(self, kv: Any, ntokens: int) -> np.ndarray:
         if isinstance(kv, (list, tuple)):
@@ -738,23 +795,31 @@ def _strided_runs(new: list[tuple[int, int, int]]) -> list[tuple[int, int, int, 
 
 
 class PendingInsert:
-    """``KVStoreClient.begin_insert``'s reservation, filled in parts.
+    """``KVStoreClient.begin_insert``'s room in the server's shared arena (the
+    client's room or a reservation), filled in parts.
 
     An entry is ``[layers, 2, tokens, heads, D]``, so layer i of each entry is one
     contiguous slice of it: ``write_layer(data, i)`` copies those slices from
     ``data`` (the prompt's entry bytes from block ``skip_blocks`` on, as ``insert``
-    takes them) into the reserved extents of the server's shared arena, and feeds
+    takes them) into the entries' places in the arena, and feeds
     each entry's checksum with them while layers come in order (the checksum is of
     ``data``: what the caller meant to store; the server verifies its arena bytes
     against it, as for any insert, per ``store.verify_commits``). Layer i of a run of
     equal entries that lie back to back in ``data`` and evenly apart in the arena (a
-    prompt's blocks, reserved together) is one strided copy, not one per entry.
-    ``commit(data)`` copies and hashes the layers
-    not done yet and commits; ``abort`` gives the room back. The same ``data`` must
-    be passed each time. Not thread-safe: one thread drives it."""
+    prompt's blocks, placed together) is one strided copy, not one per entry.
+    ``commit(data)`` copies and hashes the layers not done yet and stores them;
+    ``abort`` gives the room back. The same ``data`` must be passed each time. Not
+    thread-safe: one thread drives it.
+
+    Nothing is written once the room's lease is nearly over (``write_until``,
+    time.monotonic()): the server may then give those bytes to another entry. Such
+    an insert, or one whose room the server reclaimed meanwhile, is stored whole by
+    ``commit`` instead (``insert``: reserve, copy, commit)."""
 
     def __init__(self, client: KVStoreClient, shm: np.ndarray, rid: int, prompt: _Prompt,
-                 placements: list, skip: int, layout: KVLayout) -> None:
+                 placements: list, skip: int, layout: KVLayout, write_until: float,
+                 whole: Callable[[np.ndarray], InsertResult],
+                 store: Callable[[list[int], float], InsertResult]) -> None:
         self._client, self._shm, self.rid = client, shm, rid
         self._layers = layout.num_layers
         per_token = layout.token_nbytes
@@ -772,8 +837,8 @@ class PendingInsert:
         self._sums = [checksummer() for _ in self._new]
         self._hashed = 0  # layers fed to the checksums, in order
         self._moved_s = 0.0
-        self._placements, self._nblocks = placements, len(prompt.keys)
-        self._ntokens = prompt.ntokens
+        self._write_until, self._whole, self._store = write_until, whole, store
+        self.expired = False  # a layer came after ``write_until``: commit stores it whole
         self.closed = False
 
     def _check(self, data: np.ndarray) -> np.ndarray:
@@ -783,7 +848,11 @@ class PendingInsert:
         return flat
 
     def write_layer(self, data: np.ndarray, layer: int) -> None:
-        if self.closed or layer in self._written or not 0 <= layer < self._layers:
+        if self.closed or self.expired or layer in self._written \
+                or not 0 <= layer < self._layers:
+            return
+        if time.monotonic() >= self._write_until:
+            self.expired = True
             return
         flat = self._check(data)
         start = time.perf_counter()
@@ -810,21 +879,44 @@ class PendingInsert:
             flat = self._check(data)
             for layer in range(self._layers):
                 self.write_layer(flat, layer)
-            sums = [summer.intdigest() for summer in self._sums]
         except BaseException:
             self.abort()
             raise
+        if self.expired:
+            self.abort()  # the room is (nearly) the server's again: never store into it
+            log.debug("room %s ran out of lease while its layers came: inserting whole",
+                      self.rid)
+            return self._whole(flat[:self.nbytes])
         self.closed = True
-        done = self._client._commit_parts(self.rid, sums, self._moved_s,
-                                          sum(n for _, n, _ in self._new))
-        if done.get("lost"):
-            log.warning("%d of %d blocks not stored: their other writer aborted",
-                        done["lost"], self._nblocks)
-        new_blocks = sum(pl is not None for pl in self._placements[:self._nblocks])
-        return InsertResult(new_blocks, self._nblocks - new_blocks, self._ntokens,
-                            sum(n for _, n, _ in self._new))
+        sums = [summer.intdigest() for summer in self._sums]
+        try:
+            return self._store(sums, self._moved_s)
+        except (LeaseExpiredError, NotFoundError) as exc:
+            # The server reclaimed the room meanwhile (nothing stored), or a skipped
+            # block is gone (the whole insert then says which).
+            log.debug("storing room %s failed (%s): inserting whole", self.rid, exc)
+            return self._whole(flat[:self.nbytes])
 
     def abort(self) -> None:
         if not self.closed:
             self.closed = True
             self._client._abort(self.rid)
+
+
+def _write_until(expires: float, lease_s: float) -> float:
+    """When a layer-wise insert stops writing into a room that the server may reclaim
+    at ``expires`` (time.monotonic()), ``lease_s`` after it was granted."""
+    return expires - min(_WRITE_MARGIN_S, lease_s / 4)
+
+
+def _room_layout(room: _Room, sizes: list[int]) -> tuple[list[int], list[list]]:
+    """Entries of ``sizes`` back to back in ``room``, each page-aligned: their offsets
+    from the room's start and their placements ``[tier, offset, nbytes, address]``."""
+    offsets, placements, at = [], [], 0
+    for n in sizes:
+        offsets.append(at)
+        placements.append([room.tier, room.offset + at, n,
+                           None if room.address is None else room.address + at])
+        at += -(-n // room.page) * room.page
+    assert at <= room.nbytes  # _take_room measured it
+    return offsets, placements
