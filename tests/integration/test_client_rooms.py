@@ -145,7 +145,10 @@ def test_a_reclaimed_room_means_a_reserve_not_a_failure(server_factory, client_f
 
 
 def test_a_room_of_a_restarted_server_is_never_written(server_factory, client_factory):
-    srv = server_factory(dram="8MiB", nvme="0")
+    # A lease long enough that the room is still the client's to use after the
+    # restart (with the default 2 s it is used only for 1 s, less than a restart
+    # can take on a loaded machine, and the insert then never tries it).
+    srv = server_factory(dram="8MiB", nvme="0", reservation_lease=30)
     writer = client_factory(srv)
     writer.insert(_tokens(1), make_kv(TOKENS, seed=1))
     old_arena = writer._data.segment.shm
