@@ -45,6 +45,9 @@ _SCOPES_KEPT = 4096  # per-request namespaces remembered (a cache_salt per user 
 # of the lease) before the room's lease ends, when the server may give the bytes
 # away: covers a layer's copy and the reply's way back.
 _WRITE_MARGIN_S = 2.0
+# A same-node commit or put waits this much past its deadline for the reply: the
+# server refuses one that reaches it later, so only one sent in time can come back.
+_DEADLINE_SLACK_S = 1.0
 
 
 class InsertResult(NamedTuple):
@@ -192,6 +195,13 @@ class KVStoreClient:
             self._hello = None  # the server may come back as a new process
             raise
 
+    def _deadline(self) -> tuple[float, float]:
+        """A commit's or put's ``deadline`` (this node's wall clock: the server is on
+        it) and how long to wait for its reply: the server refuses it after the
+        deadline, and the client waits ``_DEADLINE_SLACK_S`` longer, so a reply that
+        was sent in time is not given up on (that stored what it was told failed)."""
+        return time.time() + self.timeout_s, self.timeout_s + _DEADLINE_SLACK_S
+
     def keys_for(self, tokens: Sequence[int] | np.ndarray,
                  scope: bytes | str = b"") -> list[bytes]:
         return self._prompt(tokens, scope).keys
@@ -287,9 +297,11 @@ class KVStoreClient:
             sums = self._data.write(seg, [b for b, _ in new], [pl for _, pl in new])
             moved = time.perf_counter() - start
             # The move's time and size go along: TE is one-sided, the server cannot see it.
+            # A deadline only where the server shares this clock (this node's arena).
+            deadline, wait = self._deadline() if seg.shm is not None else (None, None)
             done = self._call(p.Commit(rid=rid, checksums=tuple(sums), xfer_s=moved,
                                        xfer_bytes=sum(pl[2] for _, pl in new), pin=pin,
-                                       next_room=want))
+                                       next_room=want, deadline=deadline), wait)
             self._keep_room(done)
         except PeerUnavailableError:
             self._hello = None  # TE or control plane lost the server
@@ -343,12 +355,14 @@ class KVStoreClient:
         (``_put``, ``PendingInsert.commit``). ``LeaseExpiredError`` / ``NotFoundError``:
         the room is gone or spent, or a skipped block is; the caller reserves."""
         moved_bytes = sum(sizes[skip:])
+        deadline, wait = self._deadline()  # (a room is always on this node)
         try:
             done = self._call(p.Put(room=room.id, keys=tuple(keys[first:]),
                                     sizes=tuple(sizes[first:]), tokens=tuple(toks[first:]),
                                     offsets=tuple(offsets), checksums=tuple(sums), meta=meta,
                                     namespace=self.namespace, skip=skip - first, pin=pin,
-                                    xfer_s=moved, xfer_bytes=moved_bytes, next_room=want))
+                                    xfer_s=moved, xfer_bytes=moved_bytes, next_room=want,
+                                    deadline=deadline), wait)
         except (LeaseExpiredError, NotFoundError):
             raise  # the room is gone or spent: insert reserves
         except BaseException:
@@ -497,9 +511,11 @@ class KVStoreClient:
 
     def _commit_parts(self, rid: int, sums: list[int], moved_s: float, nbytes: int,
                       want: int) -> dict:
+        deadline, wait = self._deadline()  # (begin_insert: a server on this node)
         try:
             done = self._call(p.Commit(rid=rid, checksums=tuple(sums), xfer_s=moved_s,
-                                       xfer_bytes=nbytes, pin=False, next_room=want))
+                                       xfer_bytes=nbytes, pin=False, next_room=want,
+                                       deadline=deadline), wait)
         except BaseException:
             self._abort(rid)
             raise

@@ -163,6 +163,12 @@ _rid = lambda name, v: _int(name, v)  # noqa: E731 - reservation / acquisition i
 # The client's measured data move (TE or same-node memcpy), reported with commit /
 # release for the server's transfer metrics; both optional, neither changes the op.
 _XFER = {"xfer_s": _opt(_seconds), "xfer_bytes": _opt(_int, 0, MAX_KEYS * MAX_ENTRY_BYTES)}
+# ``deadline`` (commit, put): the writer's wall clock (``time.time()``) after which it
+# no longer waits for the reply. Only a writer on the server's node sends one (the
+# same clock); the server refuses (busy) and undoes a commit or put it reaches later,
+# so what the writer reported as failed is never stored behind its back (a server
+# frozen with the request in its socket buffer reads it only when it goes on).
+_DEADLINE = {"deadline": _opt(_float, 0.0, 1e11)}
 
 
 # ------------------------------------------------------------------ messages
@@ -207,7 +213,8 @@ class Reserve(Request):
 @dataclass(frozen=True)
 class Commit(Request):
     """``next_room``: bytes the writer wants to hold for its next insert; the reply's
-    ``room`` is the room granted (nil: none), which a ``Put`` then stores into."""
+    ``room`` is the room granted (nil: none), which a ``Put`` then stores into.
+    ``deadline``: see ``_DEADLINE``."""
 
     rid: int
     checksums: tuple[int, ...]
@@ -215,10 +222,11 @@ class Commit(Request):
     xfer_bytes: int | None = None
     pin: bool = False
     next_room: int | None = None
+    deadline: float | None = None
     OP = "commit"
     CHECKS = {"rid": _rid, "checksums": _checksums, "pin": _bool, **_XFER,
-              "next_room": _opt(_int, 0, MAX_ROOM_BYTES)}
-    OPTIONAL = frozenset({"pin", *_XFER, "next_room"})
+              "next_room": _opt(_int, 0, MAX_ROOM_BYTES), **_DEADLINE}
+    OPTIONAL = frozenset({"pin", *_XFER, "next_room", *_DEADLINE})
 
 
 @dataclass(frozen=True)
@@ -226,7 +234,8 @@ class Put(Request):
     """Store entries the writer already copied into its room ``room`` (a reserve and
     a commit in one round trip). ``offsets`` (from the room's start) and
     ``checksums`` are those of ``keys[skip:]``; the first ``skip`` keys carry no
-    bytes (the writer found them stored). ``next_room`` as for ``Commit``."""
+    bytes (the writer found them stored). ``next_room`` and ``deadline`` as for
+    ``Commit``."""
 
     room: int
     keys: tuple[bytes, ...]
@@ -241,12 +250,15 @@ class Put(Request):
     xfer_s: float | None = None
     xfer_bytes: int | None = None
     next_room: int | None = None
+    deadline: float | None = None
     OP = "put"
     CHECKS = {"room": _rid, "keys": _keys, "sizes": _sizes, "tokens": _tokens,
               "offsets": _offsets, "checksums": _checksums, "meta": _metas,
               "namespace": _opt(_namespace), "skip": lambda name, v: _int(name, v, 0, MAX_KEYS),
-              "pin": _bool, **_XFER, "next_room": _opt(_int, 0, MAX_ROOM_BYTES)}
-    OPTIONAL = frozenset({"meta", "namespace", "skip", "pin", *_XFER, "next_room"})
+              "pin": _bool, **_XFER, "next_room": _opt(_int, 0, MAX_ROOM_BYTES),
+              **_DEADLINE}
+    OPTIONAL = frozenset({"meta", "namespace", "skip", "pin", *_XFER, "next_room",
+                          *_DEADLINE})
 
     def validate(self) -> None:
         n = len(self.keys)

@@ -7,6 +7,8 @@ byte for byte."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -14,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.core.errors import NotFoundError, TierFullError
+from kvstore.core.errors import (KVTimeoutError, NotFoundError, PeerUnavailableError,
+                                 TierFullError)
 from kvstore.core.layout import KVLayout
 from tests.integration.conftest import LAYOUT, make_kv
 
@@ -247,3 +250,58 @@ def test_an_idle_writers_room_holds_memory_only_until_its_lease_ends(server_fact
     stats = b.stats()
     assert stats["rooms_expired"] == 1 and stats["entries"] == 4
     assert stats["tiers"]["dram"]["used"] == 4 * block
+
+
+def _settled(client, key: str, want: int, timeout: float = 10.0) -> dict:
+    """The server's stats once ``key`` reads ``want`` (it is working off what queued
+    while it was stopped)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = client.stats()
+        if stats[key] == want or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("path", ["room put", "reserve, then commit"])
+def test_a_write_its_writer_gave_up_on_is_not_stored_when_the_server_goes_on(
+        server_factory, client_factory, path):
+    """The server is frozen (SIGSTOP) with the writer's put (or commit) in its socket:
+    the writer times out and reports the insert failed. Its give-back never comes
+    (as when the writer's process ends right after the timeout; a give-back that does
+    come is served first, ``Server._gives_back_first``). When the server goes on it
+    reads the request after the writer's deadline: refused, the room or reservation
+    given back, nothing stored, so the store agrees with what the writer was told.
+    The writer then goes on storing."""
+    srv = server_factory(dram="8MiB", nvme="0", reservation_lease=30)
+    writer = client_factory(srv, same_node=True, timeout_s=1.0)
+    reader = client_factory(srv, same_node=False)
+    if path == "room put":
+        writer.insert(_tokens(1), make_kv(TOKENS, seed=1))  # grants the writer a room
+        assert writer._room is not None
+        pending = None
+    else:
+        pending = writer.begin_insert(_tokens(2))  # no room yet: reserves
+        assert pending is not None and writer._room is None
+    before = reader.stats()
+    lost = {"_give_back": lambda room: None, "_abort": lambda rid: None}
+    for name, noop in lost.items():
+        setattr(writer, name, noop)
+    os.kill(srv.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises((KVTimeoutError, PeerUnavailableError)):
+            if pending is None:
+                writer.insert(_tokens(2), make_kv(TOKENS, seed=2))
+            else:
+                pending.commit(make_kv(TOKENS, seed=2))
+    finally:
+        os.kill(srv.pid, signal.SIGCONT)
+    key = "rooms" if path == "room put" else "reservations"
+    after = _settled(reader, key, 0)
+    assert after[key] == 0, after
+    assert (after["entries"], after["commits"]) == (before["entries"], before["commits"])
+    assert reader.lookup(_tokens(2)).matched_tokens == 0
+    for name in lost:
+        delattr(writer, name)
+    writer.insert(_tokens(3), make_kv(TOKENS, seed=3))
+    _read_back(reader, 3)

@@ -25,6 +25,9 @@ def test_reserve_round_trip():
 
 @pytest.mark.parametrize("req", [
     p.Hello(), p.Commit(rid=3, checksums=(0, (1 << 64) - 1)), p.Abort(rid=1),
+    p.Commit(rid=3, checksums=(7,), next_room=4096, deadline=1_790_000_000.5),
+    p.Put(room=5, keys=(K[0],), sizes=(8,), tokens=(b"abcd",), offsets=(0,), checksums=(1,),
+          deadline=1_790_000_000.0),
     p.Lookup(keys=(K[0],), tokens=(b"",)), p.Acquire(keys=(K[0],), tokens=(b"abcd",)),
     p.Acquire(keys=(K[0],), tokens=(b"abcd",), lease_s=3.0, claim=True),
     p.Acquire(keys=tuple(K[:2]), tokens=(b"abcd", b"abcd"), optional_tail=True),
@@ -64,6 +67,9 @@ def test_every_op_round_trips(req):
     (frame(op="evict"), "exactly one"),
     (frame(op="evict", everything=True, nbytes=5), "exactly one"),
     (frame(op="ls", limit=0), "limit"),
+    (frame(op="commit", rid=1, checksums=[1], deadline="soon"), "deadline"),
+    (frame(op="commit", rid=1, checksums=[1], deadline=float("inf")), "deadline"),
+    (frame(op="commit", rid=1, checksums=[1], deadline=-1.0), "deadline"),
     (msgpack.packb({"v": 1, "id": 1, "op": "hello", 5: 1}), "not a msgpack"),
     (msgpack.packb({"v": 1, "id": 1, "op": "abort", "rid": msgpack.ExtType(1, b"x")}), "ext"),
     (msgpack.packb({"v": 1, "id": 1, "op": "abort", "rid": msgpack.Timestamp(1)},
