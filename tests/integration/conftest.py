@@ -41,6 +41,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def record_ops(client) -> list[str]:
+    """The op of every request ``client`` sends through ``_call`` from now on (it
+    still sends them): which round trips an insert made."""
+    seen: list[str] = []
+    call = client._call
+
+    def counted(req, *args, **kw):
+        seen.append(req.OP)
+        return call(req, *args, **kw)
+
+    client._call = counted
+    return seen
+
+
 def make_kv(ntokens: int, seed: int = 0, layout: KVLayout = LAYOUT) -> np.ndarray:
     """Random entry bytes for ``ntokens`` tokens (reproducible by seed)."""
     return np.random.default_rng(seed).integers(0, 256, layout.nbytes(ntokens), dtype=np.uint8)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvstore.core.errors import InvalidRequestError, NotFoundError
-from tests.integration.conftest import LAYOUT, make_kv
+from tests.integration.conftest import LAYOUT, make_kv, record_ops
 
 
 def stats(client) -> dict:
@@ -112,19 +112,6 @@ def test_a_prompt_saved_in_two_parts_is_taken_whole_by_one_drop(server, client_f
     assert stats(client)["entries"] == (0 if not count_skipped else 2)
 
 
-def _ops(client) -> list[str]:
-    """The op of every request ``client`` makes from now on."""
-    seen: list[str] = []
-    call = client._call
-
-    def counted(req, *args, **kw):
-        seen.append(req.OP)
-        return call(req, *args, **kw)
-
-    client._call = counted
-    return seen
-
-
 def _tokens(pid: int) -> list[int]:
     return [70_000 + pid, *range(3 * LAYOUT.block_tokens + 1)]  # 3 full blocks + 2 tokens
 
@@ -146,7 +133,7 @@ def test_a_layer_wise_insert_uses_the_clients_room_one_put(server_factory, clien
     srv = server_factory(dram="8MiB", nvme="0", reservation_lease=30)
     writer = client_factory(srv, same_node=True)
     reader = client_factory(srv, same_node=False)
-    ops = _ops(writer)
+    ops = record_ops(writer)
     pending, data = _layer_by_layer(writer, 1)
     assert ops == ["reserve"]
     res = pending.commit(data)
@@ -176,7 +163,7 @@ def test_a_room_whose_lease_runs_out_is_never_written_and_the_insert_is_whole(
     srv = server_factory(dram="8MiB", nvme="0", reservation_lease=2.0)
     writer = client_factory(srv, same_node=True)
     reader = client_factory(srv, same_node=False)
-    ops = _ops(writer)
+    ops = record_ops(writer)
     writer.insert(_tokens(10), make_kv(len(_tokens(10)), seed=10))  # grants the room
 
     tokens = _tokens(11)

@@ -19,7 +19,7 @@ import torch
 from kvstore.core.errors import (KVTimeoutError, NotFoundError, PeerUnavailableError,
                                  TierFullError)
 from kvstore.core.layout import KVLayout
-from tests.integration.conftest import LAYOUT, make_kv
+from tests.integration.conftest import LAYOUT, make_kv, record_ops
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,19 +28,6 @@ TOKENS = 4 * LAYOUT.block_tokens + 3  # four full blocks and a partial one
 
 def _tokens(pid: int, n: int = TOKENS) -> list[int]:
     return [50_000 + pid, *range(n - 1)]
-
-
-def _ops(client) -> list[str]:
-    """Record the op of every request ``client`` makes (and still make it)."""
-    seen: list[str] = []
-    call = client._call
-
-    def counted(req, *args, **kw):
-        seen.append(req.OP)
-        return call(req, *args, **kw)
-
-    client._call = counted
-    return seen
 
 
 def _read_back(reader, pid: int, n: int = TOKENS):
@@ -54,7 +41,7 @@ def test_the_second_insert_is_one_put_and_stores_the_same_bytes(server_factory, 
     srv = server_factory(dram="8MiB", nvme="0")
     writer = client_factory(srv, same_node=True)
     reader = client_factory(srv, same_node=False)
-    ops = _ops(writer)
+    ops = record_ops(writer)
     first = writer.insert(_tokens(1), make_kv(TOKENS, seed=1), hidden=torch.tensor([7]))
     assert ops == ["reserve", "commit"] and writer.stats()["rooms"] == 1
     for pid in (2, 3, 4):
@@ -82,7 +69,7 @@ def test_the_second_insert_is_one_put_and_stores_the_same_bytes(server_factory, 
 def test_a_writer_over_te_asks_for_no_room(server_factory, client_factory):
     srv = server_factory(dram="8MiB", nvme="0")
     writer = client_factory(srv, same_node=False)
-    ops = _ops(writer)
+    ops = record_ops(writer)
     for pid in (1, 2):
         writer.insert(_tokens(pid), make_kv(TOKENS, seed=pid))
     assert ops == ["reserve", "commit"] * 2 and writer.stats()["rooms"] == 0
@@ -98,7 +85,7 @@ def test_blocks_already_stored_dedup_and_are_counted_as_existing(server_factory,
     writer.insert(_tokens(9), make_kv(TOKENS, seed=9))  # a room for a whole prompt
     writer.insert(_tokens(1, 2 * LAYOUT.block_tokens), make_kv(TOKENS, seed=1)[
         :LAYOUT.nbytes(2 * LAYOUT.block_tokens)])
-    ops = _ops(writer)
+    ops = record_ops(writer)
     res = writer.insert(_tokens(1), make_kv(TOKENS, seed=1))  # its first two blocks are stored
     assert ops == ["put"] and (res.new_blocks, res.existing_blocks) == (3, 2)
     _read_back(reader, 9)
@@ -132,7 +119,7 @@ def test_a_reclaimed_room_means_a_reserve_not_a_failure(server_factory, client_f
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert writer.stats()["rooms_expired"] == 1
-    ops = _ops(writer)
+    ops = record_ops(writer)
     writer.insert(_tokens(2), make_kv(TOKENS, seed=2))
     assert ops == ["reserve", "commit"]
     # and one the client still thinks it holds, which the server reclaimed: put,
@@ -156,7 +143,7 @@ def test_a_room_of_a_restarted_server_is_never_written(server_factory, client_fa
     writer.insert(_tokens(1), make_kv(TOKENS, seed=1))
     old_arena = writer._data.segment.shm
     srv.restart()
-    ops = _ops(writer)
+    ops = record_ops(writer)
     # The room is the old process's: the copy lands in its arena file (which the
     # new server never maps), the put is refused, the insert reserves anew.
     writer.insert(_tokens(2), make_kv(TOKENS, seed=2))
@@ -174,7 +161,7 @@ def test_a_room_granted_before_the_client_said_hello_again_is_dropped(server_fac
     writer.insert(_tokens(1), make_kv(TOKENS, seed=1))
     assert writer._room is not None
     writer._hello = None  # what a timeout or a lost peer does
-    ops = _ops(writer)
+    ops = record_ops(writer)
     writer.insert(_tokens(2), make_kv(TOKENS, seed=2))
     assert ops == ["reserve", "commit"]
     for pid in (1, 2):
@@ -185,7 +172,7 @@ def test_a_smaller_room_than_the_insert_is_given_back(server_factory, client_fac
     srv = server_factory(dram="8MiB", nvme="0")
     writer = client_factory(srv)
     writer.insert(_tokens(1, 16), make_kv(16, seed=1))  # a room of one block
-    ops = _ops(writer)
+    ops = record_ops(writer)
     writer.insert(_tokens(2), make_kv(TOKENS, seed=2))
     assert ops == ["reserve", "commit"]
     assert writer._room.nbytes >= LAYOUT.nbytes(TOKENS)  # asked big enough this time
@@ -199,7 +186,7 @@ def test_threads_sharing_a_client_never_share_a_room(server_factory, client_fact
     srv = server_factory(dram="32MiB", nvme="0")
     writer = client_factory(srv)
     reader = client_factory(srv, same_node=False)
-    ops = _ops(writer)
+    ops = record_ops(writer)
     errors: list[BaseException] = []
 
     def insert(pids: range) -> None:
