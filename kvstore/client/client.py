@@ -81,9 +81,9 @@ class _Room(NamedTuple):
     nbytes: int
     address: int | None
     page: int
-    usable_until: float  # time.monotonic(): half its lease after it was granted
+    usable_until: float  # time.monotonic(): half its lease after it was asked for
     hello: int  # the hello it was granted under (KVStoreClient._hellos)
-    expires: float  # time.monotonic() when the server may reclaim it (its whole lease)
+    expires: float  # time.monotonic(): its whole lease after it was asked for
 
 
 class _Prompt(NamedTuple):
@@ -299,10 +299,11 @@ class KVStoreClient:
             # The move's time and size go along: TE is one-sided, the server cannot see it.
             # A deadline only where the server shares this clock (this node's arena).
             deadline, wait = self._deadline() if seg.shm is not None else (None, None)
+            asked = time.monotonic()
             done = self._call(p.Commit(rid=rid, checksums=tuple(sums), xfer_s=moved,
                                        xfer_bytes=sum(pl[2] for _, pl in new), pin=pin,
                                        next_room=want, deadline=deadline), wait)
-            self._keep_room(done)
+            self._keep_room(done, asked)
         except PeerUnavailableError:
             self._hello = None  # TE or control plane lost the server
             self._abort(rid)
@@ -356,6 +357,7 @@ class KVStoreClient:
         the room is gone or spent, or a skipped block is; the caller reserves."""
         moved_bytes = sum(sizes[skip:])
         deadline, wait = self._deadline()  # (a room is always on this node)
+        asked = time.monotonic()
         try:
             done = self._call(p.Put(room=room.id, keys=tuple(keys[first:]),
                                     sizes=tuple(sizes[first:]), tokens=tuple(toks[first:]),
@@ -370,7 +372,7 @@ class KVStoreClient:
             # still be held; give it back (if the put was applied, that is a no-op).
             self._give_back(room)
             raise
-        self._keep_room(done)
+        self._keep_room(done, asked)
         nblocks = len(prompt.keys)  # keys[nblocks:] is the hidden-state entry, if any
         existing = sum(first + j < nblocks for j in done.get("existing", ()))
         new_blocks = max(0, nblocks - skip) - existing
@@ -396,15 +398,17 @@ class KVStoreClient:
             return None
         return room
 
-    def _keep_room(self, reply: dict[str, Any]) -> None:
-        """Hold the room a commit or put reply grants for the next insert."""
+    def _keep_room(self, reply: dict[str, Any], asked: float) -> None:
+        """Hold the room a commit or put reply grants for the next insert. Its lease
+        is counted from ``asked`` (time.monotonic() before the request was sent): the
+        server granted it later than that, never earlier, so the client's idea of
+        its end is never later than the server's."""
         grant, segment = reply.get("room"), reply.get("segment")
         if not grant or self._hello is None or segment != self._hello["segment"]:
             return
         rid, tier, offset, nbytes, address, page, lease_s = grant
-        now = time.monotonic()
-        room = _Room(rid, tier, offset, nbytes, address, page, now + lease_s / 2,
-                     self._hellos, now + lease_s)
+        room = _Room(rid, tier, offset, nbytes, address, page, asked + lease_s / 2,
+                     self._hellos, asked + lease_s)
         with self._room_lock:
             old, self._room = self._room, room
         if old is not None:  # another thread's insert got one meanwhile
@@ -512,6 +516,7 @@ class KVStoreClient:
     def _commit_parts(self, rid: int, sums: list[int], moved_s: float, nbytes: int,
                       want: int) -> dict:
         deadline, wait = self._deadline()  # (begin_insert: a server on this node)
+        asked = time.monotonic()
         try:
             done = self._call(p.Commit(rid=rid, checksums=tuple(sums), xfer_s=moved_s,
                                        xfer_bytes=nbytes, pin=False, next_room=want,
@@ -519,7 +524,7 @@ class KVStoreClient:
         except BaseException:
             self._abort(rid)
             raise
-        self._keep_room(done)
+        self._keep_room(done, asked)
         return done
 
     def _entry_bytes(self, kv: Any, ntokens: int) -> np.ndarray:

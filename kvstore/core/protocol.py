@@ -166,8 +166,11 @@ _XFER = {"xfer_s": _opt(_seconds), "xfer_bytes": _opt(_int, 0, MAX_KEYS * MAX_EN
 # ``deadline`` (commit, put): the writer's wall clock (``time.time()``) after which it
 # no longer waits for the reply. Only a writer on the server's node sends one (the
 # same clock); the server refuses (busy) and undoes a commit or put it reaches later,
-# so what the writer reported as failed is never stored behind its back (a server
-# frozen with the request in its socket buffer reads it only when it goes on).
+# so a server frozen with the request in its socket buffer (which reads it only when
+# it goes on) does not store what the writer already reported failed. (Checked when
+# the request's handling starts: a stall of more than the client's one second of
+# slack after that can still store it.) Servers before this field refuse it as unknown:
+# upgrade servers before same-node clients.
 _DEADLINE = {"deadline": _opt(_float, 0.0, 1e11)}
 
 
