@@ -11,8 +11,8 @@ waits for (reserve + commit, or the one ``put`` into a room; the ``acquire``) an
 inside those, the server's own time (its ``/metrics`` histogram
 ``kvstore_request_duration_seconds``: decoding, the store's work, encoding the
 reply). What the round trips take beyond the server's time is the sockets and the
-threads they wake on both sides. The first prompt is a warm-up and not counted. ``--path shm``: the same-node shared-memory path; ``te``: TE over
-loopback TCP. Not a benchmark of the network: both ends are on this machine.
+threads they wake on both sides. The first prompt is a warm-up and not counted.
+``--path shm``: the same-node shared-memory path; ``te``: TE over loopback TCP. Not a benchmark of the network: both ends are on this machine.
 """
 
 from __future__ import annotations
