@@ -196,10 +196,11 @@ class KVStoreClient:
             raise
 
     def _deadline(self) -> tuple[float, float]:
-        """A commit's or put's ``deadline`` (this node's wall clock: the server is on
-        it) and how long to wait for its reply: the server refuses it after the
-        deadline, and the client waits ``_DEADLINE_SLACK_S`` longer, so a reply that
-        was sent in time is not given up on (that stored what it was told failed)."""
+        """A reserve's, commit's or put's ``deadline`` (this node's wall clock: the
+        server is on it) and how long to wait for its reply: the server refuses it
+        after the deadline, and the client waits ``_DEADLINE_SLACK_S`` longer, so a
+        reply that was sent in time is not given up on (that stored, or reserved,
+        what it was told failed)."""
         return time.time() + self.timeout_s, self.timeout_s + _DEADLINE_SLACK_S
 
     def keys_for(self, tokens: Sequence[int] | np.ndarray,
@@ -427,12 +428,15 @@ class KVStoreClient:
         the server lacks one of the ``skip`` blocks the caller said it holds. Not
         ``count_skipped``: the skipped blocks are left out of the reservation (their
         placements come back None)."""
-        self._segment()
+        # A deadline only where the server shares this clock (this node's arena): a
+        # reserve it reaches after this client gave up is refused, not left holding
+        # the keys (other writers of the prompt would dedup onto it, and lose them).
+        deadline, wait = self._deadline() if self._segment().shm is not None else (None, None)
         first = 0 if count_skipped else skip
         res = self._call(p.Reserve(keys=tuple(keys[first:]), sizes=tuple(sizes[first:]),
                                    tokens=tuple(toks[first:]),
                                    meta=None if metas is None else metas[first:],
-                                   namespace=self.namespace))
+                                   namespace=self.namespace, deadline=deadline), wait)
         rid, placements = res["rid"], [None] * first + list(res["placements"])
         lacking = [i for i, pl in enumerate(placements[:skip]) if pl is not None]
         if lacking:

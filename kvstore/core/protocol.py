@@ -163,14 +163,15 @@ _rid = lambda name, v: _int(name, v)  # noqa: E731 - reservation / acquisition i
 # The client's measured data move (TE or same-node memcpy), reported with commit /
 # release for the server's transfer metrics; both optional, neither changes the op.
 _XFER = {"xfer_s": _opt(_seconds), "xfer_bytes": _opt(_int, 0, MAX_KEYS * MAX_ENTRY_BYTES)}
-# ``deadline`` (commit, put): the writer's wall clock (``time.time()``) after which it
-# no longer waits for the reply. Only a writer on the server's node sends one (the
-# same clock); the server refuses (busy) and undoes a commit or put it reaches later,
-# so a server frozen with the request in its socket buffer (which reads it only when
-# it goes on) does not store what the writer already reported failed. (Checked when
-# the request's handling starts: a stall of more than the client's one second of
-# slack after that can still store it.) Servers before this field refuse it as unknown:
-# upgrade servers before same-node clients.
+# ``deadline`` (reserve, commit, put): the writer's wall clock (``time.time()``) after
+# which it no longer waits for the reply. Only a writer on the server's node sends one
+# (the same clock); the store refuses (busy) a request it reaches later, and undoes
+# what a commit or put named, so a server frozen with the request in its socket buffer
+# (which reads it only when it goes on) neither stores what the writer already
+# reported failed nor holds a reservation nobody will write (whose keys other writers
+# would dedup onto, and lose). (Checked once the store's lock is taken: a stall of
+# more than the client's one second of slack after that can still do it.) Servers
+# before this field refuse it as unknown: upgrade servers before same-node clients.
 _DEADLINE = {"deadline": _opt(_float, 0.0, 1e11)}
 
 
@@ -200,10 +201,11 @@ class Reserve(Request):
     meta: tuple[bytes | None, ...] | None = None
     lease_s: float | None = None
     namespace: bytes | None = None
+    deadline: float | None = None
     OP = "reserve"
     CHECKS = {"keys": _keys, "sizes": _sizes, "tokens": _tokens, "meta": _metas,
-              "lease_s": _lease, "namespace": _opt(_namespace)}
-    OPTIONAL = frozenset({"meta", "lease_s", "namespace"})
+              "lease_s": _lease, "namespace": _opt(_namespace), **_DEADLINE}
+    OPTIONAL = frozenset({"meta", "lease_s", "namespace", *_DEADLINE})
 
     def validate(self) -> None:
         n = len(self.keys)

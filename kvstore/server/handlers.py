@@ -2,20 +2,17 @@
 
 A handler gets the store and an already validated request (kvstore.core.protocol), calls
 the one store method it maps to and turns the typed result into a msgpack-safe map.
-No business logic lives here: dedup, leases, staging, eviction are the store's. (A
-commit or put that arrives after its writer's deadline is refused here, ``_in_time``:
-that is about the request, not the store.)
+No business logic lives here: dedup, leases, staging, eviction, the writer's deadline
+are the store's.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import asdict, is_dataclass
 from typing import Any
 
 from kvstore.core import protocol as p
-from kvstore.core.errors import BusyError, KVStoreError
 from kvstore.store import Store
 from kvstore.store.reads import Staging
 from kvstore.store.types import Acquisition, EntryInfo, EntryPlacement, RoomGrant
@@ -49,43 +46,24 @@ def _entry(e: EntryInfo) -> list:
 def reserve(store: Store, req: p.Reserve) -> dict:
     res = store.reserve(list(req.keys), list(req.sizes), list(req.tokens),
                         meta=None if req.meta is None else list(req.meta), lease_s=req.lease_s,
-                        namespace=req.namespace or b"")
+                        namespace=req.namespace or b"", deadline=req.deadline)
     return {"rid": res.id, "expires_at": res.expires_at,
             "placements": [_placement(pl) for pl in res.placements]}
 
 
 def commit(store: Store, req: p.Commit) -> dict:
-    _in_time(store, req.deadline, req.rid, "commit")
-    res = store.commit(req.rid, list(req.checksums), pin=req.pin)
+    res = store.commit(req.rid, list(req.checksums), pin=req.pin, deadline=req.deadline)
     return {"new": res.new, "deduped": res.deduped, "lost": res.lost,
             "room": _room(store.grant_room(req.next_room or 0))}
 
 
 def put(store: Store, req: p.Put) -> dict:
-    _in_time(store, req.deadline, req.room, "put")
     res = store.put(req.room, list(req.keys), list(req.sizes), list(req.tokens),
                     list(req.offsets), list(req.checksums),
                     meta=None if req.meta is None else list(req.meta), skip=req.skip,
-                    pin=req.pin, namespace=req.namespace or b"")
+                    pin=req.pin, namespace=req.namespace or b"", deadline=req.deadline)
     return {"new": res.new, "deduped": res.deduped, "lost": res.lost,
             "existing": list(res.existing), "room": _room(store.grant_room(req.next_room or 0))}
-
-
-def _in_time(store: Store, deadline: float | None, rid: int, op: str) -> None:
-    """Refuse a commit or put its writer stopped waiting for (``deadline``, its wall
-    clock: the writer is on this node): its reservation or room goes back and
-    nothing is stored, as the writer was told."""
-    if deadline is None:
-        return
-    late = time.time() - deadline
-    if late <= 0:
-        return
-    try:
-        store.abort(rid)
-    except KVStoreError:
-        pass  # reaped already, or never granted: nothing to give back
-    raise BusyError(f"{op} reached the server {late:.1f} s after its writer stopped waiting: "
-                    f"not stored")
 
 
 def _room(room: RoomGrant | None) -> list | None:

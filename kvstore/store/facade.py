@@ -79,7 +79,7 @@ SCRUB_AFTER_S = 1.0
 _COUNTED = ("misses", "bytes_in", "bytes_out", "evictions", "demotions", "stagings",
             "checksum_failures", "commit_checksum_failures", "collisions", "commits",
             "aborts", "dropped", "reservations_expired", "rooms_expired", "leases_expired",
-            "storage_errors",
+            "storage_errors", "late_writes",
             "staging_shortfalls", "staging_spent", "transfer_checksum_failures", "writebacks")
 
 
@@ -150,27 +150,28 @@ class Store:
     # ------------------------------------------------------------ writes
     def reserve(self, keys: Sequence[bytes], sizes: Sequence[int], tokens: Sequence[bytes],
                 meta: Sequence[bytes | None] | None = None,
-                lease_s: float | None = None, namespace: bytes = b"") -> Reservation:
+                lease_s: float | None = None, namespace: bytes = b"",
+                deadline: float | None = None) -> Reservation:
         """Space for the keys not yet stored (writes.py, ``Writes.reserve``)."""
-        return self._writes.reserve(keys, sizes, tokens, meta, lease_s, namespace)
+        return self._writes.reserve(keys, sizes, tokens, meta, lease_s, namespace, deadline)
 
     def write(self, reservation_id: int, index: int, data: Any) -> None:
         """Copy one new entry's bytes into its reserved extent (local writers)."""
         self._writes.write(reservation_id, index, data)
 
     def commit(self, reservation_id: int, checksums: Sequence[int],
-               pin: bool = False) -> CommitResult:
+               pin: bool = False, deadline: float | None = None) -> CommitResult:
         """Verify the written bytes and make the entries visible (``Writes.commit``)."""
-        return self._writes.commit(reservation_id, checksums, pin)
+        return self._writes.commit(reservation_id, checksums, pin, deadline)
 
     def put(self, room_id: int, keys: Sequence[bytes], sizes: Sequence[int],
             tokens: Sequence[bytes], offsets: Sequence[int], checksums: Sequence[int],
             meta: Sequence[bytes | None] | None = None, skip: int = 0, pin: bool = False,
-            namespace: bytes = b"") -> PutResult:
+            namespace: bytes = b"", deadline: float | None = None) -> PutResult:
         """Store entries already copied into a room: reserve + commit in one step
         (``Writes.put``)."""
         return self._writes.put(room_id, keys, sizes, tokens, offsets, checksums, meta, skip,
-                                pin, namespace)
+                                pin, namespace, deadline)
 
     def grant_room(self, nbytes: int) -> RoomGrant | None:
         """Room for a writer's next insert, from free space only (``Writes.grant_room``)."""

@@ -8,15 +8,25 @@ Invariants kept here:
   extent for it, so two writers never store the same key twice;
 * a reservation's dedups onto committed keys are held (leased) until it commits
   or aborts, so the entries it counted on cannot go meanwhile;
-* nothing becomes visible unless every new entry matches its checksum.
+* nothing becomes visible unless every new entry matches its checksum;
+* a reserve, commit or put that the store reaches after its writer's ``deadline``
+  changes nothing (its reservation or room is given back): the writer was told
+  it failed, and a reservation nobody writes would hold its keys from other
+  writers, who dedup onto it, until its lease ends.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from kvstore.core.errors import ChecksumError, InvalidRequestError, NotFoundError, StorageError
+from kvstore.core.errors import (
+    BusyError,
+    ChecksumError,
+    InvalidRequestError,
+    NotFoundError,
+    StorageError,
+)
 from kvstore.core.hashing import checksum, hidden_key
 from kvstore.store.index import COMMITTED, Record
 from kvstore.store.holds import Open, Room
@@ -40,11 +50,14 @@ from kvstore.store.types import (
 class Writes(Operations):
     def reserve(self, keys: Sequence[bytes], sizes: Sequence[int], tokens: Sequence[bytes],
                 meta: Sequence[bytes | None] | None = None,
-                lease_s: float | None = None, namespace: bytes = b"") -> Reservation:
+                lease_s: float | None = None, namespace: bytes = b"",
+                deadline: float | None = None) -> Reservation:
         """Space for the keys not yet stored, in the fastest memory tier with room.
 
         ``namespace``: the writer's ``hashing.namespace_of`` fingerprint (16 bytes, or
-        its first 8); the new records keep its first 8 bytes so ``ls`` can filter."""
+        its first 8); the new records keep its first 8 bytes so ``ls`` can filter.
+        ``deadline`` (``time.time()``): reached later, ``BusyError`` and nothing
+        reserved (``_refuse_late``)."""
         keys = check_keys(keys)
         ns_tag = check_namespace(namespace)
         sizes = check_sizes(sizes, len(keys))
@@ -52,6 +65,7 @@ class Writes(Operations):
         metas = check_meta(meta, len(keys))
         lease = check_lease(lease_s, self.config.store.reservation_lease_s)
         with self.lock:
+            self._refuse_late(deadline, "reserve")
             self.reap_due()
             new, held = self._split_new(keys)
             self.holds.hold(held)
@@ -94,14 +108,16 @@ class Writes(Operations):
             self.io.write(ext, memoryview(data))
 
     def commit(self, reservation_id: int, checksums: Sequence[int],
-               pin: bool = False) -> CommitResult:
+               pin: bool = False, deadline: float | None = None) -> CommitResult:
         """Verify the written bytes and make the reservation's entries visible.
 
         ``pin``: pin every entry this commit stores or dedups onto, in the same
         locked step, so no eviction can come between the entry appearing and its
-        pin (a separate ``pin`` call races room-making by other writers)."""
+        pin (a separate ``pin`` call races room-making by other writers).
+        ``deadline``: reached later, the reservation is aborted (``_refuse_late``)."""
         with self.lock:
             op = self.holds.open_reservation(reservation_id)
+            self._refuse_late(deadline, "commit", lambda: self._abort_open(op))
             new = [i for i, e in enumerate(op.extents) if e is not None]
             sums = _match_checksums(checksums, len(op.keys), new)
             return self._commit_open(op, new, sums, pin)
@@ -157,9 +173,10 @@ class Writes(Operations):
     def put(self, room_id: int, keys: Sequence[bytes], sizes: Sequence[int],
             tokens: Sequence[bytes], offsets: Sequence[int], checksums: Sequence[int],
             meta: Sequence[bytes | None] | None = None, skip: int = 0, pin: bool = False,
-            namespace: bytes = b"") -> PutResult:
+            namespace: bytes = b"", deadline: float | None = None) -> PutResult:
         """Store entries a writer has already copied into room ``room_id``: the
-        reserve and the commit of ``keys`` in one step.
+        reserve and the commit of ``keys`` in one step. ``deadline``: reached later,
+        the room goes back (``_refuse_late``).
 
         ``offsets`` and ``checksums`` are given for ``keys[skip:]`` (the first
         ``skip`` keys carry no bytes: the writer found them stored; if one is not,
@@ -187,6 +204,7 @@ class Writes(Operations):
         with self.lock:
             self.reap_due()
             open_room = self.holds.open_room(room_id)
+            self._refuse_late(deadline, "put", lambda: self.close_room(room_id))
             new, held = self._split_new(keys)
             if new and new[0] < skip:
                 self.close_room(room_id)  # spent: the writer reserves anew
@@ -325,6 +343,26 @@ class Writes(Operations):
                 lost += 1
         return deduped, lost, onto
 
+    def _refuse_late(self, deadline: float | None, op: str,
+                     undo: Callable[[], None] | None = None) -> None:
+        """``BusyError`` (after ``undo``: give back what the request named) where the
+        store reaches a writer's request after its ``deadline`` (its wall clock: only
+        a writer on this node sends one), checked under the store's lock, so a
+        request that waited for the lock counts that wait too. The writer stopped
+        waiting then and reported the insert failed (a server frozen with the
+        request in its socket buffer reads it only when it goes on): nothing may be
+        stored or held for it. Counted in ``late_writes``."""
+        if deadline is None:
+            return
+        late = time.time() - deadline
+        if late <= 0:
+            return
+        if undo is not None:
+            undo()
+        self.counts["late_writes"] += 1
+        raise BusyError(f"{op} reached the store {late:.1f} s after its writer stopped "
+                        f"waiting: nothing {'reserved' if op == 'reserve' else 'stored'}")
+
     def abort(self, reservation_id: int) -> None:
         """Forget a reservation, or give a room back; its space is free at once,
         nothing becomes visible."""
@@ -332,8 +370,11 @@ class Writes(Operations):
             if reservation_id in self.holds.rooms:
                 self.close_room(reservation_id)
                 return
-            self.close_reservation(self.holds.open_reservation(reservation_id))
-            self.counts["aborts"] += 1
+            self._abort_open(self.holds.open_reservation(reservation_id))
+
+    def _abort_open(self, op: Open) -> None:
+        self.close_reservation(op)
+        self.counts["aborts"] += 1
 
     def close_reservation(self, op: Open) -> None:
         """Give a reservation up (abort, expiry, bad checksum): its extents are free

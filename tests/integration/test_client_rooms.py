@@ -292,3 +292,32 @@ def test_a_write_its_writer_gave_up_on_is_not_stored_when_the_server_goes_on(
         delattr(writer, name)
     writer.insert(_tokens(3), make_kv(TOKENS, seed=3))
     _read_back(reader, 3)
+
+
+def test_a_reserve_its_writer_gave_up_on_holds_nothing_when_the_server_goes_on(
+        server_factory, client_factory):
+    """The server is frozen with a writer's reserve in its socket (no room yet): the
+    writer times out. When the server goes on it reads the reserve after the
+    writer's deadline: refused, nothing reserved. Else that reservation, which no
+    one will write or commit, would hold the prompt's keys for its whole lease, and
+    the writer's next insert of the same prompt (an engine saving it again) would
+    dedup onto it (told all 5 blocks exist) and lose every block when it expired:
+    nothing stored, the reader a miss."""
+    srv = server_factory(dram="8MiB", nvme="0", reservation_lease=30)
+    writer = client_factory(srv, same_node=True, timeout_s=1.0)
+    reader = client_factory(srv, same_node=False)
+    writer.hello()
+    ops = record_ops(writer)
+    os.kill(srv.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises((KVTimeoutError, PeerUnavailableError)):
+            writer.insert(_tokens(2), make_kv(TOKENS, seed=2))
+    finally:
+        os.kill(srv.pid, signal.SIGCONT)
+    assert ops == ["reserve"], ops
+    # The same connection: the server reads this after the late reserve.
+    res = writer.insert(_tokens(2), make_kv(TOKENS, seed=2))
+    assert (res.new_blocks, res.existing_blocks) == (5, 0), res
+    stats = reader.stats()
+    assert (stats["reservations"], stats["late_writes"]) == (0, 1), stats
+    _read_back(reader, 2)

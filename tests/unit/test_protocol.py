@@ -18,7 +18,7 @@ def frame(**fields) -> bytes:
 def test_reserve_round_trip():
     req = p.Reserve(keys=tuple(K[:2]), sizes=(4096, 100), tokens=(b"\0" * 64, b"\1" * 8),
                     meta=(None, b"\x81\xa1k\x01"),
-                    lease_s=2.5)
+                    lease_s=2.5, deadline=1_790_000_000.25)
     rid, back = p.decode_request(p.encode_request(42, req), MAX)
     assert rid == 42 and back == req
 
@@ -70,6 +70,8 @@ def test_every_op_round_trips(req):
     (frame(op="commit", rid=1, checksums=[1], deadline="soon"), "deadline"),
     (frame(op="commit", rid=1, checksums=[1], deadline=float("inf")), "deadline"),
     (frame(op="commit", rid=1, checksums=[1], deadline=-1.0), "deadline"),
+    (frame(op="reserve", keys=[b"k" * 16], sizes=[8], tokens=[b""], deadline="later"),
+     "deadline"),
     (msgpack.packb({"v": 1, "id": 1, "op": "hello", 5: 1}), "not a msgpack"),
     (msgpack.packb({"v": 1, "id": 1, "op": "abort", "rid": msgpack.ExtType(1, b"x")}), "ext"),
     (msgpack.packb({"v": 1, "id": 1, "op": "abort", "rid": msgpack.Timestamp(1)},
