@@ -313,15 +313,19 @@ def test_server_stopped_during_save_and_an_abort_while_it_is_on_its_way(rig):
     """The server freezes; the prefill engine computes a prompt, whose save then
     hangs on the transfer thread, and the request is aborted meanwhile (its blocks
     freed at once: the bytes are on the host). The save fails after its timeout;
-    once the server goes on, its late reservation is aborted or expires: nothing is
-    stored, no reservation left. The engine goes on saving: the next prefills are
-    stored and decode to the plain engine's tokens."""
+    once the server goes on, the save's reserve (or put) reaches it after the
+    writer's deadline and is refused: nothing is stored, no reservation left. The
+    engine goes on saving, the same prompt too (a late reservation left holding its
+    keys would have it dedup onto that and lose them): the next prefills are stored
+    and decode to the plain engine's tokens."""
     ps = prompts("stopped_save")
     before = rig.stats()
     with stopped(rig.server):
         outs = rig.producer.generate(ps[:1], LONG_TOKENS, aborts={0: Abort(after_tokens=2)})
         assert outs[0].finish_reason == "abort" and 0 < len(outs[0].token_ids) < LONG_TOKENS
-        time.sleep(TIMEOUTS["timeout_s"] + 1)  # the save gives up before the server goes on
+        # The save gives up before the server goes on: a same-node write waits
+        # timeout_s and the client's second of deadline slack; one more for a slow host.
+        time.sleep(TIMEOUTS["timeout_s"] + 2)
     after = no_leftovers(rig.stats)
     assert (after["leases"], after["reservations"]) == (0, 0), after
     assert after["entries"] == before["entries"] and after["commits"] == before["commits"]
