@@ -45,9 +45,13 @@ _SCOPES_KEPT = 4096  # per-request namespaces remembered (a cache_salt per user 
 # of the lease) before the room's lease ends, when the server may give the bytes
 # away: covers a layer's copy and the reply's way back.
 _WRITE_MARGIN_S = 2.0
-# A same-node commit or put waits this much past its deadline for the reply: the
+# A reserve, commit or put with a deadline waits this much past it for the reply: the
 # server refuses one that reaches it later, so only one sent in time can come back.
 _DEADLINE_SLACK_S = 1.0
+# A remote server's clock is known from its hello (``clock_offset``) only where that
+# round trip took at most twice this: the error is at most half the round trip, and it
+# must stay well inside the slack above.
+_CLOCK_ERROR_S = 0.25
 
 
 class InsertResult(NamedTuple):
@@ -149,6 +153,7 @@ class KVStoreClient:
         self._hello: dict[str, Any] | None = None
         self._hello_lock = threading.Lock()
         self._hellos = 0  # hellos said: a room is only good under the one it came with
+        self._clock: float | None = None  # the server's wall clock less ours (hello)
         # The room the server holds for this client's next insert (one at a time;
         # taken under the lock, so two threads never write into one room).
         self._room: _Room | None = None
@@ -167,7 +172,9 @@ class KVStoreClient:
             hello = self._hello
             if hello is None:
                 self._rpc.use_local(None)  # hello over the ROUTER: it names the server
+                sent = time.time()
                 info = self._rpc.call(p.Hello())
+                self._clock = clock_offset(sent, info.get("now"), time.time())
                 self._rpc.max_bytes = int(info.get("max_message_bytes", self._rpc.max_bytes))
                 self._data.connect(info)
                 # A client that writes into the server's arena is on its node: its
@@ -195,13 +202,21 @@ class KVStoreClient:
             self._hello = None  # the server may come back as a new process
             raise
 
-    def _deadline(self) -> tuple[float, float]:
-        """A reserve's, commit's or put's ``deadline`` (this node's wall clock: the
-        server is on it) and how long to wait for its reply: the server refuses it
-        after the deadline, and the client waits ``_DEADLINE_SLACK_S`` longer, so a
-        reply that was sent in time is not given up on (that stored, or reserved,
-        what it was told failed)."""
-        return time.time() + self.timeout_s, self.timeout_s + _DEADLINE_SLACK_S
+    def _deadline(self) -> tuple[float | None, float | None]:
+        """A reserve's, commit's or put's ``deadline`` (the server's wall clock: this
+        node's where the server is on it, else ours moved by the offset its hello
+        measured) and how long to wait for its reply: the server refuses it after the
+        deadline, and the client waits ``_DEADLINE_SLACK_S`` longer, so a reply that
+        was sent in time is not given up on (that stored, or reserved, what it was
+        told failed). (None, None) where the server's clock is not known: no
+        deadline, the client's own timeout."""
+        if self._data.uses_shared_memory:
+            offset: float | None = 0.0  # (this node's clock)
+        else:
+            offset = self._clock
+        if offset is None:  # a server that does not say its time (older), or far off
+            return None, None
+        return time.time() + offset + self.timeout_s, self.timeout_s + _DEADLINE_SLACK_S
 
     def keys_for(self, tokens: Sequence[int] | np.ndarray,
                  scope: bytes | str = b"") -> list[bytes]:
@@ -298,8 +313,7 @@ class KVStoreClient:
             sums = self._data.write(seg, [b for b, _ in new], [pl for _, pl in new])
             moved = time.perf_counter() - start
             # The move's time and size go along: TE is one-sided, the server cannot see it.
-            # A deadline only where the server shares this clock (this node's arena).
-            deadline, wait = self._deadline() if seg.shm is not None else (None, None)
+            deadline, wait = self._deadline()
             asked = time.monotonic()
             done = self._call(p.Commit(rid=rid, checksums=tuple(sums), xfer_s=moved,
                                        xfer_bytes=sum(pl[2] for _, pl in new), pin=pin,
@@ -428,10 +442,11 @@ class KVStoreClient:
         the server lacks one of the ``skip`` blocks the caller said it holds. Not
         ``count_skipped``: the skipped blocks are left out of the reservation (their
         placements come back None)."""
-        # A deadline only where the server shares this clock (this node's arena): a
-        # reserve it reaches after this client gave up is refused, not left holding
-        # the keys (other writers of the prompt would dedup onto it, and lose them).
-        deadline, wait = self._deadline() if self._segment().shm is not None else (None, None)
+        # A reserve the server reaches after this client gave up is refused, not left
+        # holding the keys (other writers of the prompt would dedup onto it, and lose
+        # them).
+        self._segment()
+        deadline, wait = self._deadline()
         first = 0 if count_skipped else skip
         res = self._call(p.Reserve(keys=tuple(keys[first:]), sizes=tuple(sizes[first:]),
                                    tokens=tuple(toks[first:]),
@@ -926,6 +941,18 @@ class PendingInsert:
         if not self.closed:
             self.closed = True
             self._client._abort(self.rid)
+
+
+def clock_offset(sent: float, now: Any, got: float) -> float | None:
+    """The server's wall clock less ours, from a hello sent at ``sent`` and answered
+    at ``got`` (our ``time.time()``) whose reply said ``now`` (the server's, taken
+    between the two): the round trip's midpoint, which is at most half the round
+    trip off. None where that could be more than ``_CLOCK_ERROR_S`` (or ``now`` is
+    missing: an older server), and the client then sends no deadline."""
+    if not isinstance(now, (int, float)) or isinstance(now, bool) \
+            or not 0 <= got - sent <= 2 * _CLOCK_ERROR_S:
+        return None
+    return float(now) - (sent + got) / 2
 
 
 def _write_until(expires: float, lease_s: float) -> float:

@@ -163,15 +163,16 @@ _rid = lambda name, v: _int(name, v)  # noqa: E731 - reservation / acquisition i
 # The client's measured data move (TE or same-node memcpy), reported with commit /
 # release for the server's transfer metrics; both optional, neither changes the op.
 _XFER = {"xfer_s": _opt(_seconds), "xfer_bytes": _opt(_int, 0, MAX_KEYS * MAX_ENTRY_BYTES)}
-# ``deadline`` (reserve, commit, put): the writer's wall clock (``time.time()``) after
-# which it no longer waits for the reply. Only a writer on the server's node sends one
-# (the same clock); the store refuses (busy) a request it reaches later, and undoes
-# what a commit or put named, so a server frozen with the request in its socket buffer
-# (which reads it only when it goes on) neither stores what the writer already
+# ``deadline`` (reserve, commit, put): the server's wall clock (``time.time()``) after
+# which the writer no longer waits for the reply (a writer on another node knows that
+# clock from hello's ``now``); the store refuses (busy) a request it reaches later, and
+# undoes what a commit or put named, so a server frozen with the request in its socket
+# buffer (which reads it only when it goes on) neither stores what the writer already
 # reported failed nor holds a reservation nobody will write (whose keys other writers
 # would dedup onto, and lose). (Checked once the store's lock is taken: a stall of
 # more than the client's one second of slack after that can still do it.) Servers
-# before this field refuse it as unknown: upgrade servers before same-node clients.
+# before this field refuse it as unknown (and say no ``now``: only same-node clients
+# would send it): upgrade servers before clients.
 _DEADLINE = {"deadline": _opt(_float, 0.0, 1e11)}
 
 

@@ -518,7 +518,8 @@ class Server:
                                                    "nbytes": self.capacities()["dram"]},
                 "local": local,
                 "block_tokens": self.config.store.block_tokens,
-                "max_message_bytes": self.max_bytes, "te_probe": self._te_probe()}
+                "max_message_bytes": self.max_bytes, "te_probe": self._te_probe(),
+                "now": time.time()}
 
     def _te_probe(self) -> list[int] | None:
         """[address, nbytes] of one page a TE peer may read: a client's first TE

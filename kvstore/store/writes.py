@@ -346,8 +346,8 @@ class Writes(Operations):
     def _refuse_late(self, deadline: float | None, op: str,
                      undo: Callable[[], None] | None = None) -> None:
         """``BusyError`` (after ``undo``: give back what the request named) where the
-        store reaches a writer's request after its ``deadline`` (its wall clock: only
-        a writer on this node sends one), checked under the store's lock, so a
+        store reaches a writer's request after its ``deadline`` (this server's wall
+        clock, as the writer knows it), checked under the store's lock, so a
         request that waited for the lock counts that wait too. The writer stopped
         waiting then and reported the insert failed (a server frozen with the
         request in its socket buffer reads it only when it goes on): nothing may be

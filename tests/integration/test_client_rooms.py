@@ -294,19 +294,22 @@ def test_a_write_its_writer_gave_up_on_is_not_stored_when_the_server_goes_on(
     _read_back(reader, 3)
 
 
+@pytest.mark.parametrize("same_node", [True, False], ids=["same node", "over TE"])
 def test_a_reserve_its_writer_gave_up_on_holds_nothing_when_the_server_goes_on(
-        server_factory, client_factory):
+        server_factory, client_factory, same_node):
     """The server is frozen with a writer's reserve in its socket (no room yet): the
     writer times out. When the server goes on it reads the reserve after the
-    writer's deadline: refused, nothing reserved. Else that reservation, which no
+    writer's deadline (over TE: in the server's clock as the writer's hello
+    measured it): refused, nothing reserved. Else that reservation, which no
     one will write or commit, would hold the prompt's keys for its whole lease, and
     the writer's next insert of the same prompt (an engine saving it again) would
     dedup onto it (told all 5 blocks exist) and lose every block when it expired:
     nothing stored, the reader a miss."""
     srv = server_factory(dram="8MiB", nvme="0", reservation_lease=30)
-    writer = client_factory(srv, same_node=True, timeout_s=1.0)
+    writer = client_factory(srv, same_node=same_node, timeout_s=1.0)
     reader = client_factory(srv, same_node=False)
     writer.hello()
+    assert writer._clock is not None and abs(writer._clock) < 0.25  # (one machine)
     ops = record_ops(writer)
     os.kill(srv.pid, signal.SIGSTOP)
     try:
