@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import threading
 import time
 from typing import Any, Callable, NamedTuple, Sequence
@@ -27,9 +28,9 @@ import torch
 from kvstore.core import protocol as p
 from kvstore.core.config import ClientConfig, parse_te_devices
 from kvstore.client.datapath import DataPath, Segment, TeEngine, flat_buffer
-from kvstore.core.errors import (ChecksumError, ConfigError, InvalidRequestError, KVStoreError,
-                                 KVTimeoutError, LeaseExpiredError, NotFoundError,
-                                 PeerUnavailableError)
+from kvstore.core.errors import (BusyError, ChecksumError, ConfigError, InvalidRequestError,
+                                 KVStoreError, KVTimeoutError, LeaseExpiredError,
+                                 NotFoundError, PeerUnavailableError)
 from kvstore.core.hashing import (block_keys, block_token_bytes, checksummer, hidden_key,
                                   namespace_of, tokens_to_array)
 from kvstore.core.layout import KVLayout, dtype_name, pack_hf
@@ -154,6 +155,7 @@ class KVStoreClient:
         self._hello_lock = threading.Lock()
         self._hellos = 0  # hellos said: a room is only good under the one it came with
         self._clock: float | None = None  # the server's wall clock less ours (hello)
+        self._hello_host: str | None = None  # the host_id that offset was measured for
         # The room the server holds for this client's next insert (one at a time;
         # taken under the lock, so two threads never write into one room).
         self._room: _Room | None = None
@@ -174,7 +176,7 @@ class KVStoreClient:
                 self._rpc.use_local(None)  # hello over the ROUTER: it names the server
                 sent = time.time()
                 info = self._rpc.call(p.Hello())
-                self._clock = clock_offset(sent, info.get("now"), time.time())
+                self._learn_clock(info, sent, time.time())
                 self._rpc.max_bytes = int(info.get("max_message_bytes", self._rpc.max_bytes))
                 self._data.connect(info)
                 # A client that writes into the server's arena is on its node: its
@@ -195,11 +197,36 @@ class KVStoreClient:
         assert segment is not None  # hello() connected the data path
         return segment
 
+    def _learn_clock(self, info: dict[str, Any], sent: float, got: float) -> None:
+        """The server's clock less ours, from a hello sent at ``sent`` and answered at
+        ``got``: ``_clock``, None where the server does not say its time (older than
+        deadlines on every write: it gets none). A hello too slow to measure by keeps
+        the last offset measured for the same machine (a re-hello comes after a stall,
+        while the server works off its backlog: just when deadlines matter)."""
+        if "now" not in info:
+            self._clock = None
+            return
+        offset = clock_offset(sent, info["now"], got)
+        if offset is None and self._hello_host == info.get("host_id"):
+            offset = self._clock
+        self._clock, self._hello_host = offset, info.get("host_id")
+
     def _call(self, req: p.Request, timeout_s: float | None = None) -> dict[str, Any]:
         try:
             return self._rpc.call(req, timeout_s)
         except (PeerUnavailableError, KVTimeoutError):
             self._hello = None  # the server may come back as a new process
+            raise
+        except BusyError:
+            deadline = getattr(req, "deadline", None)
+            if deadline is not None and not self._data.uses_shared_memory \
+                    and self._clock is not None and time.time() + self._clock < deadline:
+                # Refused (as late, or the server is busy) before its deadline by our
+                # reckoning: the server's clock may have moved since hello measured it
+                # (a step, a drift); measure again at the next call, so a wrong offset
+                # cannot make every write late.
+                self._clock = None
+                self._hello = None
             raise
 
     def _deadline(self) -> tuple[float | None, float | None]:
@@ -210,11 +237,11 @@ class KVStoreClient:
         was sent in time is not given up on (that stored, or reserved, what it was
         told failed). (None, None) where the server's clock is not known: no
         deadline, the client's own timeout."""
-        if self._data.uses_shared_memory:
-            offset: float | None = 0.0  # (this node's clock)
-        else:
-            offset = self._clock
-        if offset is None:  # a server that does not say its time (older), or far off
+        hello = self._hello
+        if hello is None or "now" not in hello:  # (a server older than deadlines on
+            return None, None                    # every write: it would refuse them)
+        offset = 0.0 if self._data.uses_shared_memory else self._clock  # (this node's)
+        if offset is None:  # not measured: no hello quick enough yet
             return None, None
         return time.time() + offset + self.timeout_s, self.timeout_s + _DEADLINE_SLACK_S
 
@@ -950,7 +977,7 @@ def clock_offset(sent: float, now: Any, got: float) -> float | None:
     trip off. None where that could be more than ``_CLOCK_ERROR_S`` (or ``now`` is
     missing: an older server), and the client then sends no deadline."""
     if not isinstance(now, (int, float)) or isinstance(now, bool) \
-            or not 0 <= got - sent <= 2 * _CLOCK_ERROR_S:
+            or not math.isfinite(now) or not 0 <= got - sent <= 2 * _CLOCK_ERROR_S:
         return None
     return float(now) - (sent + got) / 2
 

@@ -79,6 +79,8 @@ class Writes(Operations):
             for i, ext in zip(new, extents):
                 op.extents[i] = ext
             self.holds.add_reservation(op)
+            # Again: making room (demotions to NVMe) may have taken past it.
+            self._refuse_late(deadline, "reserve", lambda: self.close_reservation(op))
             return Reservation(op.id, self._placements(op), op.expires_at)
 
     def _split_new(self, keys: list[bytes]) -> tuple[list[int], list[bytes]]:
@@ -117,16 +119,18 @@ class Writes(Operations):
         ``deadline``: reached later, the reservation is aborted (``_refuse_late``)."""
         with self.lock:
             op = self.holds.open_reservation(reservation_id)
-            self._refuse_late(deadline, "commit", lambda: self._abort_open(op))
+            self._refuse_late(deadline, "commit", lambda: self.close_reservation(op))
             new = [i for i, e in enumerate(op.extents) if e is not None]
             sums = _match_checksums(checksums, len(op.keys), new)
-            return self._commit_open(op, new, sums, pin)
+            return self._commit_open(op, new, sums, pin, deadline, "commit")
 
-    def _commit_open(self, op: Open, new: list[int], sums: list[int],
-                     pin: bool) -> CommitResult:
+    def _commit_open(self, op: Open, new: list[int], sums: list[int], pin: bool,
+                     deadline: float | None = None, what: str = "commit") -> CommitResult:
         """Commit open reservation ``op``, whose entries ``new`` were written with
-        checksums ``sums``: checked now, or by the scrub soon (``verify_commits``)."""
+        checksums ``sums``: checked now, or by the scrub soon (``verify_commits``).
+        Past ``deadline`` (once hashed), ``op`` is closed and nothing stored."""
         if self.config.store.verify_commits == "background":
+            self._refuse_late(deadline, what, lambda: self.close_reservation(op))
             result = self._commit_verified(op, new, sums, pin)
             for i, s in zip(new, sums):  # Store.scrub_step hashes them soon
                 self.catalog.unchecked[op.keys[i]] = s
@@ -138,6 +142,8 @@ class Writes(Operations):
             self.counts["commit_checksum_failures"] += len(bad)
             raise ChecksumError(f"{len(bad)} of {len(new)} written entries do not match "
                                 f"their checksum (first {bad[0].hex()}); nothing stored")
+        # Again: hashing a large commit may have taken past it.
+        self._refuse_late(deadline, what, lambda: self.close_reservation(op))
         return self._commit_verified(op, new, sums, pin)
 
     # ------------------------------------------------------------ rooms
@@ -221,7 +227,8 @@ class Writes(Operations):
                 op.extents[i] = ext
             self.holds.add_reservation(op)
             try:
-                result = self._commit_open(op, new, [sums[i - skip] for i in new], pin)
+                result = self._commit_open(op, new, [sums[i - skip] for i in new], pin,
+                                           deadline, "put")
             except BaseException:
                 if op.id in self.holds.reservations:  # not stored: the room is spent anyway
                     self.close_reservation(op)
@@ -370,11 +377,8 @@ class Writes(Operations):
             if reservation_id in self.holds.rooms:
                 self.close_room(reservation_id)
                 return
-            self._abort_open(self.holds.open_reservation(reservation_id))
-
-    def _abort_open(self, op: Open) -> None:
-        self.close_reservation(op)
-        self.counts["aborts"] += 1
+            self.close_reservation(self.holds.open_reservation(reservation_id))
+            self.counts["aborts"] += 1
 
     def close_reservation(self, op: Open) -> None:
         """Give a reservation up (abort, expiry, bad checksum): its extents are free

@@ -1,10 +1,13 @@
 """A remote server's clock, as a client learns it from its hello: the server's
 ``now`` less the midpoint of the round trip ("sent at 100.0, answered at 100.2,
-server said 130.1: the server is 30.0 s ahead, give or take 0.1")."""
+server said 130.1: the server is 30.0 s ahead, give or take 0.1"), and the
+deadlines a writer on another node puts on its writes in that clock."""
+
+import time
 
 import pytest
 
-from kvstore.client.client import _CLOCK_ERROR_S, clock_offset
+from kvstore.client.client import _CLOCK_ERROR_S, _DEADLINE_SLACK_S, KVStoreClient, clock_offset
 
 
 def test_the_offset_is_now_less_the_round_trips_midpoint():
@@ -21,3 +24,30 @@ def test_a_round_trip_too_slow_to_bound_the_error_gives_no_offset():
 @pytest.mark.parametrize("now", [None, "100.0", True, [100.0]])
 def test_a_server_that_does_not_say_its_time_gives_no_offset(now):
     assert clock_offset(100.0, now, 100.1) is None
+
+
+@pytest.fixture
+def remote():
+    """A client of a server on another node (nothing listens: only its reckoning of
+    deadlines is used, as after a hello that said ``now``)."""
+    client = KVStoreClient("tcp://127.0.0.1:9", same_node=False, timeout_s=2.0)
+    client._hello = {"now": 0.0, "host_id": "elsewhere"}
+    yield client
+    client.close()
+
+
+def test_a_remote_writers_deadline_is_in_the_servers_clock(remote):
+    remote._clock = 30.0  # the server is 30 s ahead of us
+    before = time.time()
+    deadline, wait = remote._deadline()
+    assert before + 30.0 + 2.0 <= deadline <= time.time() + 30.0 + 2.0
+    assert wait == 2.0 + _DEADLINE_SLACK_S
+
+
+def test_no_deadline_without_a_measured_clock_or_for_a_server_that_says_no_time(remote):
+    remote._clock = None  # no hello quick enough to measure by
+    assert remote._deadline() == (None, None)
+    remote._clock, remote._hello = 0.0, {"host_id": "elsewhere"}  # an older server
+    assert remote._deadline() == (None, None)
+    remote._hello = None  # (between a lost server and the next hello)
+    assert remote._deadline() == (None, None)

@@ -66,7 +66,7 @@ def test_a_late_commit_is_aborted_and_stores_nothing(store):
     with pytest.raises(BusyError, match="commit reached the store"):
         store.commit(res.id, [checksum(data(1))], deadline=time.time() - 0.5)
     stats = store.stats()
-    assert (stats["reservations"], stats["aborts"], stats["commits"]) == (0, 1, 0)
+    assert (stats["reservations"], stats["late_writes"], stats["commits"]) == (0, 1, 0)
     assert where(store) == {} and stats["tiers"]["dram"]["used"] == 0
 
 
@@ -77,6 +77,59 @@ def test_a_late_put_gives_its_room_back_and_stores_nothing(store):
     stats = store.stats()
     assert (stats["rooms"], stats["late_writes"], stats["commits"]) == (0, 1, 0)
     assert where(store) == {} and stats["tiers"]["dram"]["used"] == 0
+
+
+def test_a_reserve_that_runs_late_making_room_holds_nothing(store, monkeypatch):
+    """In time when it took the lock, late once room was made (making room can demote
+    entries to NVMe, inline): refused, its extents freed, the stored key it deduped
+    onto no longer held, the key it would have written free for the next writer."""
+    put(store, [3])
+    allocate = store.place.allocate_memory
+
+    def slow(sizes):
+        got = allocate(sizes)
+        time.sleep(0.3)
+        return got
+
+    monkeypatch.setattr(store.place, "allocate_memory", slow)
+    with pytest.raises(BusyError, match="reserve reached the store"):
+        reserve(store, [3, 1], deadline=time.time() + 0.1)
+    monkeypatch.undo()
+    stats = store.stats()
+    assert (stats["reservations"], stats["leased_entries"], stats["late_writes"]) == (0, 0, 1)
+    assert stats["tiers"]["dram"]["used"] == ENTRY  # entry 3 alone
+    res = reserve(store, [3, 1])
+    assert res.placements[0] is None and res.placements[1] is not None
+    store.write(res.id, 1, data(1))
+    assert store.commit(res.id, [checksum(data(1))]).new == 1
+    assert where(store) == {1: "dram", 3: "dram"}
+
+
+def test_a_commit_that_runs_late_hashing_stores_nothing(tmp_path, monkeypatch):
+    """Inline checks: a commit in time when it took the lock but late once its
+    entries were hashed is refused, and nothing of it is stored."""
+    cfg = store_config(tmp_path / "data", dram=16, verify_commits="inline")
+    store = Store(cfg)
+    try:
+        res = reserve(store, [1])
+        store.write(res.id, 0, data(1))
+        io = store._writes.io  # (what the commit hashes with)
+        sums = io.checksums
+
+        def slow(extents):
+            got = sums(extents)
+            time.sleep(0.3)
+            return got
+
+        monkeypatch.setattr(io, "checksums", slow)
+        with pytest.raises(BusyError, match="commit reached the store"):
+            store.commit(res.id, [checksum(data(1))], deadline=time.time() + 0.1)
+        stats = store.stats()
+        assert (stats["reservations"], stats["late_writes"], stats["commits"]) == (0, 1, 0)
+        assert where(store) == {} and stats["tiers"]["dram"]["used"] == 0
+        store.check_integrity()
+    finally:
+        store.close()
 
 
 def test_requests_in_time_are_served_as_without_a_deadline(store):
