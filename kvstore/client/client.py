@@ -28,9 +28,9 @@ import torch
 from kvstore.core import protocol as p
 from kvstore.core.config import ClientConfig, parse_te_devices
 from kvstore.client.datapath import DataPath, Segment, TeEngine, flat_buffer
-from kvstore.core.errors import (BusyError, ChecksumError, ConfigError, InvalidRequestError,
-                                 KVStoreError, KVTimeoutError, LeaseExpiredError,
-                                 NotFoundError, PeerUnavailableError)
+from kvstore.core.errors import (LATE_WRITE, BusyError, ChecksumError, ConfigError,
+                                 InvalidRequestError, KVStoreError, KVTimeoutError,
+                                 LeaseExpiredError, NotFoundError, PeerUnavailableError)
 from kvstore.core.hashing import (block_keys, block_token_bytes, checksummer, hidden_key,
                                   namespace_of, tokens_to_array)
 from kvstore.core.layout import KVLayout, dtype_name, pack_hf
@@ -176,13 +176,16 @@ class KVStoreClient:
                 self._rpc.use_local(None)  # hello over the ROUTER: it names the server
                 sent = time.time()
                 info = self._rpc.call(p.Hello())
-                self._learn_clock(info, sent, time.time())
+                clock = self._clock_of(info, sent, time.time())
                 self._rpc.max_bytes = int(info.get("max_message_bytes", self._rpc.max_bytes))
                 self._data.connect(info)
                 # A client that writes into the server's arena is on its node: its
                 # requests take the server's Unix socket from now on.
                 self._rpc.use_local(info.get("local") if self._data.uses_shared_memory
                                     else None)
+                # Set with the hello, once connected: a late write's reset of the
+                # offset meanwhile is overwritten by this fresh one, not left half-done.
+                self._clock, self._hello_host = clock, info.get("host_id")
                 self._hello = hello = info
                 self._hellos += 1  # the server may be another process now: rooms are void
             return hello
@@ -190,43 +193,44 @@ class KVStoreClient:
     def _segment(self, current: str | None = None) -> Segment:
         """The server's data segment; ``current`` is the one a reply just named; if
         it differs from ours the server restarted and we say hello again."""
-        if current is not None and self._hello is not None and current != self._hello["segment"]:
+        hello = self._hello  # (read once: another thread may reset it)
+        if current is not None and hello is not None and current != hello["segment"]:
             self._hello = None
         self.hello()
         segment = self._data.segment
         assert segment is not None  # hello() connected the data path
         return segment
 
-    def _learn_clock(self, info: dict[str, Any], sent: float, got: float) -> None:
+    def _clock_of(self, info: dict[str, Any], sent: float, got: float) -> float | None:
         """The server's clock less ours, from a hello sent at ``sent`` and answered at
-        ``got``: ``_clock``, None where the server does not say its time (older than
-        deadlines on every write: it gets none). A hello too slow to measure by keeps
-        the last offset measured for the same machine (a re-hello comes after a stall,
-        while the server works off its backlog: just when deadlines matter)."""
+        ``got``; None where the server does not say its time (older than deadlines on
+        every write: it gets none). A hello too slow to measure by keeps the last
+        offset measured for the same machine (a re-hello comes after a stall, while
+        the server works off its backlog: just when deadlines matter)."""
         if "now" not in info:
-            self._clock = None
-            return
+            return None
         offset = clock_offset(sent, info["now"], got)
         if offset is None and self._hello_host == info.get("host_id"):
-            offset = self._clock
-        self._clock, self._hello_host = offset, info.get("host_id")
+            return self._clock
+        return offset
 
     def _call(self, req: p.Request, timeout_s: float | None = None) -> dict[str, Any]:
+        hellos = self._hellos
         try:
             return self._rpc.call(req, timeout_s)
         except (PeerUnavailableError, KVTimeoutError):
             self._hello = None  # the server may come back as a new process
             raise
-        except BusyError:
-            deadline = getattr(req, "deadline", None)
-            if deadline is not None and not self._data.uses_shared_memory \
-                    and self._clock is not None and time.time() + self._clock < deadline:
-                # Refused (as late, or the server is busy) before its deadline by our
-                # reckoning: the server's clock may have moved since hello measured it
-                # (a step, a drift); measure again at the next call, so a wrong offset
-                # cannot make every write late.
-                self._clock = None
-                self._hello = None
+        except BusyError as exc:
+            deadline, clock = getattr(req, "deadline", None), self._clock
+            if deadline is not None and clock is not None and LATE_WRITE in str(exc) \
+                    and not self._data.uses_shared_memory and time.time() + clock < deadline \
+                    and self._hellos == hellos:
+                # Refused as late before its deadline by our reckoning: the server's
+                # clock stepped ahead since hello measured it. Forget that offset (no
+                # deadlines until a hello measures again, at the next call), so a wrong
+                # one cannot make every write late.
+                self._clock, self._hello_host, self._hello = None, None, None
             raise
 
     def _deadline(self) -> tuple[float | None, float | None]:

@@ -72,9 +72,15 @@ class TransferError(MissError):
 class BusyError(MissError):
     """A miss: the server could not start this request within its budget
     (``server.busy_after_s``): slow work ahead of it. Nothing was done; retry
-    later or recompute."""
+    later or recompute. (Also a write the store reached after its writer's
+    deadline, whose message then says ``LATE_WRITE``.)"""
 
     code = "busy"
+
+
+# In the message of a BusyError for a write the store reached after its writer's
+# deadline (kvstore.store.writes): the writer tells it from an overload refusal by this.
+LATE_WRITE = "after its writer stopped waiting"
 
 
 class StorageError(MissError):

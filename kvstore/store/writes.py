@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvstore.core.errors import (
+    LATE_WRITE,
     BusyError,
     ChecksumError,
     InvalidRequestError,
@@ -367,8 +368,8 @@ class Writes(Operations):
         if undo is not None:
             undo()
         self.counts["late_writes"] += 1
-        raise BusyError(f"{op} reached the store {late:.1f} s after its writer stopped "
-                        f"waiting: nothing {'reserved' if op == 'reserve' else 'stored'}")
+        raise BusyError(f"{op} reached the store {late:.1f} s {LATE_WRITE}: nothing "
+                        f"{'reserved' if op == 'reserve' else 'stored'}")
 
     def abort(self, reservation_id: int) -> None:
         """Forget a reservation, or give a room back; its space is free at once,

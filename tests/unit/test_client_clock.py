@@ -8,6 +8,8 @@ import time
 import pytest
 
 from kvstore.client.client import _CLOCK_ERROR_S, _DEADLINE_SLACK_S, KVStoreClient, clock_offset
+from kvstore.core import protocol as p
+from kvstore.core.errors import LATE_WRITE, BusyError
 
 
 def test_the_offset_is_now_less_the_round_trips_midpoint():
@@ -51,3 +53,33 @@ def test_no_deadline_without_a_measured_clock_or_for_a_server_that_says_no_time(
     assert remote._deadline() == (None, None)
     remote._hello = None  # (between a lost server and the next hello)
     assert remote._deadline() == (None, None)
+
+
+def test_a_slow_rehello_keeps_the_offset_measured_for_the_same_machine(remote):
+    remote._clock, remote._hello_host = 30.0, "elsewhere"
+    slow = 1.0 + 2 * _CLOCK_ERROR_S  # answered too late to measure by
+    assert remote._clock_of({"now": 131.0, "host_id": "elsewhere"}, 100.0, 100.0 + slow) \
+        == 30.0
+    assert remote._clock_of({"now": 131.0, "host_id": "another"}, 100.0, 100.0 + slow) is None
+    assert remote._clock_of({"host_id": "elsewhere"}, 100.0, 100.1) is None  # older server
+    assert remote._clock_of({"now": 110.05, "host_id": "another"}, 100.0, 100.1) \
+        == pytest.approx(10.0)
+
+
+def _refused(client, message: str):
+    """``client``'s commit answered ``busy`` with ``message`` (as the server words it)."""
+    def call(req, timeout_s=None):
+        raise BusyError(message)
+
+    client._rpc.call = call
+    deadline, wait = client._deadline()
+    with pytest.raises(BusyError):
+        client._call(p.Commit(rid=1, checksums=(1,), deadline=deadline), wait)
+
+
+def test_a_late_refusal_before_the_deadline_by_our_reckoning_forgets_the_offset(remote):
+    remote._clock, remote._hello_host = 0.0, "elsewhere"
+    _refused(remote, "server busy: the request would start after 2.5 s")  # overload
+    assert remote._clock == 0.0 and remote._hello is not None
+    _refused(remote, f"commit reached the store 31.0 s {LATE_WRITE}: nothing stored")
+    assert remote._clock is None and remote._hello is None  # measured again at hello

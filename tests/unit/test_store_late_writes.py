@@ -105,14 +105,19 @@ def test_a_reserve_that_runs_late_making_room_holds_nothing(store, monkeypatch):
     assert where(store) == {1: "dram", 3: "dram"}
 
 
-def test_a_commit_that_runs_late_hashing_stores_nothing(tmp_path, monkeypatch):
-    """Inline checks: a commit in time when it took the lock but late once its
-    entries were hashed is refused, and nothing of it is stored."""
+@pytest.mark.parametrize("op", ["commit", "put"])
+def test_a_write_that_runs_late_hashing_stores_nothing(tmp_path, monkeypatch, op):
+    """Inline checks: a commit (or put) in time when it took the lock but late once
+    its entries were hashed is refused; nothing of it is stored, its reservation
+    (or room) given back once."""
     cfg = store_config(tmp_path / "data", dram=16, verify_commits="inline")
-    store = Store(cfg)
+    store = Store(cfg.replace(policy={"room_fraction": 0.5}))
     try:
-        res = reserve(store, [1])
-        store.write(res.id, 0, data(1))
+        if op == "commit":
+            res = reserve(store, [1])
+            store.write(res.id, 0, data(1))
+        else:
+            room = store.grant_room(2 * ENTRY)
         io = store._writes.io  # (what the commit hashes with)
         sums = io.checksums
 
@@ -122,10 +127,14 @@ def test_a_commit_that_runs_late_hashing_stores_nothing(tmp_path, monkeypatch):
             return got
 
         monkeypatch.setattr(io, "checksums", slow)
-        with pytest.raises(BusyError, match="commit reached the store"):
-            store.commit(res.id, [checksum(data(1))], deadline=time.time() + 0.1)
+        with pytest.raises(BusyError, match=f"{op} reached the store"):
+            if op == "commit":
+                store.commit(res.id, [checksum(data(1))], deadline=time.time() + 0.1)
+            else:
+                put_into(store, room, [1], deadline=time.time() + 0.1)
         stats = store.stats()
-        assert (stats["reservations"], stats["late_writes"], stats["commits"]) == (0, 1, 0)
+        assert (stats["reservations"], stats["rooms"], stats["late_writes"],
+                stats["commits"]) == (0, 0, 1, 0)
         assert where(store) == {} and stats["tiers"]["dram"]["used"] == 0
         store.check_integrity()
     finally:
