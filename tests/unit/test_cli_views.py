@@ -9,7 +9,7 @@ STATS = {"tiers": {"nvme": {"capacity": 4 << 30, "used": 1 << 30, "entries": 10,
          "evictions": 2, "demotions": 7, "stagings": 1, "checksum_failures": 1,
          "commit_checksum_failures": 1, "leases": 2, "leased_entries": 6, "reservations": 1,
          "pinned_entries": 0, "reservations_expired": 0, "leases_expired": 3,
-         "requests": 99, "errors": 1, "uptime_s": 3700}
+         "requests": 99, "errors": 1, "busy": 5, "late_writes": 2, "uptime_s": 3700}
 
 
 def test_stats_view_shows_tiers_in_order_with_rates():
@@ -24,6 +24,7 @@ def test_stats_view_shows_tiers_in_order_with_rates():
     assert "4 / 4 (hit rate 50.0%)" in text
     assert "3.0MiB / 1.0MiB" in text and "7 / 1" in text
     assert "checksum failures:" in text and "2 (6 entries)" in text and "99 (1)" in text
+    assert "busy / late writes:" in text and "5 / 2" in text
 
 
 def test_stats_view_tolerates_missing_fields():
