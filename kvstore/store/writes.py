@@ -129,9 +129,9 @@ class Writes(Operations):
                      deadline: float | None = None, what: str = "commit") -> CommitResult:
         """Commit open reservation ``op``, whose entries ``new`` were written with
         checksums ``sums``: checked now, or by the scrub soon (``verify_commits``).
-        Past ``deadline`` (once hashed), ``op`` is closed and nothing stored."""
+        Past ``deadline`` once hashed inline, ``op`` is closed and nothing stored (the
+        caller checked it before: without hashing nothing slow came since)."""
         if self.config.store.verify_commits == "background":
-            self._refuse_late(deadline, what, lambda: self.close_reservation(op))
             result = self._commit_verified(op, new, sums, pin)
             for i, s in zip(new, sums):  # Store.scrub_step hashes them soon
                 self.catalog.unchecked[op.keys[i]] = s
