@@ -52,18 +52,19 @@ def reserve(store: Store, req: p.Reserve) -> dict:
 
 
 def commit(store: Store, req: p.Commit) -> dict:
-    res = store.commit(req.rid, list(req.checksums), pin=req.pin, deadline=req.deadline)
-    return {"new": res.new, "deduped": res.deduped, "lost": res.lost,
-            "room": _room(store.grant_room(req.next_room or 0))}
+    res = store.commit(req.rid, list(req.checksums), pin=req.pin, deadline=req.deadline,
+                       next_room=req.next_room or 0)
+    return {"new": res.new, "deduped": res.deduped, "lost": res.lost, "room": _room(res.room)}
 
 
 def put(store: Store, req: p.Put) -> dict:
     res = store.put(req.room, list(req.keys), list(req.sizes), list(req.tokens),
                     list(req.offsets), list(req.checksums),
                     meta=None if req.meta is None else list(req.meta), skip=req.skip,
-                    pin=req.pin, namespace=req.namespace or b"", deadline=req.deadline)
+                    pin=req.pin, namespace=req.namespace or b"", deadline=req.deadline,
+                    next_room=req.next_room or 0)
     return {"new": res.new, "deduped": res.deduped, "lost": res.lost,
-            "existing": list(res.existing), "room": _room(store.grant_room(req.next_room or 0))}
+            "existing": list(res.existing), "room": _room(res.room)}
 
 
 def _room(room: RoomGrant | None) -> list | None:

@@ -160,18 +160,20 @@ class Store:
         self._writes.write(reservation_id, index, data)
 
     def commit(self, reservation_id: int, checksums: Sequence[int],
-               pin: bool = False, deadline: float | None = None) -> CommitResult:
+               pin: bool = False, deadline: float | None = None,
+               next_room: int = 0) -> CommitResult:
         """Verify the written bytes and make the entries visible (``Writes.commit``)."""
-        return self._writes.commit(reservation_id, checksums, pin, deadline)
+        return self._writes.commit(reservation_id, checksums, pin, deadline, next_room)
 
     def put(self, room_id: int, keys: Sequence[bytes], sizes: Sequence[int],
             tokens: Sequence[bytes], offsets: Sequence[int], checksums: Sequence[int],
             meta: Sequence[bytes | None] | None = None, skip: int = 0, pin: bool = False,
-            namespace: bytes = b"", deadline: float | None = None) -> PutResult:
+            namespace: bytes = b"", deadline: float | None = None,
+            next_room: int = 0) -> PutResult:
         """Store entries already copied into a room: reserve + commit in one step
         (``Writes.put``)."""
         return self._writes.put(room_id, keys, sizes, tokens, offsets, checksums, meta, skip,
-                                pin, namespace, deadline)
+                                pin, namespace, deadline, next_room)
 
     def grant_room(self, nbytes: int) -> RoomGrant | None:
         """Room for a writer's next insert, from free space only (``Writes.grant_room``)."""

@@ -52,6 +52,7 @@ class CommitResult(NamedTuple):
     new: int  # entries made visible by this commit
     deduped: int  # existing entries whose pending-consumer count was bumped
     lost: int = 0  # deduped onto another writer that gave up; not stored
+    room: RoomGrant | None = None  # for the writer's next insert (``next_room``)
 
 
 class PutResult(NamedTuple):
@@ -61,6 +62,7 @@ class PutResult(NamedTuple):
     # Positions (in the put's keys) whose bytes it did not store: the key was stored
     # already, being written by another writer, or repeated in the put.
     existing: tuple[int, ...]
+    room: RoomGrant | None = None  # as CommitResult's
 
 
 class LookupResult(NamedTuple):

@@ -111,19 +111,23 @@ class Writes(Operations):
             self.io.write(ext, memoryview(data))
 
     def commit(self, reservation_id: int, checksums: Sequence[int],
-               pin: bool = False, deadline: float | None = None) -> CommitResult:
+               pin: bool = False, deadline: float | None = None,
+               next_room: int = 0) -> CommitResult:
         """Verify the written bytes and make the reservation's entries visible.
 
         ``pin``: pin every entry this commit stores or dedups onto, in the same
         locked step, so no eviction can come between the entry appearing and its
         pin (a separate ``pin`` call races room-making by other writers).
-        ``deadline``: reached later, the reservation is aborted (``_refuse_late``)."""
+        ``deadline``: reached later, the reservation is aborted (``_refuse_late``).
+        ``next_room``: bytes of room to grant the writer for its next insert, in the
+        same locked step (``grant_room``; ``room`` in the result)."""
         with self.lock:
             op = self.holds.open_reservation(reservation_id)
             self._refuse_late(deadline, "commit", lambda: self.close_reservation(op))
             new = [i for i, e in enumerate(op.extents) if e is not None]
             sums = _match_checksums(checksums, len(op.keys), new)
-            return self._commit_open(op, new, sums, pin, deadline, "commit")
+            done = self._commit_open(op, new, sums, pin, deadline, "commit")
+            return done._replace(room=self.grant_room(next_room))
 
     def _commit_open(self, op: Open, new: list[int], sums: list[int], pin: bool,
                      deadline: float | None = None, what: str = "commit") -> CommitResult:
@@ -162,8 +166,8 @@ class Writes(Operations):
     def grant_room(self, nbytes: int) -> RoomGrant | None:
         """A room of ``nbytes`` (page-rounded) in the DRAM tier, or None: 0 asked,
         rooms off, or not that much free below the high watermark and the room
-        share. (The server grants one with each commit and put that asks:
-        ``next_room``.)"""
+        share. (Commit and put grant one in their own locked step when the writer
+        asks: ``next_room``.)"""
         if nbytes <= 0 or self.config.policy.room_fraction <= 0:
             return None
         with self.lock:
@@ -180,10 +184,12 @@ class Writes(Operations):
     def put(self, room_id: int, keys: Sequence[bytes], sizes: Sequence[int],
             tokens: Sequence[bytes], offsets: Sequence[int], checksums: Sequence[int],
             meta: Sequence[bytes | None] | None = None, skip: int = 0, pin: bool = False,
-            namespace: bytes = b"", deadline: float | None = None) -> PutResult:
+            namespace: bytes = b"", deadline: float | None = None,
+            next_room: int = 0) -> PutResult:
         """Store entries a writer has already copied into room ``room_id``: the
         reserve and the commit of ``keys`` in one step. ``deadline``: reached later,
-        the room goes back (``_refuse_late``).
+        the room goes back (``_refuse_late``). ``next_room``: as ``commit``'s (the
+        new room is granted once this one is spent).
 
         ``offsets`` and ``checksums`` are given for ``keys[skip:]`` (the first
         ``skip`` keys carry no bytes: the writer found them stored; if one is not,
@@ -234,7 +240,9 @@ class Writes(Operations):
                 if op.id in self.holds.reservations:  # not stored: the room is spent anyway
                     self.close_reservation(op)
                 raise
-            return PutResult(*result, tuple(i for i in range(skip, n) if op.extents[i] is None))
+            return PutResult(result.new, result.deduped, result.lost,
+                             tuple(i for i in range(skip, n) if op.extents[i] is None),
+                             self.grant_room(next_room))
 
     def close_room(self, room_id: int) -> None:
         """Give room ``room_id`` back (reaped, or its writer is done with it)."""

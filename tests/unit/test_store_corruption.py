@@ -5,6 +5,7 @@ import os
 import pytest
 
 from kvstore.core.errors import ChecksumError, InvalidRequestError
+from kvstore.store.types import CommitResult
 from tests.unit.conftest import key, put, toks, where
 
 
@@ -96,7 +97,7 @@ def test_a_writer_deduping_onto_a_colliding_key_stores_nothing(make_store):
     put(store, [1])
     res = store.reserve([key(1)], [4096], [toks(2)])  # same key, other tokens
     assert res.placements == [None]
-    assert store.commit(res.id, [0]) == (0, 0, 1)
+    assert store.commit(res.id, [0]) == CommitResult(0, 0, 1)
     assert [r.pending for r in store.entries()] == [1]
 
 

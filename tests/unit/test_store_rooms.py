@@ -72,10 +72,10 @@ def test_a_put_stores_what_was_written_into_the_room_and_frees_the_rest(open_sto
     assert store.stats()["tiers"]["dram"]["used"] == 4 * ENTRY  # held, for no key yet
     store.check_integrity()
 
-    res = put_into(store, room, [1, 2])
+    res = put_into(store, room, [1, 2], next_room=3 * ENTRY)  # as the server asks it
     assert (res.new, res.deduped, res.lost, res.existing) == (2, 0, 0, ())
     assert read_back(store, [1, 2]) == [data(1), data(2)]
-    nxt = store.grant_room(3 * ENTRY)  # what the server asks for with the put's reply
+    nxt = res.room  # granted in the put's own locked step
     assert nxt is not None and nxt.id != room.id and nxt.nbytes == 3 * ENTRY
     # two entries and the next room: the room's other two pages went back
     assert store.stats()["tiers"]["dram"]["used"] == 5 * ENTRY
@@ -261,3 +261,23 @@ def test_a_put_the_index_refuses_leaves_no_trace_on_other_writers(open_store, mo
     store.commit(other.id, [checksum(data(2))])
     rec = store.catalog.records[key(2)]
     assert (rec.pending, rec.pins) == (1, 0)
+
+
+def test_a_commit_grants_the_next_room_and_a_refused_put_grants_none(open_store):
+    """``next_room`` is granted in the same locked step as the commit or put that
+    asks for it, and only when that stored: a put refused (its room spent, a
+    skipped block missing) leaves no room behind for a writer that reserves anew."""
+    store = open_store()
+    res = store.reserve([key(1)], [ENTRY], [toks(1)])
+    store.write(res.id, 0, data(1))
+    done = store.commit(res.id, [checksum(data(1))], next_room=2 * ENTRY)
+    assert (done.new, done.deduped, done.lost) == (1, 0, 0)
+    assert done.room is not None and done.room.nbytes == 2 * ENTRY
+    assert store.stats()["rooms"] == 1
+
+    with pytest.raises(NotFoundError):  # skips block 9, which was never stored
+        store.put(done.room.id, [key(9), key(2)], [ENTRY] * 2, [toks(9), toks(2)],
+                  [0], [checksum(data(2))], skip=1, next_room=2 * ENTRY)
+    assert store.stats()["rooms"] == 0 and store.stats()["room_bytes"] == 0
+    store.check_integrity()
+    assert read_back(store, [1]) == [data(1)]

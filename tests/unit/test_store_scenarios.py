@@ -17,6 +17,7 @@ from kvstore.core.errors import (
 )
 from kvstore.core.hashing import checksum
 from kvstore.store.facade import Store
+from kvstore.store.types import CommitResult
 from tests.unit.conftest import ENTRY, data, key, put, store_config, toks, where
 
 
@@ -31,7 +32,7 @@ def touch(store, ids):
 # ------------------------------------------------------------------ basics
 def test_store_then_acquire_serves_the_bytes(make_store):
     store = make_store(dram=4)
-    assert put(store, [1, 2, 3]) == (3, 0, 0)
+    assert put(store, [1, 2, 3]) == CommitResult(3, 0, 0)
     lk = store.lookup([key(i) for i in (1, 2, 3, 4)], [toks(i) for i in (1, 2, 3, 4)])
     assert (lk.matched_blocks, lk.matched_tokens, lk.tiers) == (3, 48, ["dram"] * 3)
     acq = acquire(store, [1, 2, 3, 4])
@@ -186,7 +187,7 @@ def test_dedup_two_consumers_each_get_it_then_it_goes(make_store):
     res = store.reserve([key(i) for i in (1, 2, 3)], [ENTRY] * 3, [toks(i) for i in (1, 2, 3)])
     assert [p is None for p in res.placements] == [True, True, False]
     store.write(res.id, 2, data(3))
-    assert store.commit(res.id, [0, 0, checksum(data(3))]) == (1, 2, 0)
+    assert store.commit(res.id, [0, 0, checksum(data(3))]) == CommitResult(1, 2, 0)
     first, second = acquire(store, [1, 2]), acquire(store, [1, 2])
     assert store.release(first.id, drop=True) == 0  # one consumer still to come
     assert store.read(second.id, 1) == data(2)
@@ -200,7 +201,7 @@ def test_dedup_onto_an_in_flight_writer(make_store):
     a = store.reserve([key(5)], [ENTRY], [toks(5)])
     b = store.reserve([key(5)], [ENTRY], [toks(5)])
     assert b.placements == [None]
-    assert store.commit(b.id, [0]) == (0, 1, 0)
+    assert store.commit(b.id, [0]) == CommitResult(0, 1, 0)
     store.write(a.id, 0, data(5))
     store.commit(a.id, [checksum(data(5))])
     assert [r.pending for r in store.entries()] == [2]
@@ -212,7 +213,7 @@ def test_dedup_onto_a_writer_that_aborts_is_lost(make_store):
     a = store.reserve([key(5)], [ENTRY], [toks(5)])
     b = store.reserve([key(5)], [ENTRY], [toks(5)])
     store.abort(a.id)
-    assert store.commit(b.id, [0]) == (0, 0, 1)
+    assert store.commit(b.id, [0]) == CommitResult(0, 0, 1)
     assert where(store) == {}
 
 
@@ -223,7 +224,7 @@ def test_deduped_entry_is_not_evicted_to_make_room_for_its_own_batch(make_store)
     put(store, [1, 2])
     touch(store, [2])
     touch(store, [1])
-    assert put(store, [2, 3]) == (1, 1, 0)
+    assert put(store, [2, 3]) == CommitResult(1, 1, 0)
     assert sorted(where(store)) == [2, 3]
 
 
