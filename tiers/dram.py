@@ -7,7 +7,9 @@ bytes and memcpy an insert straight into a reserved extent, with no TE transfer.
 Without it the arena is an anonymous mapping. Either way mmap gives page alignment.
 Where CUDA exists *and torch is already imported* the arena is pinned
 (cudaHostRegister) so GPU copies are DMA; see ``_cuda_host_register`` for why the
-tier never imports torch itself.
+tier never imports torch itself. Otherwise, with ``prefault``, a background thread
+maps every page of the arena into this process (``tiers.prefault``), so neither a
+copy nor TE's send from it takes a page fault on the request path.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 from tiers.errors import ConfigError, InvalidRequestError
 from tiers.arena import ArenaTier
 from tiers.base import Extent, MemoryRegion
+from tiers.prefault import Prefault
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +142,8 @@ class DramTier(ArenaTier):
     name = "dram"
     volatile = True
 
-    def __init__(self, capacity: int, shared_path: str | None = None) -> None:
+    def __init__(self, capacity: int, shared_path: str | None = None,
+                 prefault: bool = False) -> None:
         memory = physical_memory()
         if memory is not None and capacity > memory:
             raise ConfigError(f"dram tier of {format_bytes(capacity)} exceeds this machine's "
@@ -150,6 +154,8 @@ class DramTier(ArenaTier):
         self._arr: np.ndarray | None = np.frombuffer(self._mm, dtype=np.uint8)
         self._base = int(self._arr.ctypes.data)
         self.pinned = _cuda_host_register(self._base, self.capacity)
+        # (pinning has mapped every page already)
+        self.prefault = Prefault(self._arr, "dram") if prefault and not self.pinned else None
         log.info("dram tier: %s bytes at %#x (%s, pinned=%s)", self.capacity, self._base,
                  shared_path or "anonymous", self.pinned)
 
@@ -192,6 +198,8 @@ class DramTier(ArenaTier):
     def close(self) -> None:
         if self._mm is None:
             return
+        if self.prefault is not None:
+            self.prefault.stop()  # its chunk in progress holds a view of the arena
         if self.pinned:
             _cuda_host_unregister(self._base)
             self.pinned = False

@@ -161,10 +161,12 @@ class DataPath:
                  observer: Callable[[str, float, bool], None] | None = None,
                  timeout_s: float | None = None, engine: TeEngine | None = None,
                  protocol: str = "tcp", devices: str | Sequence[str] = "",
-                 piece_bytes: int = WHOLE_RUNS, wait: str = "sleep") -> None:
+                 piece_bytes: int = WHOLE_RUNS, wait: str = "sleep",
+                 prefault: bool = True) -> None:
         if same_node not in (True, False, "auto"):
             raise ConfigError(f"same_node must be True, False or 'auto', got {same_node!r}")
         self.same_node = same_node
+        self.prefault = prefault  # the server's arena, once mapped (kvstore.client.shm)
         self.observer = observer
         self.segment: Segment | None = None
         self._owns_engine = engine is None
@@ -189,7 +191,7 @@ class DataPath:
         if self.same_node and dram is not None:
             from kvstore.client.shm import map_shared
 
-            shm = map_shared(dram["path"], int(dram["nbytes"]))
+            shm = map_shared(dram["path"], int(dram["nbytes"]), self.prefault)
             log.info("same-node fast path: mapped %s (%s bytes)", dram["path"], dram["nbytes"])
         self.segment = Segment(hello["segment"], shm)
         transport = self.engine.transport

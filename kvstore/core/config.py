@@ -88,6 +88,7 @@ class TiersConfig:
     dram_bytes: Size = 1 << 30
     # Back the DRAM arena with a shared-memory file so same-node clients memcpy into it.
     dram_shared: bool = True
+    dram_prefault: bool = True
     nvme_bytes: Size = 4 << 30
     nvme_path: str = ""  # slab file or block device; default <data_dir>/nvme.slab
     nvme_direct: str = "auto"  # auto | on | off  (O_DIRECT)
@@ -201,6 +202,7 @@ class ClientConfig:
     staging_bytes: Size = 256 << 20
     te_piece_bytes: Size = 0  # 0: chosen by te_wait; N: N-byte pieces
     te_wait: str = "sleep"  # sleep / yield: streamed async pieces; spin: TE's sync calls
+    prefault_arena: bool = True
     curve_server_public_key: str = ""
     curve_secret_key: str = ""
     etcd: str = ""

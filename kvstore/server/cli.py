@@ -35,6 +35,7 @@ _FLAGS = {
     "reservation_lease": ("store", "reservation_lease_s"), "read_lease": ("store", "read_lease_s"),
     "verify_commits": ("store", "verify_commits"),
     "dram": ("tiers", "dram_bytes"), "dram_shared": ("tiers", "dram_shared"),
+    "dram_prefault": ("tiers", "dram_prefault"),
     "local_socket": ("server", "local_socket"),
     "nvme": ("tiers", "nvme_bytes"), "nvme_path": ("tiers", "nvme_path"),
     "nvme_direct": ("tiers", "nvme_direct"), "nvme_fsync": ("tiers", "nvme_fsync"),
@@ -149,6 +150,8 @@ def _serve(cfg: KVStoreConfig) -> int:
 @click.option("--dram", help="DRAM tier size, e.g. 8GiB; 0 disables. [1GiB]")
 @click.option("--dram-shared/--no-dram-shared", default=None,
               help="Back DRAM with a /dev/shm file so same-node clients memcpy. [on]")
+@click.option("--dram-prefault/--no-dram-prefault", default=None,
+              help="Map every DRAM page into the server in the background from start. [on]")
 @click.option("--local-socket/--no-local-socket", default=None,
               help="A Unix socket beside that file for same-node clients' requests. [on]")
 @click.option("--nvme", help="NVMe tier size; 0 disables. [4GiB]")

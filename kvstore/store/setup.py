@@ -146,7 +146,8 @@ def build_tiers(config: KVStoreConfig, data_dir: Path) -> dict[str, Tier]:
             from tiers.dram import DramTier
 
             shared = dram_shared_path(data_dir) if t.dram_shared else None
-            tiers["dram"] = DramTier(t.dram_bytes, shared_path=shared)
+            tiers["dram"] = DramTier(t.dram_bytes, shared_path=shared,
+                                     prefault=t.dram_prefault)
         if t.nvme_bytes > 0:
             from tiers.nvme import NvmeTier
 

@@ -26,7 +26,8 @@ RULES: dict[str, tuple[str, ...]] = {
     "tiers": (),
     "kvstore.core": ("tiers.errors",),
     "kvstore.transport": ("kvstore.core",),
-    "kvstore.client": ("kvstore.core", "kvstore.transport"),
+    # (tiers.prefault: mapping the server's arena ahead of use, as the DRAM tier does)
+    "kvstore.client": ("kvstore.core", "kvstore.transport", "tiers.prefault"),
     "kvstore.cluster": ("kvstore.core", "kvstore.client", "kvstore.transport"),
     "kvstore.cluster.membership": ("kvstore.core", "kvstore.cluster.etcd"),
     "kvstore.cluster.etcd": ("kvstore.core",),

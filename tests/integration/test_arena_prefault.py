@@ -1,0 +1,62 @@
+"""The DRAM arena's pages are mapped ahead of use, in the server and in a same-node
+client, unless configured off: real server processes, their page tables read from
+/proc/<pid>/smaps, and every prompt read back byte for byte."""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+
+import numpy as np
+import pytest
+
+from kvstore.core.config import ClientConfig
+from tests.integration.conftest import LAYOUT, make_kv
+from tests.unit.test_prefault import mapped_kib
+
+pytestmark = pytest.mark.timeout(120)
+
+ARENA = 64 << 20
+TOKENS = 3 * LAYOUT.block_tokens
+
+
+def _arena_of(srv) -> str:
+    (path,) = glob.glob(f"/dev/shm/kvstore-*-{srv.proc.pid}")
+    return path
+
+
+def _wait_mapped(path: str, pid: int | str, kib: int, within_s: float = 60.0) -> int | None:
+    deadline = time.monotonic() + within_s
+    while (got := mapped_kib(path, pid)) != kib and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return got
+
+
+def _round_trip(writer, reader) -> None:
+    tokens = list(range(TOKENS))
+    writer.insert(tokens, make_kv(TOKENS, seed=5))
+    got = reader.drop_select(tokens)
+    assert got.matched_tokens == TOKENS
+    assert np.array_equal(got.kv.numpy(), make_kv(TOKENS, seed=5))
+
+
+def test_server_and_same_node_client_map_the_whole_arena_ahead(server_factory, client_factory):
+    srv = server_factory(dram="64MiB", nvme="0")
+    path = _arena_of(srv)
+    assert _wait_mapped(path, srv.proc.pid, ARENA // 1024) == ARENA // 1024
+    writer = client_factory(srv, same_node=True)
+    _round_trip(writer, client_factory(srv, same_node=False))
+    assert _wait_mapped(path, "self", ARENA // 1024) == ARENA // 1024
+
+
+def test_with_prefault_off_pages_are_mapped_only_when_used(server_factory, client_factory):
+    srv = server_factory(dram="64MiB", nvme="0", extra=("--no-dram-prefault",))
+    path = _arena_of(srv)
+    writer = client_factory(srv, same_node=True, config=ClientConfig(prefault_arena=False))
+    _round_trip(writer, client_factory(srv, same_node=False))
+    time.sleep(1.0)
+    # A few blocks, a room and what the server's own threads touched: far from all.
+    assert mapped_kib(path, srv.proc.pid) < ARENA // 1024 // 4
+    assert mapped_kib(path, "self") < ARENA // 1024 // 4
+    assert os.path.exists(path)
