@@ -1,4 +1,5 @@
-"""tools/bench/parts.py runs on both data paths and reports every part (no speeds asserted)."""
+"""tools/bench/parts.py runs on both data paths and reports every part; levers and prefault
+time every variant (no speeds asserted)."""
 
 import pytest
 
@@ -26,3 +27,13 @@ def test_bench_levers_times_every_variant_and_moves_the_whole_prompt():
     result = levers("small", 64, reps=1)  # raises if a get came back short
     assert list(result["put"]) == list(PUTS) and list(result["get"]) == list(GETS)
     assert all(ms > 0 for op in result.values() for ms in op.values())
+
+
+def test_bench_prefault_times_both_variants_on_fresh_pages():
+    from tools.bench.prefault import VARIANTS
+    from tools.bench.prefault import run as prefault
+
+    result = prefault("small", 256, reps=3, arena=64 << 20)  # raises if a get came back short
+    for op in ("insert", "get"):
+        assert list(result[op]) == list(VARIANTS)
+        assert all(len(ms) == 3 and min(ms) > 0 for ms in result[op].values())
