@@ -87,8 +87,12 @@ class _Room(NamedTuple):
     address: int | None
     page: int
     usable_until: float  # time.monotonic(): half its lease after it was asked for
-    hello: int  # the hello it was granted under (KVStoreClient._hellos)
     expires: float  # time.monotonic(): its whole lease after it was asked for
+    # The server's arena as mapped when the request that got the room was sent: the
+    # copy into the room goes through this mapping, the granting server's own file,
+    # whatever hello another thread says meanwhile (a restarted server's new arena
+    # is never written at this room's offsets).
+    segment: Segment
 
 
 class _Prompt(NamedTuple):
@@ -154,7 +158,7 @@ class KVStoreClient:
         self._rpc = Control(Channel(self.server, self.timeout_s, curve=curve))
         self._hello: dict[str, Any] | None = None
         self._hello_lock = threading.Lock()
-        self._hellos = 0  # hellos said: a room is only good under the one it came with
+        self._hellos = 0  # hellos said (a late write's clock check, _call)
         self._clock: float | None = None  # the server's wall clock less ours (hello)
         self._hello_host: str | None = None  # the host_id that offset was measured for
         # The room the server holds for this client's next insert (one at a time;
@@ -188,18 +192,27 @@ class KVStoreClient:
                 # offset meanwhile is overwritten by this fresh one, not left half-done.
                 self._clock, self._hello_host = clock, info.get("host_id")
                 self._hello = hello = info
-                self._hellos += 1  # the server may be another process now: rooms are void
+                # The server may be another process now: a room held is void (its
+                # segment is no longer the data path's, _take_room).
+                self._hellos += 1
             return hello
 
     def _segment(self, current: str | None = None) -> Segment:
         """The server's data segment; ``current`` is the one a reply just named; if
-        it differs from ours the server restarted and we say hello again."""
+        it differs from ours the server restarted and we say hello again. If the
+        server found then is not ``current``'s either (it restarted once more, or
+        another thread's hello reached a new one), ``PeerUnavailableError``: what
+        that reply placed or leased is not in this server's arena."""
         hello = self._hello  # (read once: another thread may reset it)
         if current is not None and hello is not None and current != hello["segment"]:
             self._hello = None
         self.hello()
         segment = self._data.segment
         assert segment is not None  # hello() connected the data path
+        if current is not None and segment.name != current:
+            raise PeerUnavailableError(
+                f"server {self.server} is another process than the one that answered "
+                f"(segment {segment.name}, the reply's {current}): try again")
         return segment
 
     def _clock_of(self, info: dict[str, Any], sent: float, got: float) -> float | None:
@@ -350,7 +363,7 @@ class KVStoreClient:
             done = self._call(p.Commit(rid=rid, checksums=tuple(sums), xfer_s=moved,
                                        xfer_bytes=sum(pl[2] for _, pl in new), pin=pin,
                                        next_room=want, deadline=deadline), wait)
-            self._keep_room(done, asked)
+            self._keep_room(done, asked, seg)
         except PeerUnavailableError:
             self._hello = None  # TE or control plane lost the server
             self._abort(rid)
@@ -385,7 +398,7 @@ class KVStoreClient:
         skipped block (``insert`` then reserves)."""
         offsets, placements = _room_layout(room, sizes[skip:])
         try:
-            seg = self._segment()
+            seg = room.segment  # (not this moment's: _Room.segment)
             start = time.perf_counter()
             sums = self._data.write(seg, [b for b in buffers[skip:] if b is not None],
                                     placements)
@@ -419,7 +432,7 @@ class KVStoreClient:
             # still be held; give it back (if the put was applied, that is a no-op).
             self._give_back(room)
             raise
-        self._keep_room(done, asked)
+        self._keep_room(done, asked, room.segment)
         nblocks = len(prompt.keys)  # keys[nblocks:] is the hidden-state entry, if any
         existing = sum(first + j < nblocks for j in done.get("existing", ()))
         new_blocks = max(0, nblocks - skip) - existing
@@ -435,8 +448,8 @@ class KVStoreClient:
             room, self._room = self._room, None
         if room is None:
             return None
-        if time.monotonic() >= room.usable_until or room.hello != self._hellos \
-                or self._hello is None or not self._data.uses_shared_memory:
+        if time.monotonic() >= room.usable_until or room.segment is not self._data.segment \
+                or self._hello is None or room.segment.shm is None:
             # Reclaimed soon, or granted before the last hello (the server may have
             # restarted since): never written, and not worth a message.
             return None
@@ -445,17 +458,21 @@ class KVStoreClient:
             return None
         return room
 
-    def _keep_room(self, reply: dict[str, Any], asked: float) -> None:
+    def _keep_room(self, reply: dict[str, Any], asked: float, seg: Segment) -> None:
         """Hold the room a commit or put reply grants for the next insert. Its lease
         is counted from ``asked`` (time.monotonic() before the request was sent): the
         server granted it later than that, never earlier, so the client's idea of
-        its end is never later than the server's."""
+        its end is never later than the server's. ``seg``: the segment the request's
+        bytes went to; a reply from another server (its segment differs), or one
+        that comes after a new hello (the data path maps another arena now), is not
+        kept."""
         grant, segment = reply.get("room"), reply.get("segment")
-        if not grant or self._hello is None or segment != self._hello["segment"]:
+        if not grant or self._hello is None or segment != seg.name \
+                or seg is not self._data.segment or seg.shm is None:
             return
         rid, tier, offset, nbytes, address, page, lease_s = grant
         room = _Room(rid, tier, offset, nbytes, address, page, asked + lease_s / 2,
-                     self._hellos, asked + lease_s)
+                     asked + lease_s, seg)
         with self._room_lock:
             old, self._room = self._room, room
         if old is not None:  # another thread's insert got one meanwhile
@@ -520,7 +537,7 @@ class KVStoreClient:
 
         room = self._take_room(sizes[skip:])
         if room is not None:
-            seg = self._segment()
+            seg = room.segment  # (not this moment's: _Room.segment)
             if room.tier == "dram" and seg.shm is not None:
                 offsets, placements = _room_layout(room, sizes[skip:])
                 keys, toks = list(prompt.keys), list(prompt.tokens)
@@ -553,7 +570,7 @@ class KVStoreClient:
 
         def commit(sums: list[int], moved_s: float) -> InsertResult:
             nbytes = sum(placements[i][2] for i in new)
-            done = self._commit_parts(rid, sums, moved_s, nbytes, want)
+            done = self._commit_parts(rid, sums, moved_s, nbytes, want, seg)
             if done.get("lost"):
                 log.warning("%d of %d blocks not stored: their other writer aborted",
                             done["lost"], len(prompt.keys))
@@ -565,7 +582,7 @@ class KVStoreClient:
                              whole, commit)
 
     def _commit_parts(self, rid: int, sums: list[int], moved_s: float, nbytes: int,
-                      want: int) -> dict:
+                      want: int, seg: Segment) -> dict:
         deadline, wait = self._deadline()  # (begin_insert: a server on this node)
         asked = time.monotonic()
         try:
@@ -575,7 +592,7 @@ class KVStoreClient:
         except BaseException:
             self._abort(rid)
             raise
-        self._keep_room(done, asked)
+        self._keep_room(done, asked, seg)
         return done
 
     def _entry_bytes(self, kv: Any, ntokens: int) -> np.ndarray:

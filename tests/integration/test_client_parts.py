@@ -153,6 +153,41 @@ def test_a_layer_wise_insert_uses_the_clients_room_one_put(server_factory, clien
     assert writer.stats()["reservations"] == 0
 
 
+def test_layers_go_into_the_arena_of_the_server_that_granted_the_room(server_factory,
+                                                                      client_factory):
+    """The server restarts and another thread of the writer says hello to the new one
+    between taking the room and writing the layers: they land in the granting
+    server's (orphaned) arena, never at the room's offsets in the new server's, where
+    another writer's entries lie; the commit's put is refused, the prompt is stored
+    whole."""
+    srv = server_factory(dram="8MiB", nvme="0", reservation_lease=30)
+    writer = client_factory(srv, same_node=True)
+    writer.insert(_tokens(20), make_kv(len(_tokens(20)), seed=20))  # grants the room
+    srv.restart()
+    other = client_factory(srv, same_node=True)
+    for pid in range(100, 104):  # from offset 0, past where the room lay
+        other.insert(_tokens(pid), make_kv(len(_tokens(pid)), seed=pid))
+    take = writer._take_room
+
+    def take_then_hello(sizes):
+        taken = take(sizes)
+        writer._hello = None  # another thread's timeout, and its hello
+        writer.hello()
+        return taken
+
+    writer._take_room = take_then_hello
+    ops = record_ops(writer)
+    pending, data = _layer_by_layer(writer, 21)
+    res = pending.commit(data)
+    assert ops == ["put", "reserve", "commit"], ops
+    assert res.new_blocks == 4
+    reader = client_factory(srv, same_node=False)
+    for pid in (21, *range(100, 104)):
+        got = reader.drop_select(_tokens(pid))
+        assert got.matched_tokens == len(_tokens(pid))
+        assert np.array_equal(got.kv.numpy(), make_kv(len(_tokens(pid)), seed=pid))
+
+
 def test_a_room_whose_lease_runs_out_is_never_written_and_the_insert_is_whole(
         server_factory, client_factory):
     """With a 4 s lease a room is written for at most 3 s after it was asked for: a layer

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.core.errors import (BusyError, KVTimeoutError, NotFoundError,
+from kvstore.core.errors import (BusyError, KVStoreError, KVTimeoutError, NotFoundError,
                                  PeerUnavailableError, TierFullError)
 from kvstore.core.layout import KVLayout
 from tests.integration.conftest import LAYOUT, make_kv, record_ops
@@ -150,6 +150,77 @@ def test_a_room_of_a_restarted_server_is_never_written(server_factory, client_fa
     assert ops == ["put", "reserve", "commit"], ops
     assert writer._data.segment.shm is not old_arena
     _read_back(client_factory(srv, same_node=False), 2)
+
+
+def test_a_hello_between_taking_a_room_and_copying_never_writes_the_new_servers_arena(
+        server_factory, client_factory):
+    """Another thread of the writer says hello to a restarted server after this insert
+    took its room and before it copies: the copy still goes through the granting
+    server's arena (orphaned now), never at the room's offsets in the new server's
+    arena, where another writer's entries lie; the insert then reserves anew."""
+    srv = server_factory(dram="8MiB", nvme="0", reservation_lease=30)
+    writer = client_factory(srv)
+    writer.insert(_tokens(1), make_kv(TOKENS, seed=1))
+    room = writer._room
+    assert room is not None
+    srv.restart()
+    other = client_factory(srv)
+    stored, pid = 0, 100
+    while stored < room.offset + room.nbytes + LAYOUT.nbytes(TOKENS):  # past the room
+        stored += other.insert(_tokens(pid), make_kv(TOKENS, seed=pid)).nbytes
+        pid += 1
+    others = range(100, pid)
+    take = writer._take_room
+
+    def take_then_hello(sizes):
+        taken = take(sizes)
+        writer._hello = None  # what another thread's timeout does, and its hello:
+        writer.hello()        # the data path maps the new server's arena now
+        return taken
+
+    writer._take_room = take_then_hello
+    ops = record_ops(writer)
+    writer.insert(_tokens(2), make_kv(TOKENS, seed=2))
+    assert ops == ["put", "reserve", "commit"], ops  # the room was tried, then refused
+    reader = client_factory(srv, same_node=False)
+    for p in (2, *others):
+        _read_back(reader, p)
+
+
+def test_placements_of_a_server_a_new_hello_no_longer_finds_are_never_written(
+        server_factory, client_factory):
+    """No rooms: the insert reserves on one server process, another thread's hello
+    then finds a restarted one before the copy. The reply's placements are the old
+    server's: the insert fails as the peer being gone (a miss to retry), and the new
+    server's arena, where another writer's entries lie at those offsets, is not
+    touched."""
+    srv = server_factory(dram="8MiB", nvme="0", env={"KVSTORE_POLICY_ROOM_FRACTION": "0"})
+    writer = client_factory(srv)
+    writer.insert(_tokens(1), make_kv(TOKENS, seed=1))
+    reserve = writer._reserve
+    others: list[int] = []
+
+    def reserve_then_restart(*args, **kwargs):
+        reserved = reserve(*args, **kwargs)
+        srv.restart()
+        other = client_factory(srv)
+        for pid in range(100, 104):  # from offset 0, past the placements (the 2nd prompt's)
+            other.insert(_tokens(pid), make_kv(TOKENS, seed=pid))
+            others.append(pid)
+        writer._hello = None  # another thread's timeout, and its hello
+        writer.hello()
+        return reserved
+
+    writer._reserve = reserve_then_restart
+    error: Exception | None = None
+    try:
+        writer.insert(_tokens(2), make_kv(TOKENS, seed=2))
+    except KVStoreError as exc:
+        error = exc
+    reader = client_factory(srv, same_node=False)
+    for pid in others:  # not one byte of theirs was overwritten
+        _read_back(reader, pid)
+    assert isinstance(error, PeerUnavailableError) and "another process" in str(error), error
 
 
 def test_a_room_granted_before_the_client_said_hello_again_is_dropped(server_factory,
