@@ -110,6 +110,10 @@ class Prefault:
         finally:
             self.done.set()
 
+    def covers(self, array: np.ndarray) -> bool:
+        """Whether this job populates ``array`` (the very array it was given)."""
+        return self._array() is array
+
     def stop(self, timeout: float | None = 5.0) -> None:
         self._stop.set()
         if self._thread is not threading.current_thread():

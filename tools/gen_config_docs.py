@@ -102,11 +102,14 @@ HELP = {
                              "under 16 MiB; spin: one transfer per run of entries "
                              "contiguous on both sides); N, N-byte pieces (N >= 64KiB).",
     "client.prefault_arena": "A client on the server's node maps the server's shared "
-                             "DRAM arena into its own process: map every page of that "
-                             "mapping in the background once it is made (as "
-                             "`tiers.dram_prefault` does in the server), so the first "
-                             "insert into each part of the arena does not take a page "
-                             "fault per 4 KiB. Off: pages fault on first use.",
+                             "DRAM arena into its own process: from its first copy "
+                             "through it (an insert or a drop_select), map every page "
+                             "of that mapping in the background (as "
+                             "`tiers.dram_prefault` does in the server), so the next "
+                             "copies into each part of the arena do not take a page "
+                             "fault per 4 KiB. A client that never copies (a "
+                             "scheduler's lookups) never does. Off: pages fault on "
+                             "first use.",
     "client.te_wait": "How the client waits for TE: `sleep` (default), the pieces in "
                       "flight together as async batches, each hashed as it lands, the "
                       "wait sleeping ~30 us between polls after the first 1 ms; "

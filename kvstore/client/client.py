@@ -549,6 +549,7 @@ class KVStoreClient:
                 # Written only before the room's lease ends (less a margin): after it,
                 # the server may have given those bytes to another entry.
                 lease = 2 * (room.expires - room.usable_until)
+                self._data.warm(seg.shm)
                 return PendingInsert(self, seg.shm, room.id, prompt, [None] * skip + placements,
                                      skip, self.layout, _write_until(room.expires, lease),
                                      whole, put)
@@ -578,6 +579,7 @@ class KVStoreClient:
             return InsertResult(new_blocks, len(prompt.keys) - new_blocks, prompt.ntokens,
                                 nbytes)
 
+        self._data.warm(seg.shm)
         return PendingInsert(self, seg.shm, rid, prompt, placements, skip, self.layout, until,
                              whole, commit)
 

@@ -40,6 +40,7 @@ from kvstore.core.hashing import checksum
 from kvstore.core.nodeid import host_id
 from kvstore.transport.env import check_protocol
 from kvstore.transport.ranges import STREAM_NAP_S, coalesce, split, stream_piece
+from tiers.prefault import Prefault
 
 if TYPE_CHECKING:
     from kvstore.transport.te import Transport
@@ -166,7 +167,12 @@ class DataPath:
         if same_node not in (True, False, "auto"):
             raise ConfigError(f"same_node must be True, False or 'auto', got {same_node!r}")
         self.same_node = same_node
-        self.prefault = prefault  # the server's arena, once mapped (kvstore.client.shm)
+        # Populate this process's mapping of the server's arena in the background from
+        # the first copy through it (tiers.prefault): a client that never copies (the
+        # scheduler's, looking up) maps the arena but never pays for its page tables.
+        self.prefault = prefault
+        self._prefault: Prefault | None = None  # the job of the arena mapped now
+        self._prefault_lock = threading.Lock()
         self.observer = observer
         self.segment: Segment | None = None
         self._owns_engine = engine is None
@@ -191,7 +197,7 @@ class DataPath:
         if self.same_node and dram is not None:
             from kvstore.client.shm import map_shared
 
-            shm = map_shared(dram["path"], int(dram["nbytes"]), self.prefault)
+            shm = map_shared(dram["path"], int(dram["nbytes"]))
             log.info("same-node fast path: mapped %s (%s bytes)", dram["path"], dram["nbytes"])
         self.segment = Segment(hello["segment"], shm)
         transport = self.engine.transport
@@ -224,6 +230,15 @@ class DataPath:
             except BufferError:  # a view outlived the read (a profiler's frame): GC frees it
                 pass
 
+    def warm(self, shm: np.ndarray) -> None:
+        """Start populating ``shm`` (the arena mapped now) in the background, once:
+        called before each copy through it (here, and a layer-wise insert's)."""
+        if not self.prefault or (self._prefault is not None and self._prefault.covers(shm)):
+            return
+        with self._prefault_lock:
+            if self._prefault is None or not self._prefault.covers(shm):
+                self._prefault = Prefault(shm, "shm")
+
     @property
     def uses_shared_memory(self) -> bool:
         return self.segment is not None and self.segment.shm is not None
@@ -252,6 +267,7 @@ class DataPath:
                 remote.append((buf, pl))
                 where.append(i)
         if shm is not None and local:
+            self.warm(shm)
             local_sums = copy_in(shm, [buffers[i] for i in local],
                                  [placements[i] for i in local])
             for i, value in zip(local, local_sums):
@@ -296,6 +312,7 @@ class DataPath:
             else:
                 remote.append((start, e))
         if shm is not None and local:
+            self.warm(shm)
             bad = copy_out(shm, out, local, verify)
             if bad is not None:
                 raise _corrupt(local[bad][1], entries)

@@ -34,7 +34,6 @@ import numpy as np
 
 from kvstore.core.errors import ConfigError
 from kvstore.core.hashing import checksum, checksummer
-from tiers.prefault import Prefault
 
 # Small enough that a run is still in a core's L2 (1 MiB here) when its entries are hashed.
 RUN_BYTES = 1 << 20
@@ -111,12 +110,9 @@ def _in_parallel(work: Callable[[int, int], object], groups: list[tuple[int, int
     return results
 
 
-def map_shared(path: str, nbytes: int, prefault: bool = False) -> np.ndarray:
+def map_shared(path: str, nbytes: int) -> np.ndarray:
     """Map the first ``nbytes`` of a server's shared DRAM arena, writable, in a client
-    process. The mapping lives as long as the returned array (or views of it).
-    ``prefault``: a background thread maps every page of it into this process
-    (``tiers.prefault``; it lets go when the array does), so the first copy into each
-    part of the arena does not fault page by page."""
+    process. The mapping lives as long as the returned array (or views of it)."""
     try:
         fd = os.open(path, os.O_RDWR)
     except OSError as exc:
@@ -128,10 +124,7 @@ def map_shared(path: str, nbytes: int, prefault: bool = False) -> np.ndarray:
         mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-    arena = np.frombuffer(mm, dtype=np.uint8)
-    if prefault:
-        Prefault(arena, "shm")
-    return arena
+    return np.frombuffer(mm, dtype=np.uint8)
 
 
 def copy_in(shm: np.ndarray, bufs: list[np.ndarray], placements: list[list],

@@ -1,6 +1,7 @@
-"""The DRAM arena's pages are mapped ahead of use, in the server and in a same-node
-client, unless configured off: real server processes, their page tables read from
-/proc/<pid>/smaps, and every prompt read back byte for byte."""
+"""The DRAM arena's pages are mapped ahead of use, in the server from start and in a
+same-node client from its first copy, unless configured off: real server processes,
+their page tables read from /proc/<pid>/smaps, and every prompt read back byte for
+byte."""
 
 from __future__ import annotations
 
@@ -45,8 +46,17 @@ def test_server_and_same_node_client_map_the_whole_arena_ahead(server_factory, c
     srv = server_factory(dram="64MiB", nvme="0")
     path = _arena_of(srv)
     assert _wait_mapped(path, srv.proc.pid, ARENA // 1024) == ARENA // 1024
+    # A client that maps the arena but copies nothing (a scheduler's, looking up)
+    # leaves its mapping alone.
+    looker = client_factory(srv, same_node=True)
+    looker.hello()  # maps the arena
+    assert looker._data.uses_shared_memory
+    assert looker.lookup(list(range(TOKENS))).matched_tokens == 0
+    time.sleep(0.5)
+    assert mapped_kib(path, "self") == 0
     writer = client_factory(srv, same_node=True)
     _round_trip(writer, client_factory(srv, same_node=False))
+    # the writer's mapping, whole; the looker's still untouched
     assert _wait_mapped(path, "self", ARENA // 1024) == ARENA // 1024
 
 
