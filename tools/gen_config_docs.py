@@ -41,10 +41,12 @@ HELP = {
                            "`madvise(MADV_POPULATE_WRITE)`, Linux 5.14+), so copies and "
                            "TE sends do not take a page fault per 4 KiB on the request "
                            "path (docs/benchmarks.md, \"Prefaulting the arena\"). Costs "
-                           "~0.4 s of one idle core per GiB and the page tables "
+                           "0.4 - 0.6 s of one idle core per GiB and the page tables "
                            "(2 MiB per GiB) at once instead of over the first pass "
-                           "through the arena. Skipped when the arena is pinned for CUDA "
-                           "(pinning maps every page itself).",
+                           "through the arena; with `dram_shared = false` it also "
+                           "allocates the whole (anonymous) arena at start. Skipped "
+                           "when the arena is pinned for CUDA (pinning maps every page "
+                           "itself).",
     "tiers.nvme_bytes": "NVMe slab size; 0 disables the tier. Its entries survive restarts.",
     "tiers.nvme_direct": "O_DIRECT on the slab: `auto` (use it where the file system "
                          "allows), `on` (refuse to start without it), `off`.",

@@ -68,6 +68,16 @@ WHOLE_RUNS = 0
 WAITS = TE_WAITS
 
 
+def _file_id(path: str, nbytes: int) -> tuple[str, int, int, int] | None:
+    """What tells one arena file from another at ``path``: path, device, inode and the
+    bytes mapped; None when it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return path, st.st_dev, st.st_ino, nbytes
+
+
 class Segment(NamedTuple):
     name: str  # the server's TE segment, "host:rpc_port"
     shm: np.ndarray | None  # the server's DRAM arena mapped here, when on the same node
@@ -173,6 +183,7 @@ class DataPath:
         self.prefault = prefault
         self._prefault: Prefault | None = None  # the job of the arena mapped now
         self._prefault_lock = threading.Lock()
+        self._arena_id: tuple[str, int, int, int] | None = None  # _file_id of segment.shm
         self.observer = observer
         self.segment: Segment | None = None
         self._owns_engine = engine is None
@@ -195,10 +206,7 @@ class DataPath:
             raise ConfigError("same_node=True but the server's DRAM arena is not shared "
                               "with this process (other node, or no shared arena)")
         if self.same_node and dram is not None:
-            from kvstore.client.shm import map_shared
-
-            shm = map_shared(dram["path"], int(dram["nbytes"]))
-            log.info("same-node fast path: mapped %s (%s bytes)", dram["path"], dram["nbytes"])
+            shm = self._map_arena(dram["path"], int(dram["nbytes"]))
         self.segment = Segment(hello["segment"], shm)
         transport = self.engine.transport
         if transport is not None:
@@ -230,13 +238,38 @@ class DataPath:
             except BufferError:  # a view outlived the read (a profiler's frame): GC frees it
                 pass
 
+    def _map_arena(self, path: str, nbytes: int) -> np.ndarray:
+        """The server's arena mapped here: the mapping this data path holds already
+        when the file is the same one (a hello again to the same server process: a
+        restarted server always makes a new file, kvstore/store/setup.py), else a new
+        one. Each new mapping costs its page tables again when it is populated."""
+        from kvstore.client.shm import map_shared
+
+        current = self.segment.shm if self.segment is not None else None
+        ident = _file_id(path, nbytes)
+        if current is not None and ident is not None and ident == self._arena_id:
+            return current
+        shm = map_shared(path, nbytes)
+        # Recorded only when the path named the same file before and after mapping it.
+        self._arena_id = ident if ident is not None and ident == _file_id(path, nbytes) \
+            else None
+        log.info("same-node fast path: mapped %s (%s bytes)", path, nbytes)
+        return shm
+
     def warm(self, shm: np.ndarray) -> None:
-        """Start populating ``shm`` (the arena mapped now) in the background, once:
-        called before each copy through it (here, and a layer-wise insert's)."""
-        if not self.prefault or (self._prefault is not None and self._prefault.covers(shm)):
+        """Start populating ``shm`` in the background, once per mapping, when it is
+        the arena mapped now (not an older one a room still goes through): called
+        before each copy through it (here, and a layer-wise insert's). A job still
+        running for a mapping let go of is told to stop."""
+        if not self.prefault or self.segment is None or shm is not self.segment.shm:
+            return
+        if self._prefault is not None and self._prefault.covers(shm):
             return
         with self._prefault_lock:
-            if self._prefault is None or not self._prefault.covers(shm):
+            old = self._prefault
+            if old is None or not old.covers(shm):
+                if old is not None:
+                    old.stop(wait=False)
                 self._prefault = Prefault(shm, "shm")
 
     @property

@@ -60,6 +60,27 @@ def test_server_and_same_node_client_map_the_whole_arena_ahead(server_factory, c
     assert _wait_mapped(path, "self", ARENA // 1024) == ARENA // 1024
 
 
+def test_a_hello_again_to_the_same_server_keeps_the_mapping_a_restart_replaces_it(
+        server_factory, client_factory):
+    """Re-mapping on every hello would populate the whole arena again each time (after
+    a timeout, a lost peer): the same server's file is mapped once; a restarted
+    server's new file gets a new mapping, and the copies go there."""
+    srv = server_factory(dram="64MiB", nvme="0", reservation_lease=30)
+    writer = client_factory(srv, same_node=True)
+    reader = client_factory(srv, same_node=False)
+    _round_trip(writer, reader)
+    first = writer._data.segment.shm
+    writer._hello = None  # what a timeout does
+    writer.hello()
+    assert writer._data.segment.shm is first
+    _round_trip(writer, reader)
+    srv.restart()
+    writer._hello = None
+    writer.hello()
+    assert writer._data.segment.shm is not first
+    _round_trip(writer, client_factory(srv, same_node=False))
+
+
 def test_with_prefault_off_pages_are_mapped_only_when_used(server_factory, client_factory):
     srv = server_factory(dram="64MiB", nvme="0", extra=("--no-dram-prefault",))
     path = _arena_of(srv)

@@ -62,8 +62,7 @@ def test_populate_maps_every_page_and_changes_no_byte(shm_file):
 def test_a_client_mapping_is_prefaulted_in_the_background(shm_file):
     path, nbytes = shm_file
     assert nbytes > CHUNK_BYTES  # several steps
-    arena = np.frombuffer(mmap.mmap(os.open(path, os.O_RDWR), nbytes, mmap.MAP_SHARED),
-                          dtype=np.uint8)
+    arena = map_shared(path, nbytes)
     job = Prefault(arena, "test")
     assert job.done.wait(WAIT_S)
     assert job.nbytes_done == nbytes
@@ -87,15 +86,25 @@ def test_stop_ends_the_job_between_steps(shm_file):
     path, nbytes = shm_file
     arena = map_shared(path, nbytes)
     job = Prefault(arena, "test")
-    job.stop()
+    job.stop()  # waits for the step in progress
     assert job.done.is_set()
     assert job.nbytes_done % CHUNK_BYTES == 0 or job.nbytes_done == nbytes
     assert (mapped_kib(path) or 0) <= job.nbytes_done // 1024 + 4
 
 
+@pytest.fixture
+def arena_path():
+    """A /dev/shm name nobody uses (the tier creates the file and removes it)."""
+    d = tempfile.mkdtemp(prefix="kvprefault-", dir="/dev/shm")
+    yield os.path.join(d, "arena")
+    leftovers = os.listdir(d)
+    os.rmdir(d)
+    assert not leftovers, f"the tier left {leftovers} behind"
+
+
 @pytest.mark.parametrize("shared", [True, False], ids=["shared", "anonymous"])
-def test_the_dram_tier_prefaults_its_arena_only_when_asked(tmp_path, shared):
-    path = tempfile.mktemp(prefix="kvprefault-arena-", dir="/dev/shm") if shared else None
+def test_the_dram_tier_prefaults_its_arena_only_when_asked(arena_path, shared):
+    path = arena_path if shared else None
     tier = DramTier(48 * MiB, shared_path=path, prefault=True)
     try:
         assert tier.prefault is not None and tier.prefault.done.wait(WAIT_S)
@@ -119,8 +128,8 @@ def test_the_dram_tier_prefaults_its_arena_only_when_asked(tmp_path, shared):
         plain.close()
 
 
-def test_closing_the_tier_while_it_prefaults_stops_the_job_first():
-    path = tempfile.mktemp(prefix="kvprefault-arena-", dir="/dev/shm")
+def test_closing_the_tier_while_it_prefaults_stops_the_job_first(arena_path):
+    path = arena_path
     tier = DramTier(256 * MiB, shared_path=path, prefault=True)
     job = tier.prefault
     tier.close()  # no "views are alive" warning: the job let go first
