@@ -15,9 +15,9 @@ at the lowest CPU priority. The call goes through ctypes, which lets go of the G
 so the process's other threads run meanwhile. Steps are small (4 MiB, ~2 ms here)
 because each holds the process's mmap lock for reading: a thread of the process
 that maps or unmaps memory meanwhile (an allocator growing its heap) waits for the
-step to end, and a step of a thread at nice 19 can be preempted half-way. Nothing is written: the bytes stay as
-they are. On a kernel without it nothing is done (logged once); the pages then fault
-on first use, as before.
+step to end, and a step of a thread at nice 19 can be preempted half-way. Nothing
+is written: the bytes stay as they are. On a kernel without it nothing is done
+(logged once); the pages then fault on first use, as before.
 
 Populating is not cheaper per page than faulting (1 GiB in 0.39 - 0.57 s here, ~1.5
 us a page): it moves the cost off the hot path, to a thread that runs when a core is

@@ -14,7 +14,7 @@ import pytest
 
 from kvstore.core.config import ClientConfig
 from tests.integration.conftest import LAYOUT, make_kv
-from tests.unit.test_prefault import mapped_kib
+from tests.unit.test_prefault import mapped_kib, wait_mapped
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -25,13 +25,6 @@ TOKENS = 3 * LAYOUT.block_tokens
 def _arena_of(srv) -> str:
     (path,) = glob.glob(f"/dev/shm/kvstore-*-{srv.proc.pid}")
     return path
-
-
-def _wait_mapped(path: str, pid: int | str, kib: int, within_s: float = 60.0) -> int | None:
-    deadline = time.monotonic() + within_s
-    while (got := mapped_kib(path, pid)) != kib and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return got
 
 
 def _round_trip(writer, reader) -> None:
@@ -45,7 +38,7 @@ def _round_trip(writer, reader) -> None:
 def test_server_and_same_node_client_map_the_whole_arena_ahead(server_factory, client_factory):
     srv = server_factory(dram="64MiB", nvme="0")
     path = _arena_of(srv)
-    assert _wait_mapped(path, srv.proc.pid, ARENA // 1024) == ARENA // 1024
+    assert wait_mapped(path, srv.proc.pid, ARENA // 1024) == ARENA // 1024
     # A client that maps the arena but copies nothing (a scheduler's, looking up)
     # leaves its mapping alone.
     looker = client_factory(srv, same_node=True)
@@ -57,7 +50,7 @@ def test_server_and_same_node_client_map_the_whole_arena_ahead(server_factory, c
     writer = client_factory(srv, same_node=True)
     _round_trip(writer, client_factory(srv, same_node=False))
     # the writer's mapping, whole; the looker's still untouched
-    assert _wait_mapped(path, "self", ARENA // 1024) == ARENA // 1024
+    assert wait_mapped(path, "self", ARENA // 1024) == ARENA // 1024
 
 
 def test_a_hello_again_to_the_same_server_keeps_the_mapping_a_restart_replaces_it(

@@ -5,6 +5,7 @@ import gc
 import mmap
 import os
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -29,6 +30,14 @@ def mapped_kib(path: str, pid: int | str = "self") -> int | None:
             elif current and fields[0] == "Rss:":
                 total = (total or 0) + int(fields[1])
     return total
+
+
+def wait_mapped(path: str, pid: int | str, kib: int, within_s: float = 60.0) -> int | None:
+    """``mapped_kib`` once it reaches ``kib``, or what it is after ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while (got := mapped_kib(path, pid)) != kib and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return got
 
 
 @pytest.fixture

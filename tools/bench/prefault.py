@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from tests.integration.conftest import ServerFactory
-from tests.unit.test_prefault import mapped_kib
+from tests.unit.test_prefault import wait_mapped
 from tools.bench.cluster_worker import LAYOUTS
 
 MiB = 1 << 20
@@ -42,11 +42,8 @@ VARIANTS = ("prefault", "no prefault")
 
 
 def _wait_mapped(path: str, pid: int | str, nbytes: int, within_s: float = 300) -> None:
-    deadline = time.monotonic() + within_s
-    while mapped_kib(path, pid) != nbytes // 1024:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{path} not mapped in {pid} after {within_s} s")
-        time.sleep(0.2)
+    if wait_mapped(path, pid, nbytes // 1024, within_s) != nbytes // 1024:
+        raise RuntimeError(f"{path} not mapped in {pid} after {within_s} s")
 
 
 def run(layout_name: str, ntokens: int, reps: int, arena: int
