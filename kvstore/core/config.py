@@ -141,6 +141,10 @@ class StoreConfig:
     # soon after, and every reader verifies what it receives anyway) or "inline"
     # (the commit fails on a mismatch and stores nothing). docs/operations.md.
     verify_commits: str = "background"
+    # Answer a commit or put once what can fail is done (checks, index write) and make
+    # its entries visible in memory right after the reply, before the next request
+    # (kvstore/store/writes.py). docs/operations.md.
+    answer_first: bool = True
 
     def __post_init__(self) -> None:
         _sizes(self, "index_map_bytes")

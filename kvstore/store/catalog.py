@@ -104,13 +104,23 @@ class Catalog:
         gone = [k for k in dict.fromkeys(drop) if k in self.records]
         if not put and not gone:
             return
+        self.write_index(put, gone)
+        self._put_records(put)
+        self._drop_records(gone)
+
+    def write_index(self, put: Sequence[Record], drop: Sequence[bytes] = ()) -> None:
+        """The first half of ``apply`` (``drop``: stored keys), the only one that can
+        fail; ``apply_memory(put)`` must follow before anyone else uses the catalog
+        (a commit answered first: kvstore/store/writes.py)."""
         try:
-            self._write_index(put, gone)
+            self._write_index(put, list(drop))
         except StorageError as exc:  # full / read-only / failing disk: nothing changed
             self._storage_failed(exc)
             raise
+
+    def apply_memory(self, put: Sequence[Record]) -> None:
+        """The second half of ``apply(put)``, after ``write_index(put)``."""
         self._put_records(put)
-        self._drop_records(gone)
 
     def apply_or_free(self, put: list[Record], drop: list[bytes]) -> None:
         """``apply`` for records moved into freshly allocated extents: if the index

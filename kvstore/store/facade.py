@@ -64,7 +64,7 @@ from kvstore.store.types import (  # the result types are re-exported: callers i
     RoomGrant,
     VerifyResult,
 )
-from kvstore.store.writes import Writes
+from kvstore.store.writes import Later, Writes
 from tiers.base import MemoryRegion, Tier
 
 __all__ = ["Acquisition", "CommitResult", "DemoteResult", "EntryInfo", "EntryPlacement",
@@ -161,19 +161,28 @@ class Store:
 
     def commit(self, reservation_id: int, checksums: Sequence[int],
                pin: bool = False, deadline: float | None = None,
-               next_room: int = 0) -> CommitResult:
-        """Verify the written bytes and make the entries visible (``Writes.commit``)."""
-        return self._writes.commit(reservation_id, checksums, pin, deadline, next_room)
+               next_room: int = 0, later: Later | None = None) -> CommitResult:
+        """Verify the written bytes and make the entries visible (``Writes.commit``;
+        ``later``: the in-memory part may be handed there, to run after the answer
+        with ``lock`` held throughout)."""
+        return self._writes.commit(reservation_id, checksums, pin, deadline, next_room, later)
 
     def put(self, room_id: int, keys: Sequence[bytes], sizes: Sequence[int],
             tokens: Sequence[bytes], offsets: Sequence[int], checksums: Sequence[int],
             meta: Sequence[bytes | None] | None = None, skip: int = 0, pin: bool = False,
             namespace: bytes = b"", deadline: float | None = None,
-            next_room: int = 0) -> PutResult:
+            next_room: int = 0, later: Later | None = None) -> PutResult:
         """Store entries already copied into a room: reserve + commit in one step
-        (``Writes.put``)."""
+        (``Writes.put``; ``later`` as ``commit``'s)."""
         return self._writes.put(room_id, keys, sizes, tokens, offsets, checksums, meta, skip,
-                                pin, namespace, deadline, next_room)
+                                pin, namespace, deadline, next_room, later)
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The store's one lock. A caller that passes ``later`` to ``commit`` or
+        ``put`` holds it from the call until it has run what it was handed (the
+        server: around each request, its reply and that work)."""
+        return self._lock
 
     def grant_room(self, nbytes: int) -> RoomGrant | None:
         """Room for a writer's next insert, from free space only (``Writes.grant_room``)."""

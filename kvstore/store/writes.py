@@ -12,7 +12,15 @@ Invariants kept here:
 * a reserve, commit or put that the store reaches after its writer's ``deadline``
   changes nothing (its reservation or room is given back): the writer was told
   it failed, and a reservation nobody writes would hold its keys from other
-  writers, who dedup onto it, until its lease ends.
+  writers, who dedup onto it, until its lease ends;
+* answered first (``store.answer_first``): a commit or put whose caller passes
+  ``later`` is answered once everything that can fail is done (checks, the room,
+  the index write of its records) and hands the rest, the in-memory book-keeping
+  that makes the entries visible (records, victim orders, holds, counters), to
+  ``later``. The caller (the server) keeps the store's lock from the request to the
+  end of that work and runs it right after sending the reply: no other thread and
+  no other request sees the store in between, and a writer told "stored" is never
+  wrong.
 """
 
 from __future__ import annotations
@@ -46,6 +54,11 @@ from kvstore.store.types import (
     check_tokens,
     new_id,
 )
+
+# Where a commit or put hands the in-memory rest of its work once its answer is
+# known (the server: runs it after sending the reply, the store's lock held
+# throughout; module docstring).
+Later = Callable[[Callable[[], None]], None]
 
 
 class Writes(Operations):
@@ -112,7 +125,7 @@ class Writes(Operations):
 
     def commit(self, reservation_id: int, checksums: Sequence[int],
                pin: bool = False, deadline: float | None = None,
-               next_room: int = 0) -> CommitResult:
+               next_room: int = 0, later: Later | None = None) -> CommitResult:
         """Verify the written bytes and make the reservation's entries visible.
 
         ``pin``: pin every entry this commit stores or dedups onto, in the same
@@ -120,26 +133,27 @@ class Writes(Operations):
         pin (a separate ``pin`` call races room-making by other writers).
         ``deadline``: reached later, the reservation is aborted (``_refuse_late``).
         ``next_room``: bytes of room to grant the writer for its next insert, in the
-        same locked step (``grant_room``; ``room`` in the result)."""
+        same locked step (``grant_room``; ``room`` in the result). ``later``: answer
+        first where allowed (``store.answer_first``; the module's docstring)."""
         with self.lock:
             op = self.holds.open_reservation(reservation_id)
             self._refuse_late(deadline, "commit", lambda: self.close_reservation(op))
             new = [i for i, e in enumerate(op.extents) if e is not None]
             sums = _match_checksums(checksums, len(op.keys), new)
-            done = self._commit_open(op, new, sums, pin, deadline, "commit")
+            done = self._commit_open(op, new, sums, pin, deadline, "commit",
+                                     self._later(later))
             return done._replace(room=self.grant_room(next_room))
 
     def _commit_open(self, op: Open, new: list[int], sums: list[int], pin: bool,
-                     deadline: float | None = None, what: str = "commit") -> CommitResult:
+                     deadline: float | None = None, what: str = "commit",
+                     later: Later | None = None) -> CommitResult:
         """Commit open reservation ``op``, whose entries ``new`` were written with
         checksums ``sums``: checked now, or by the scrub soon (``verify_commits``).
         Past ``deadline`` once hashed inline, ``op`` is closed and nothing stored (the
-        caller checked it before: without hashing nothing slow came since)."""
+        caller checked it before: without hashing nothing slow came since).
+        ``later``: where the in-memory book-keeping goes (``_commit_verified``)."""
         if self.config.store.verify_commits == "background":
-            result = self._commit_verified(op, new, sums, pin)
-            for i, s in zip(new, sums):  # Store.scrub_step hashes them soon
-                self.catalog.unchecked[op.keys[i]] = s
-            return result
+            return self._commit_verified(op, new, sums, pin, later, unchecked=True)
         got = self.io.checksums([e for e in op.extents if e is not None])
         bad = [op.keys[i] for i, s, g in zip(new, sums, got) if g != s]
         if bad:
@@ -149,7 +163,7 @@ class Writes(Operations):
                                 f"their checksum (first {bad[0].hex()}); nothing stored")
         # Again: hashing a large commit may have taken past it.
         self._refuse_late(deadline, what, lambda: self.close_reservation(op))
-        return self._commit_verified(op, new, sums, pin)
+        return self._commit_verified(op, new, sums, pin, later)
 
     # ------------------------------------------------------------ rooms
     # A room is standing room a writer on this node holds for its next insert: it
@@ -185,11 +199,11 @@ class Writes(Operations):
             tokens: Sequence[bytes], offsets: Sequence[int], checksums: Sequence[int],
             meta: Sequence[bytes | None] | None = None, skip: int = 0, pin: bool = False,
             namespace: bytes = b"", deadline: float | None = None,
-            next_room: int = 0) -> PutResult:
+            next_room: int = 0, later: Later | None = None) -> PutResult:
         """Store entries a writer has already copied into room ``room_id``: the
         reserve and the commit of ``keys`` in one step. ``deadline``: reached later,
         the room goes back (``_refuse_late``). ``next_room``: as ``commit``'s (the
-        new room is granted once this one is spent).
+        new room is granted once this one is spent). ``later``: as ``commit``'s.
 
         ``offsets`` and ``checksums`` are given for ``keys[skip:]`` (the first
         ``skip`` keys carry no bytes: the writer found them stored; if one is not,
@@ -235,7 +249,7 @@ class Writes(Operations):
             self.holds.add_reservation(op)
             try:
                 result = self._commit_open(op, new, [sums[i - skip] for i in new], pin,
-                                           deadline, "put")
+                                           deadline, "put", self._later(later))
             except BaseException:
                 if op.id in self.holds.reservations:  # not stored: the room is spent anyway
                     self.close_reservation(op)
@@ -243,6 +257,10 @@ class Writes(Operations):
             return PutResult(result.new, result.deduped, result.lost,
                              tuple(i for i in range(skip, n) if op.extents[i] is None),
                              self.grant_room(next_room))
+
+    def _later(self, later: Later | None) -> Later | None:
+        """``later`` if commits may be answered first (``store.answer_first``)."""
+        return later if self.config.store.answer_first else None
 
     def close_room(self, room_id: int) -> None:
         """Give room ``room_id`` back (reaped, or its writer is done with it)."""
@@ -316,21 +334,38 @@ class Writes(Operations):
         self.counts["commit_checksum_failures"] += len(due)
         return due
 
-    def _commit_verified(self, op: Open, new: list[int], sums: list[int],
-                         pin: bool = False) -> CommitResult:
+    def _commit_verified(self, op: Open, new: list[int], sums: list[int], pin: bool = False,
+                         later: Later | None = None, unchecked: bool = False) -> CommitResult:
+        """Store ``op``'s checked (or, ``unchecked``, to-be-scrubbed) entries: the index
+        first (if it refuses, nothing changed and the error is the caller's), then
+        memory, the holds and the counters (``books``), now or, given ``later``,
+        handed to it: the caller answers first and runs it before anyone else may use
+        the store (module docstring)."""
         put = _new_records(op, new, sums, time.time())
         deduped, lost, onto = self._count_dedups(op, put, pin)
         if pin:
             put = {k: r._replace(pins=r.pins + 1) for k, r in put.items()}
-        self.catalog.apply(put=list(put.values()))  # first: if the index refuses, nothing changed
-        for other, key, end, pin_it in onto:  # (so only now the other writers' books)
-            self.holds.dedup_onto(other, key, end=end, pin=pin_it)
-        self.catalog.drop_idle(self.holds.end_reservation(op))
-        written = [e for e in op.extents if e is not None]
-        self.counts["bytes_in"] += sum(e.nbytes for e in written)
-        for ext in written:
-            self.tier_bytes[ext.tier, "bytes_in"] += ext.nbytes
-        self.counts["commits"] += 1
+        records = list(put.values())
+        self.catalog.write_index(records)
+
+        def books() -> None:
+            self.catalog.apply_memory(records)
+            for other, key, end, pin_it in onto:  # (only now the other writers' books)
+                self.holds.dedup_onto(other, key, end=end, pin=pin_it)
+            self.catalog.drop_idle(self.holds.end_reservation(op))
+            written = [e for e in op.extents if e is not None]
+            self.counts["bytes_in"] += sum(e.nbytes for e in written)
+            for ext in written:
+                self.tier_bytes[ext.tier, "bytes_in"] += ext.nbytes
+            self.counts["commits"] += 1
+            if unchecked:  # Store.scrub_step hashes them soon
+                for i, s in zip(new, sums):
+                    self.catalog.unchecked[op.keys[i]] = s
+
+        if later is None:
+            books()
+        else:
+            later(books)
         return CommitResult(len(new), deduped, lost)
 
     def _count_dedups(self, op: Open, put: dict[bytes, Record], pin: bool = False

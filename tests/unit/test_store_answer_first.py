@@ -1,0 +1,192 @@
+"""Answer first (``store.answer_first``): a commit or put whose caller takes its
+in-memory book-keeping (``later``) is answered once everything that can fail is
+done, the index write included, and nothing of it is visible until that work ran
+("put 1, 2 into a room with 3 stored and 4 in flight elsewhere: answered new 2,
+deduped 2 at once, as a store that books first answers; lookup misses until the
+work handed over runs, then finds them"). The caller holds the store's lock across
+(the server does); these tests peek in between only to show nothing leaks.
+
+Real tiers, real LMDB; every store is integrity-checked after the work ran and at
+the end of its test."""
+
+import pytest
+
+from kvstore.core.errors import ChecksumError, StorageError, TierFullError
+from kvstore.core.hashing import checksum
+from kvstore.store.facade import Store
+from tests.unit.conftest import ENTRY, data, key, put, store_config, toks, where
+
+
+@pytest.fixture
+def open_store(tmp_path):
+    opened = []
+
+    def make(dram=16, **kw) -> Store:
+        cfg = store_config(tmp_path / f"data{len(opened)}", dram=dram, **kw)
+        store = Store(cfg.replace(policy={"room_fraction": 0.5}))
+        opened.append(store)
+        return store
+
+    yield make
+    for store in opened:
+        store.check_integrity()
+        store.close()
+
+
+def put_into(store, ids, later=None, **kw):
+    """Copy ``ids`` into a fresh room back to back and ``put`` them."""
+    room = store.grant_room(len(ids) * ENTRY)
+    view = store.place.tiers[room.tier].view(store.holds.rooms[room.id].extent)
+    for j, i in enumerate(ids):
+        view[j * ENTRY:(j + 1) * ENTRY] = data(i)
+    return store.put(room.id, [key(i) for i in ids], [ENTRY] * len(ids),
+                     [toks(i) for i in ids], [j * ENTRY for j in range(len(ids))],
+                     [checksum(data(i)) for i in ids], later=later, **kw)
+
+
+def reserve_written(store, ids):
+    res = store.reserve([key(i) for i in ids], [ENTRY] * len(ids), [toks(i) for i in ids])
+    for j, (i, place) in enumerate(zip(ids, res.placements)):
+        if place is not None:
+            store.write(res.id, j, data(i))
+    return res
+
+
+def matched(store, ids) -> int:
+    return store.lookup([key(i) for i in ids], [toks(i) for i in ids]).matched_blocks
+
+
+def read_back(store, ids):
+    acq = store.acquire([key(i) for i in ids], [toks(i) for i in ids])
+    try:
+        return [store.read(acq.id, j) for j in range(len(acq.entries))]
+    finally:
+        store.release(acq.id)
+
+
+def scene(store):
+    """3 stored, 4 being written by another reservation (returned)."""
+    put(store, [3])
+    return reserve_written(store, [4])
+
+
+def test_a_put_is_answered_first_and_booked_by_the_work_it_hands_over(open_store):
+    store, sync = open_store(), open_store()
+    other, sync_other = scene(store), scene(sync)
+    work = []
+    res = put_into(store, [1, 2, 3, 4], later=work.append, next_room=2 * ENTRY)
+    expected = put_into(sync, [1, 2, 3, 4], next_room=2 * ENTRY)
+    assert len(work) == 1
+    assert (res.new, res.deduped, res.lost, res.existing) == \
+        (expected.new, expected.deduped, expected.lost, expected.existing) == (2, 2, 0, (2, 3))
+    assert res.room is not None and res.room.nbytes == 2 * ENTRY
+    assert matched(store, [1, 2]) == 0  # nothing of it is visible before the book-keeping
+    work[0]()
+    store.check_integrity()
+    assert matched(store, [1, 2, 3]) == 3
+    assert read_back(store, [1, 2, 3]) == [data(1), data(2), data(3)]
+    for s, o in ((store, other), (sync, sync_other)):
+        s.commit(o.id, [checksum(data(4))])
+    assert store.catalog.records[key(4)].pending == sync.catalog.records[key(4)].pending == 2
+    assert store.catalog.records[key(3)].pending == sync.catalog.records[key(3)].pending
+    assert store.stats()["unchecked_entries"] == sync.stats()["unchecked_entries"] == 4
+
+
+def test_a_commit_is_answered_first_with_the_counts_it_books(open_store):
+    store, sync = open_store(), open_store()
+    for s in (store, sync):
+        scene(s)
+    work = []
+    res = reserve_written(store, [1, 3, 4])
+    got = store.commit(res.id, [checksum(data(i)) for i in (1, 3, 4)], pin=True,
+                       later=work.append)
+    want_res = reserve_written(sync, [1, 3, 4])
+    want = sync.commit(want_res.id, [checksum(data(i)) for i in (1, 3, 4)], pin=True)
+    assert got == want == (1, 2, 0, None)
+    assert matched(store, [1]) == 0
+    work[0]()
+    assert matched(store, [1]) == 1
+    assert store.catalog.records[key(1)].pins == sync.catalog.records[key(1)].pins == 1
+    assert store.catalog.records[key(3)].pins == sync.catalog.records[key(3)].pins == 1
+
+
+def test_a_key_twice_in_a_put_and_one_in_flight_elsewhere_count_as_booked(open_store):
+    store = open_store()
+    other = reserve_written(store, [4])
+    work = []
+    room = store.grant_room(3 * ENTRY)
+    view = store.place.tiers[room.tier].view(store.holds.rooms[room.id].extent)
+    for j, i in enumerate((1, 1, 4)):
+        view[j * ENTRY:(j + 1) * ENTRY] = data(i)
+    res = store.put(room.id, [key(1), key(1), key(4)], [ENTRY] * 3,
+                    [toks(1), toks(1), toks(4)], [0, ENTRY, 2 * ENTRY],
+                    [checksum(data(i)) for i in (1, 1, 4)], later=work.append)
+    assert (res.new, res.deduped, res.lost, res.existing) == (1, 2, 0, (1, 2))
+    work[0]()
+    store.abort(other.id)  # then the writer of 4 gives up: 4 is not stored
+    assert matched(store, [1]) == 1 and matched(store, [4]) == 0
+    assert store.catalog.records[key(1)].pending == 2
+
+
+def test_inline_checks_answer_first_once_the_bytes_are_checked(open_store):
+    store = open_store(verify_commits="inline")
+    work = []
+    res = reserve_written(store, [1, 2])
+    store.write(res.id, 1, data(9))  # torn: the check refuses it before any answer
+    with pytest.raises(ChecksumError):
+        store.commit(res.id, [checksum(data(1)), checksum(data(2))], later=work.append)
+    assert work == [] and where(store) == {}
+    res = put_into(store, [1, 2], later=work.append)
+    assert (res.new, len(work)) == (2, 1) and matched(store, [1]) == 0
+    work[0]()
+    assert matched(store, [1, 2]) == 2 and store.stats()["unchecked_entries"] == 0
+
+
+def test_with_the_switch_off_the_answer_comes_after_booking(open_store):
+    store = open_store(answer_first=False)
+    work = []
+    res = put_into(store, [1, 2], later=work.append)
+    assert work == [] and res.new == 2 and matched(store, [1, 2]) == 2
+    res = reserve_written(store, [5])
+    store.commit(res.id, [checksum(data(5))], later=work.append)
+    assert work == [] and matched(store, [5]) == 1
+
+
+def test_an_index_that_refuses_the_write_fails_the_put_before_any_answer(
+        open_store, monkeypatch):
+    store = open_store()
+    put(store, [3])
+    work = []
+
+    def refuse(*args, **kw):
+        raise StorageError("disk full")
+
+    monkeypatch.setattr(store.catalog, "_write_index", refuse)
+    with pytest.raises(StorageError):
+        put_into(store, [1, 2, 3], later=work.append)
+    monkeypatch.undo()
+    assert work == []  # nothing handed over: the writer heard the failure itself
+    assert where(store) == {3: "dram"} and store.catalog.records[key(3)].pending == 1
+    assert store.stats()["storage_errors"] == 1
+    store.check_integrity()
+    put_into(store, [1, 2], later=work.append)
+    work[0]()
+    assert matched(store, [1, 2]) == 2
+
+
+def test_a_full_index_map_is_refused_to_the_writer_and_loses_nothing(open_store):
+    """The real thing: a volatile index whose map fills up (no monkeypatch)."""
+    store = open_store(dram=64, index_map_bytes=32 << 10)
+    work, told_stored = [], []
+    with pytest.raises(TierFullError, match="index"):
+        for i in range(0, 64, 8):
+            ids = list(range(i, i + 8))
+            put_into(store, ids, later=work.append, meta=[b"m" * 1000] * 8)
+            for w in work:
+                w()
+            work.clear()
+            told_stored.append(ids)
+    assert work == [] and told_stored
+    for ids in told_stored:
+        assert matched(store, ids) == len(ids)
+    store.check_integrity()
