@@ -33,7 +33,7 @@ _FLAGS = {
     "curve_authorized_keys": ("server", "curve_authorized_keys"),
     "data_dir": ("store", "data_dir"), "block_tokens": ("store", "block_tokens"),
     "reservation_lease": ("store", "reservation_lease_s"), "read_lease": ("store", "read_lease_s"),
-    "verify_commits": ("store", "verify_commits"),
+    "verify_commits": ("store", "verify_commits"), "answer_first": ("store", "answer_first"),
     "dram": ("tiers", "dram_bytes"), "dram_shared": ("tiers", "dram_shared"),
     "dram_prefault": ("tiers", "dram_prefault"),
     "local_socket": ("server", "local_socket"),
@@ -118,6 +118,7 @@ def _serve(cfg: KVStoreConfig) -> int:
             metrics = Metrics(stats_fn=server.stats)
             metrics.serve(cfg.server.host, cfg.server.metrics_port)
             server.observer = metrics.observe
+            server.after_observer = metrics.observe_after
             server.on_result = metrics.on_result
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: server.stop())
@@ -166,6 +167,9 @@ def _serve(cfg: KVStoreConfig) -> int:
 @click.option("--verify-commits", type=click.Choice(["background", "inline"]),
               help="Hash committed bytes off the request path, or before answering. "
                    "[background]")
+@click.option("--answer-first/--no-answer-first", default=None,
+              help="Answer a commit or put before its in-memory book-keeping, done "
+                   "before the next request. [on]")
 @click.option("--high-watermark", type=float, help="Demote above this fill fraction. [0.95]")
 @click.option("--low-watermark", type=float, help="...until under this one. [0.85]")
 @click.option("--max-message-bytes", help="Largest control message accepted. [16MiB]")

@@ -16,6 +16,7 @@ from kvstore.core import protocol as p
 from kvstore.store import Store
 from kvstore.store.reads import Staging
 from kvstore.store.types import Acquisition, EntryInfo, EntryPlacement, RoomGrant
+from kvstore.store.writes import Later
 
 MAX_EVICT_KEYS_REPLY = 1000  # an evict reply lists at most this many keys (count is exact)
 
@@ -51,18 +52,18 @@ def reserve(store: Store, req: p.Reserve) -> dict:
             "placements": [_placement(pl) for pl in res.placements]}
 
 
-def commit(store: Store, req: p.Commit) -> dict:
+def commit(store: Store, req: p.Commit, later: Later | None = None) -> dict:
     res = store.commit(req.rid, list(req.checksums), pin=req.pin, deadline=req.deadline,
-                       next_room=req.next_room or 0)
+                       next_room=req.next_room or 0, later=later)
     return {"new": res.new, "deduped": res.deduped, "lost": res.lost, "room": _room(res.room)}
 
 
-def put(store: Store, req: p.Put) -> dict:
+def put(store: Store, req: p.Put, later: Later | None = None) -> dict:
     res = store.put(req.room, list(req.keys), list(req.sizes), list(req.tokens),
                     list(req.offsets), list(req.checksums),
                     meta=None if req.meta is None else list(req.meta), skip=req.skip,
                     pin=req.pin, namespace=req.namespace or b"", deadline=req.deadline,
-                    next_room=req.next_room or 0)
+                    next_room=req.next_room or 0, later=later)
     return {"new": res.new, "deduped": res.deduped, "lost": res.lost,
             "existing": list(res.existing), "room": _room(res.room)}
 
@@ -157,3 +158,6 @@ HANDLERS: dict[str, Handler] = {
     "demote": demote,
     "clear": clear, "verify": verify, "ls": ls,
 }
+# ... and these may also hand their book-keeping to a ``later`` (``Writes``: answer first).
+ANSWER_FIRST: dict[str, Callable[[Store, Any, Later | None], dict]] = {
+    "commit": commit, "put": put}

@@ -2,9 +2,13 @@
 
 Three threads. The serving thread owns the ROUTER socket: it receives each
 request, handles it to completion (decode -> store -> encode) and sends the reply
-itself, one request at a time, and runs ``store.reap()`` when its timer is due. No
-request is handed between threads: on a small machine every thread woken from idle
-adds ~0.1 ms to a round trip (docs/benchmarks.md). It never reads an acquire's NVMe
+itself, one request at a time, and runs ``store.reap()`` when its timer is due. A
+commit or put may leave its in-memory book-keeping for after its reply
+(``store.answer_first``, kvstore/store/writes.py): the serving thread runs it right
+after sending, holding the store's lock from the request to the end of that work,
+so no other thread or request sees the store in between. No request is handed
+between threads: on a small machine every thread woken from idle adds ~0.1 ms to a
+round trip (docs/benchmarks.md). It never reads an acquire's NVMe
 entries: such an acquire is begun there (held, claimed, staging room allocated
 under the store's lock) and handed to the staging thread, which reads and checks
 the entries without the lock, settles them under it and hands the reply back
@@ -58,10 +62,11 @@ from kvstore.core.config import KVStoreConfig
 from kvstore.core.errors import BusyError, ConfigError, InvalidRequestError, KVStoreError
 from kvstore.core.nodeid import host_id
 from kvstore.server import handlers
-from kvstore.server.handlers import HANDLERS
+from kvstore.server.handlers import ANSWER_FIRST, HANDLERS
 from kvstore.server.local import LocalDoor, is_local, socket_path
 from kvstore.store.reads import Staging
 from kvstore.store.types import Acquisition
+from kvstore.store.writes import Later
 
 if TYPE_CHECKING:
     from zmq.auth.thread import ThreadAuthenticator
@@ -93,6 +98,8 @@ class Server:
         self.store = store
         self.transport = transport
         self.observer = observer
+        # after_observer(op, seconds) for the work a request left for after its reply.
+        self.after_observer: Callable[[str, float], None] | None = None
         # on_result(request, result) after each successful op (kvstore.server.metrics uses it
         # for transfer and reserve->commit / acquire->release timings); never raises.
         self.on_result: Callable[[p.Request, dict], None] | None = None
@@ -248,20 +255,46 @@ class Server:
 
     def _serve(self, frames: list[bytes], arrived: float) -> None:
         """Answer one queued request (``busy`` if it waited too long) and send the
-        reply; the socket is the watchdog's meanwhile."""
+        reply; the socket is the watchdog's meanwhile. A commit or put answered
+        first (``store.answer_first``) is sent before the store's in-memory
+        book-keeping of it, which runs right after, the store's lock held from the
+        request to the end of that work: nothing else sees the store in between."""
         reply: list[bytes] | None = None
+        start = time.monotonic()
         try:
-            start = time.monotonic()
             waited = start - arrived
-            late = waited > self._busy_after and not self._never_busy(frames)
-            reply = self._busy(frames, waited) if late else self._respond(frames, arrived)
-            spent = time.monotonic() - start
-            self._service_s += _EWMA * (spent - self._service_s)
+            if waited > self._busy_after and not self._never_busy(frames):
+                reply = self._busy(frames, waited)
+            else:
+                after: list[Callable[[], None]] = []
+                with self.store.lock:
+                    reply = self._respond(frames, arrived, after.append)
+                    if after:
+                        if reply is not None:
+                            with self._sock_lock:
+                                self._send(reply)
+                            reply = None
+                        self._run_after(frames, after)
         finally:
             with self._sock_lock:
                 self._working_since = None
-                if reply is not None:  # None: the staging thread answers it
+                if reply is not None:  # None: sent, or the staging thread answers it
                     self._send(reply)
+            spent = time.monotonic() - start
+            self._service_s += _EWMA * (spent - self._service_s)
+
+    def _run_after(self, frames: list[bytes], after: list[Callable[[], None]]) -> None:
+        """Run what a request left for after its answer (in-memory book-keeping, which
+        cannot fail; a bug is logged) and time it."""
+        begin = time.perf_counter()
+        for work in after:
+            try:
+                work()
+            except Exception:  # noqa: BLE001 - a bug must not take the node down
+                log.exception("internal error in the book-keeping after a reply")
+        if self.after_observer is not None:
+            self.after_observer(p.peek_op(frames[-1], self.max_bytes),
+                                time.perf_counter() - begin)
 
     def _watch(self, staged: zmq.Socket) -> None:
         """The watchdog: every ``WATCH_S``, if a request (or the reaper) has been at
@@ -374,7 +407,8 @@ class Server:
         err = BusyError(f"server busy: {why}; retry or recompute")
         return [*envelope[:2], p.encode_error(p.peek_id(body, self.max_bytes), err)]
 
-    def _respond(self, frames: list[bytes], arrived: float) -> list[bytes] | None:
+    def _respond(self, frames: list[bytes], arrived: float,
+                 later: Later | None = None) -> list[bytes] | None:
         # DEALER peers send [identity, body]; a REQ peer adds an empty delimiter; a
         # local connection's requests come as [its tag, body].
         envelope, body = frames[:-1], frames[-1]
@@ -388,7 +422,7 @@ class Server:
                 self._staging.append((envelope, rid, req, staging, arrived))
                 self._staging_wake.notify()
 
-        reply = self.handle(body, defer)
+        reply = self.handle(body, defer, later)
         return None if reply is None else [*envelope, reply]
 
     def _stage(self) -> None:
@@ -437,10 +471,12 @@ class Server:
             self.observer(op, seconds, ok)
 
     def handle(self, frame: bytes,
-               defer: Callable[[int, p.Acquire, Staging], None] | None = None) -> bytes | None:
+               defer: Callable[[int, p.Acquire, Staging], None] | None = None,
+               later: Later | None = None) -> bytes | None:
         """One request frame -> one reply frame. Never raises. With ``defer``, an
         acquire that must stage NVMe entries is handed to it instead (None: its
-        reply comes from there)."""
+        reply comes from there). With ``later``, a commit or put may hand it the
+        work that follows its answer (the caller runs it after sending the reply)."""
         start = time.perf_counter()
         try:
             rid, req = p.decode_request(frame, self.max_bytes)
@@ -460,7 +496,7 @@ class Server:
                 return self._acquired(step)
 
             return self._answer(rid, req, start, begin)
-        return self._answer(rid, req, start, lambda: self._dispatch(req))
+        return self._answer(rid, req, start, lambda: self._dispatch(req, later))
 
     def _answer(self, rid: int, req: p.Request, start: float,
                 run: Callable[[], dict | None]) -> bytes | None:
@@ -493,7 +529,7 @@ class Server:
         # older hello (the server restarted) sees the change and re-hellos.
         return {**handlers.acquired(acq), "segment": self.transport.segment}
 
-    def _dispatch(self, req: p.Request) -> dict:
+    def _dispatch(self, req: p.Request, later: Later | None = None) -> dict:
         if isinstance(req, p.Hello):
             return self.hello()
         if isinstance(req, p.Stats):
@@ -502,7 +538,9 @@ class Server:
             if req.deep:
                 self.store.check_integrity()
             return {"status": "ok", "uptime_s": time.time() - self._started}
-        result = HANDLERS[req.OP](self.store, req)
+        answer_first = ANSWER_FIRST.get(req.OP)
+        result = HANDLERS[req.OP](self.store, req) if answer_first is None else \
+            answer_first(self.store, req, later)
         if isinstance(req, (p.Reserve, p.Acquire)) or result.get("room"):
             result["segment"] = self.transport.segment  # see _acquired
         return result

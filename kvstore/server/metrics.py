@@ -66,8 +66,8 @@ COUNTER_KEYS = frozenset({
 })
 # Names this module's own metrics use; a stats key of the same name is skipped so
 # one exposition never carries two families of one name.
-OWN_FAMILIES = frozenset({"up", "request_duration_seconds", "op_requests",
-                          "transfer_duration_seconds", "transfer_bytes",
+OWN_FAMILIES = frozenset({"up", "request_duration_seconds", "after_reply_seconds",
+                          "op_requests", "transfer_duration_seconds", "transfer_bytes",
                           "end_to_end_duration_seconds"})
 
 
@@ -170,6 +170,11 @@ class Metrics:
             "Time the server spent handling one control-plane request, by wire op "
             "(te_write/te_read: a client's Transfer Engine move)",
             ["op", "kind"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self._after = Histogram(
+            f"{PREFIX}_after_reply_seconds",
+            "In-memory book-keeping the server did after answering a commit or put "
+            "(store.answer_first), before serving its next request", ["op"], buckets=LATENCY_BUCKETS,
+            registry=self.registry)
         self._requests = Counter(
             f"{PREFIX}_op_requests", "Requests handled, by wire op and outcome",
             ["op", "kind", "outcome"], registry=self.registry)
@@ -187,6 +192,10 @@ class Metrics:
         kind = op_kind(op)
         self._latency.labels(op, kind).observe(max(0.0, seconds))
         self._requests.labels(op, kind, "ok" if ok else "error").inc()
+
+    def observe_after(self, op: str, seconds: float) -> None:
+        """Record ``seconds`` of book-keeping done after answering an ``op`` request."""
+        self._after.labels(self._bounded(op)).observe(max(0.0, seconds))
 
     def _bounded(self, op: str) -> str:
         if not isinstance(op, str):
