@@ -15,11 +15,17 @@ it is still in cache: 128 x 2 MiB into the shared arena on two threads, 15.3 - 1
 GB/s whole against 18.0 - 18.5 GB/s in 256 KiB pieces, side by side (an ad-hoc loop
 over ``copy_in``; an earlier one-thread measurement had found pieces slower).
 
-From ``PARALLEL_MIN_BYTES`` on, the entries are split into ``COPY_THREADS`` groups of
-about equal bytes, copied and hashed by that many threads at once (numpy's copy and
-xxh3 both release the GIL): 256 MiB of 64 KiB or 2 MiB entries into a shared mapping
-went from 5.0 - 5.8 GB/s on one thread to 8.9 - 9.5 GB/s on two, on this 2-core
-machine (``python -m tools.bench.parts --path shm`` shows it in a whole insert).
+From ``PARALLEL_MIN_BYTES`` on, entries of ``PARALLEL_MIN_ENTRY_BYTES`` or more are
+split into ``COPY_THREADS`` groups of about equal bytes, copied and hashed by that
+many threads at once (numpy's copy and xxh3 of a large buffer both release the GIL):
+256 MiB of 2 MiB entries into a shared mapping went from 5.0 - 5.8 GB/s on one thread
+to 8.9 - 9.5 GB/s on two, on this 2-core machine (``python -m tools.bench.parts
+--path shm`` shows it in a whole insert). Smaller entries stay on one thread: the
+xxhash binding holds the GIL for inputs below ~256 KiB (two threads hashing 64 - 192
+KiB buffers took 1.2 - 1.4x one thread's time, 256 KiB - 1 MiB ones 0.7 - 0.8x), so
+a second thread mostly waits for the first: ``copy_in`` of 512 x 64 KiB took 5.6 ms
+on one thread against 6.5 - 6.9 ms on two, of 2 048 x 64 KiB 21.6 against 23.0
+(docs/benchmarks.md, "Answering first").
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ _OFFSET, _NBYTES = 1, 2
 # Copies at least this large use COPY_THREADS threads (below it, handing work to a
 # thread costs about what it saves).
 PARALLEL_MIN_BYTES = 4 << 20
+# ... of entries this large on average (below, hashing an entry holds the GIL).
+PARALLEL_MIN_ENTRY_BYTES = 256 << 10
 COPY_THREADS = max(1, min(2, os.cpu_count() or 1))
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -71,10 +79,11 @@ os.register_at_fork(after_in_child=_forget_pool)
 
 def _groups(sizes: Sequence[int], threads: int) -> list[tuple[int, int]]:
     """``[lo, hi)`` index ranges, in order, of about equal bytes each: one per thread
-    (fewer when there are fewer items), or one range below PARALLEL_MIN_BYTES."""
+    (fewer when there are fewer items), or one range below PARALLEL_MIN_BYTES in all
+    or PARALLEL_MIN_ENTRY_BYTES per item."""
     total = sum(sizes)
     n = min(threads, len(sizes))
-    if n <= 1 or total < PARALLEL_MIN_BYTES:
+    if n <= 1 or total < PARALLEL_MIN_BYTES or total < PARALLEL_MIN_ENTRY_BYTES * len(sizes):
         return [(0, len(sizes))]
     bounds: list[tuple[int, int]] = []
     acc = lo = 0

@@ -170,8 +170,18 @@ def test_pieces_follow_the_wait_unless_asked():
         DataPath("127.0.0.1", 1 << 20, same_node=False, wait="busy")
 
 
+def test_only_copies_of_large_entries_go_parallel():
+    """Hashing an entry below ~256 KiB holds the GIL: a second thread would wait."""
+    groups = shm_mod._groups
+    assert groups([64 << 10] * 512, 2) == [(0, 512)]  # 32 MiB of 64 KiB blocks: one
+    assert groups([2 << 20] * 16, 2) == [(0, 8), (8, 16)]  # 32 MiB of 2 MiB blocks: two
+    assert groups([2 << 20], 2) == [(0, 1)]  # below PARALLEL_MIN_BYTES
+    assert groups([2 << 20] * 16, 1) == [(0, 16)]
+
+
 def test_parallel_copies_land_and_hash_like_one_thread(monkeypatch):
     monkeypatch.setattr(shm_mod, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(shm_mod, "PARALLEL_MIN_ENTRY_BYTES", 1)
     rng = np.random.default_rng(5)
     arena = np.zeros(64 * 8192, dtype=np.uint8)
     bufs = [rng.integers(0, 256, 8192, dtype=np.uint8) for _ in range(40)]
