@@ -13,35 +13,13 @@ import pytest
 
 from kvstore.core.errors import ChecksumError, StorageError, TierFullError
 from kvstore.core.hashing import checksum
-from kvstore.store.facade import Store
-from tests.unit.conftest import ENTRY, data, key, put, store_config, toks, where
+from tests.unit.conftest import ENTRY, data, key, put, toks, where
+from tests.unit.test_store_rooms import open_store, put_into, read_back  # noqa: F401
 
 
-@pytest.fixture
-def open_store(tmp_path):
-    opened = []
-
-    def make(dram=16, **kw) -> Store:
-        cfg = store_config(tmp_path / f"data{len(opened)}", dram=dram, **kw)
-        store = Store(cfg.replace(policy={"room_fraction": 0.5}))
-        opened.append(store)
-        return store
-
-    yield make
-    for store in opened:
-        store.check_integrity()
-        store.close()
-
-
-def put_into(store, ids, later=None, **kw):
+def put_ids(store, ids, later=None, **kw):
     """Copy ``ids`` into a fresh room back to back and ``put`` them."""
-    room = store.grant_room(len(ids) * ENTRY)
-    view = store.place.tiers[room.tier].view(store.holds.rooms[room.id].extent)
-    for j, i in enumerate(ids):
-        view[j * ENTRY:(j + 1) * ENTRY] = data(i)
-    return store.put(room.id, [key(i) for i in ids], [ENTRY] * len(ids),
-                     [toks(i) for i in ids], [j * ENTRY for j in range(len(ids))],
-                     [checksum(data(i)) for i in ids], later=later, **kw)
+    return put_into(store, store.grant_room(len(ids) * ENTRY), ids, later=later, **kw)
 
 
 def reserve_written(store, ids):
@@ -56,14 +34,6 @@ def matched(store, ids) -> int:
     return store.lookup([key(i) for i in ids], [toks(i) for i in ids]).matched_blocks
 
 
-def read_back(store, ids):
-    acq = store.acquire([key(i) for i in ids], [toks(i) for i in ids])
-    try:
-        return [store.read(acq.id, j) for j in range(len(acq.entries))]
-    finally:
-        store.release(acq.id)
-
-
 def scene(store):
     """3 stored, 4 being written by another reservation (returned)."""
     put(store, [3])
@@ -74,8 +44,8 @@ def test_a_put_is_answered_first_and_booked_by_the_work_it_hands_over(open_store
     store, sync = open_store(), open_store()
     other, sync_other = scene(store), scene(sync)
     work = []
-    res = put_into(store, [1, 2, 3, 4], later=work.append, next_room=2 * ENTRY)
-    expected = put_into(sync, [1, 2, 3, 4], next_room=2 * ENTRY)
+    res = put_ids(store, [1, 2, 3, 4], later=work.append, next_room=2 * ENTRY)
+    expected = put_ids(sync, [1, 2, 3, 4], next_room=2 * ENTRY)
     assert len(work) == 1
     assert (res.new, res.deduped, res.lost, res.existing) == \
         (expected.new, expected.deduped, expected.lost, expected.existing) == (2, 2, 0, (2, 3))
@@ -114,13 +84,7 @@ def test_a_key_twice_in_a_put_and_one_in_flight_elsewhere_count_as_booked(open_s
     store = open_store()
     other = reserve_written(store, [4])
     work = []
-    room = store.grant_room(3 * ENTRY)
-    view = store.place.tiers[room.tier].view(store.holds.rooms[room.id].extent)
-    for j, i in enumerate((1, 1, 4)):
-        view[j * ENTRY:(j + 1) * ENTRY] = data(i)
-    res = store.put(room.id, [key(1), key(1), key(4)], [ENTRY] * 3,
-                    [toks(1), toks(1), toks(4)], [0, ENTRY, 2 * ENTRY],
-                    [checksum(data(i)) for i in (1, 1, 4)], later=work.append)
+    res = put_ids(store, [1, 1, 4], later=work.append)
     assert (res.new, res.deduped, res.lost, res.existing) == (1, 2, 0, (1, 2))
     work[0]()
     store.abort(other.id)  # then the writer of 4 gives up: 4 is not stored
@@ -136,7 +100,7 @@ def test_inline_checks_answer_first_once_the_bytes_are_checked(open_store):
     with pytest.raises(ChecksumError):
         store.commit(res.id, [checksum(data(1)), checksum(data(2))], later=work.append)
     assert work == [] and where(store) == {}
-    res = put_into(store, [1, 2], later=work.append)
+    res = put_ids(store, [1, 2], later=work.append)
     assert (res.new, len(work)) == (2, 1) and matched(store, [1]) == 0
     work[0]()
     assert matched(store, [1, 2]) == 2 and store.stats()["unchecked_entries"] == 0
@@ -145,7 +109,7 @@ def test_inline_checks_answer_first_once_the_bytes_are_checked(open_store):
 def test_with_the_switch_off_the_answer_comes_after_booking(open_store):
     store = open_store(answer_first=False)
     work = []
-    res = put_into(store, [1, 2], later=work.append)
+    res = put_ids(store, [1, 2], later=work.append)
     assert work == [] and res.new == 2 and matched(store, [1, 2]) == 2
     res = reserve_written(store, [5])
     store.commit(res.id, [checksum(data(5))], later=work.append)
@@ -163,13 +127,13 @@ def test_an_index_that_refuses_the_write_fails_the_put_before_any_answer(
 
     monkeypatch.setattr(store.catalog, "_write_index", refuse)
     with pytest.raises(StorageError):
-        put_into(store, [1, 2, 3], later=work.append)
+        put_ids(store, [1, 2, 3], later=work.append)
     monkeypatch.undo()
     assert work == []  # nothing handed over: the writer heard the failure itself
     assert where(store) == {3: "dram"} and store.catalog.records[key(3)].pending == 1
     assert store.stats()["storage_errors"] == 1
     store.check_integrity()
-    put_into(store, [1, 2], later=work.append)
+    put_ids(store, [1, 2], later=work.append)
     work[0]()
     assert matched(store, [1, 2]) == 2
 
@@ -181,7 +145,7 @@ def test_a_full_index_map_is_refused_to_the_writer_and_loses_nothing(open_store)
     with pytest.raises(TierFullError, match="index"):
         for i in range(0, 64, 8):
             ids = list(range(i, i + 8))
-            put_into(store, ids, later=work.append, meta=[b"m" * 1000] * 8)
+            put_ids(store, ids, later=work.append, meta=[b"m" * 1000] * 8)
             for w in work:
                 w()
             work.clear()
