@@ -2,9 +2,9 @@
 
     python -m tools.bench.levers [--layout large] [--tokens 2048] [--reps 9]
 
-Five kvstore-servers on loopback (DRAM only, ``parts.server_opts``): one with
+Seven kvstore-servers on loopback (DRAM only, ``parts.server_opts``): one with
 ``--verify-commits inline`` (the commit hashes every byte before it answers, as
-before), four with the default ``background``, two of them without rooms (each
+before), six with the default ``background``, two of them without rooms (each
 put variant runs on a server of its own, idle since the last round). Then,
 round by round so that every variant sees the same moment of this noisy machine,
 the same prompt size is moved by each variant and each call timed in the calling
@@ -12,11 +12,16 @@ process:
 
 * ``put``, same node (memcpy into the server's shared arena):
   ``inline, 1 thread`` (the old path), ``background, 1 thread``,
-  ``background, 2 threads`` (``kvstore.client.shm.COPY_THREADS``; reserve, copy,
-  commit: two round trips), ``background, 2 threads, room, ZeroMQ`` (the copy into
+  ``background, 2 threads`` (``kvstore.client.shm.COPY_THREADS``, for entries of
+  ``PARALLEL_MIN_ENTRY_BYTES`` or more; reserve, copy, commit: two round trips),
+  ``background, 2 threads, room, ZeroMQ`` (the copy into
   the room the last insert's reply granted, then one ``put`` over the server's ZeroMQ
-  port) and ``background, 2 threads, room`` (now: that ``put`` over the server's
-  same-node Unix socket, kvstore/server/local.py);
+  port), ``background, 2 threads, room, booked first`` (that ``put`` over the
+  server's same-node Unix socket, kvstore/server/local.py, answered once the server
+  has booked it: ``KVSTORE_STORE_ANSWER_FIRST=false``), ``background, 2 threads at
+  any size, room`` (entries of any size copied on two threads, as before
+  ``PARALLEL_MIN_ENTRY_BYTES``) and ``background, 2 threads, room`` (now: answered
+  first, booked right after the reply);
 * ``get`` over TE (loopback TCP, into a reused buffer):
   ``spin, acked release`` (the old path: one TE sync transfer per run of entries,
   which busy-waits a core, hashed after it landed, and a release that waits for its
@@ -29,9 +34,9 @@ process:
   yielding) and ``streamed, sleeping`` (TE writers get no rooms).
 
 Rooms are switched off (``KVSTORE_POLICY_ROOM_FRACTION=0``) on the servers of every
-variant but the two room ones; the same-node socket is off
-(``KVSTORE_SERVER_LOCAL_SOCKET=false``) on all of them but the last, which runs on a
-server as shipped.
+variant but the four room ones; the same-node socket is off
+(``KVSTORE_SERVER_LOCAL_SOCKET=false``) on all of them but the last three, and the
+last runs on a server as shipped.
 
 Prints the median ms of each variant and its ratio to the old path (> 1: faster).
 Both ends are on this machine, so TE's numbers are loopback's, not a network's; the
@@ -60,7 +65,8 @@ MiB = 1 << 20
 PIECE = 2 * MiB
 
 PUTS = ("inline, 1 thread", "background, 1 thread", "background, 2 threads",
-        "background, 2 threads, room, ZeroMQ", "background, 2 threads, room")
+        "background, 2 threads, room, ZeroMQ", "background, 2 threads, room, booked first",
+        "background, 2 threads at any size, room", "background, 2 threads, room")
 GETS = ("spin, acked release", "spin, one-way release", "spin, 2 MiB pieces",
         "streamed, one-way release", "streamed, sleeping")
 TE_PUTS = ("spin", "streamed", "streamed, sleeping")
@@ -89,7 +95,7 @@ def run(layout_name: str, ntokens: int, reps: int) -> dict[str, dict[str, float]
     times: dict[str, dict[str, list[float]]] = {"put": defaultdict(list),
                                                 "put-te": defaultdict(list),
                                                 "get": defaultdict(list)}
-    threads = shm.COPY_THREADS
+    threads, big = shm.COPY_THREADS, shm.PARALLEL_MIN_ENTRY_BYTES
     try:
         opts = server_opts(layout, nbytes)
         inline = servers(extra=("--verify-commits", "inline"), env=NO_ROOMS, **opts)
@@ -99,7 +105,9 @@ def run(layout_name: str, ntokens: int, reps: int) -> dict[str, dict[str, float]
         # (its threads are awake), which would favour whichever variant runs second.
         two_threads = servers(env=NO_ROOMS, **opts)
         rooms_zmq = servers(env=NO_SOCKET, **opts)
-        rooms = servers(**opts)  # as shipped: rooms on, the same-node socket too
+        booked_first = servers(env={"KVSTORE_STORE_ANSWER_FIRST": "false"}, **opts)
+        any_size = servers(**opts)
+        rooms = servers(**opts)  # as shipped: rooms, the same-node socket, answer first
 
         def client(srv: Any, same_node: Any, piece: int = 0, wait: str = "spin"
                    ) -> KVStoreClient:
@@ -107,10 +115,14 @@ def run(layout_name: str, ntokens: int, reps: int) -> dict[str, dict[str, float]
                                  staging_bytes=nbytes + 64 * MiB,
                                  config=ClientConfig(te_piece_bytes=piece, te_wait=wait))
 
-        writers = {PUTS[0]: (client(inline, True), 1), PUTS[1]: (client(background, True), 1),
-                   PUTS[2]: (client(two_threads, True), threads),
-                   PUTS[3]: (client(rooms_zmq, True), threads),
-                   PUTS[4]: (client(rooms, True), threads)}
+        # writer, its copy threads, and the smallest average entry copied on several
+        writers = {PUTS[0]: (client(inline, True), 1, big),
+                   PUTS[1]: (client(background, True), 1, big),
+                   PUTS[2]: (client(two_threads, True), threads, big),
+                   PUTS[3]: (client(rooms_zmq, True), threads, big),
+                   PUTS[4]: (client(booked_first, True), threads, big),
+                   PUTS[5]: (client(any_size, True), threads, 0),
+                   PUTS[6]: (client(rooms, True), threads, big)}
         # The getters read what a same-node writer stored on the background server.
         feeder = client(background, True)
         readers = {GETS[0]: client(background, False), GETS[1]: client(background, False),
@@ -125,14 +137,14 @@ def run(layout_name: str, ntokens: int, reps: int) -> dict[str, dict[str, float]
         out = np.empty(nbytes + MiB, np.uint8)
         serial = 0
         for rep in range(reps + 1):
-            for name, (writer, nthreads) in writers.items():
+            for name, (writer, nthreads, min_entry) in writers.items():
                 serial += 1
                 tokens = (np.arange(ntokens) + serial * ntokens) % 50_000
-                shm.COPY_THREADS = nthreads
+                shm.COPY_THREADS, shm.PARALLEL_MIN_ENTRY_BYTES = nthreads, min_entry
                 start = time.perf_counter()
                 writer.insert(tokens, kv=kv)
                 took = time.perf_counter() - start
-                shm.COPY_THREADS = threads
+                shm.COPY_THREADS, shm.PARALLEL_MIN_ENTRY_BYTES = threads, big
                 writer.drop_select(tokens, into=out)  # leave the server empty again
                 if rep:  # the first round is a warm-up (page faults, TE start)
                     times["put"][name].append(took)
@@ -157,11 +169,11 @@ def run(layout_name: str, ntokens: int, reps: int) -> dict[str, dict[str, float]
                 if rep:
                     times["get"][name].append(took)
         undo()
-        for c in [*(w for w, _ in writers.values()), feeder, *readers.values(),
+        for c in [*(w for w, _, _ in writers.values()), feeder, *readers.values(),
                   *te_writers.values()]:
             c.close()
     finally:
-        shm.COPY_THREADS = threads
+        shm.COPY_THREADS, shm.PARALLEL_MIN_ENTRY_BYTES = threads, big
         servers.stop_all()
         shutil.rmtree(base, ignore_errors=True)
     return {op: {k: statistics.median(v) * 1e3 for k, v in t.items()} for op, t in times.items()}
