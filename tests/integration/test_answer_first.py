@@ -39,6 +39,7 @@ def test_a_reader_right_after_the_answer_finds_every_entry(server_factory, clien
         got = reader.drop_select(tokens)
         assert got.matched_tokens == ntokens, f"prompt {i}: a miss right after the answer"
         assert bytes(got.kv.numpy()) == kv.tobytes()
+    reader.lookup([0])  # a round trip behind the last one-way release, before the scrape
     samples = scrape(mport)
     booked_after = after_reply_count(samples)
     if answer_first:
