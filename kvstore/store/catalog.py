@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from kvstore.core.errors import StorageError
+from kvstore.core.errors import StorageError, TierFullError
 from kvstore.store.index import Index, Record, open_volatile
 from kvstore.store.order import GroupOrder
 from tiers.base import Extent, Tier, free_by_tier
@@ -145,6 +145,9 @@ class Catalog:
             self.apply(drop=keys)
         except StorageError:
             return  # counted and logged by apply
+        except TierFullError:  # the index map is full: they stay, idle and evictable
+            log.warning("index map full: %d idle entries stay until it has room", len(keys))
+            return
         self._counts["dropped"] += len(keys)
 
     def touch(self, recs: Sequence[Record], now: float) -> list[Record]:

@@ -352,7 +352,6 @@ class Writes(Operations):
             self.catalog.apply_memory(records)
             for other, key, end, pin_it in onto:  # (only now the other writers' books)
                 self.holds.dedup_onto(other, key, end=end, pin=pin_it)
-            self.catalog.drop_idle(self.holds.end_reservation(op))
             written = [e for e in op.extents if e is not None]
             self.counts["bytes_in"] += sum(e.nbytes for e in written)
             for ext in written:
@@ -361,6 +360,9 @@ class Writes(Operations):
             if unchecked:  # Store.scrub_step hashes them soon
                 for i, s in zip(new, sums):
                     self.catalog.unchecked[op.keys[i]] = s
+            # Last: the only index write left (freeing what no one holds any more),
+            # which never fails the commit (``drop_idle``).
+            self.catalog.drop_idle(self.holds.end_reservation(op))
 
         if later is None:
             books()
