@@ -80,7 +80,7 @@ HELP = {
                           "visible in memory right after the reply, before the server "
                           "serves anything else: every request sent after the answer "
                           "finds them, and a failure is still the writer's error. The "
-                          "writer waits less (8 - 14 % of a same-node insert of 64 KiB "
+                          "writer waits less (12 - 13 % of a same-node insert of 64 KiB "
                           "blocks). false: answer after everything.",
     "store.index_map_bytes": "LMDB map size: upper bound of the index file, not "
                              "preallocated (about 200 B per entry).",
