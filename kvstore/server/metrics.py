@@ -173,8 +173,8 @@ class Metrics:
         self._after = Histogram(
             f"{PREFIX}_after_reply_seconds",
             "In-memory book-keeping the server did after answering a commit or put "
-            "(store.answer_first), before serving its next request", ["op"], buckets=LATENCY_BUCKETS,
-            registry=self.registry)
+            "(store.answer_first), before serving its next request", ["op"],
+            buckets=LATENCY_BUCKETS, registry=self.registry)
         self._requests = Counter(
             f"{PREFIX}_op_requests", "Requests handled, by wire op and outcome",
             ["op", "kind", "outcome"], registry=self.registry)
