@@ -83,7 +83,8 @@ HELP = {
                           "writer waits less (12 - 13 % of a same-node insert of 64 KiB "
                           "blocks). false: answer after everything.",
     "store.index_map_bytes": "LMDB map size: upper bound of the index file, not "
-                             "preallocated (about 200 B per entry).",
+                             "preallocated (about 200 B per NVMe entry; DRAM and GPU "
+                             "entries are not in it).",
     "server.host": "Address of the control socket (and of TE and metrics by default).",
     "server.port": "ZeroMQ control port.",
     "server.te_metadata": "TE metadata: `P2PHANDSHAKE` (no metadata server) or "

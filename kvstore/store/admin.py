@@ -168,10 +168,10 @@ class Admin(Operations):
     def entries_page(self, tier: str | None, after: bytes | None, limit: int
                      ) -> tuple[list[Record], bytes | None]:
         """Up to ``limit`` committed records (of one tier) in key order after ``after``,
-        and the key to continue from (None: no more). Keys come from the two indexes'
-        cursors, so a page costs O(limit): with a tier filter at most
-        ``LS_SCAN_FACTOR * limit`` keys are looked at, and a page may come back short
-        (even empty) with a key to go on from."""
+        and the key to continue from (None: no more). Keys come from the catalog's
+        ``KeyPages`` (kvstore/store/keypages.py), so a page costs O(limit): with a tier
+        filter at most ``LS_SCAN_FACTOR * limit`` keys are looked at, and a page may
+        come back short (even empty) with a key to go on from."""
         check_tier(tier)
         if not 0 < limit:
             raise InvalidRequestError(f"limit must be > 0, got {limit}")
@@ -180,21 +180,16 @@ class Admin(Operations):
         with self.lock:
             records = self.catalog.records
             while True:
-                chunks = [ix.keys_after(after, limit)
-                          for ix in (self.catalog.index, self.catalog.vindex)]
-                # A full chunk may have more keys after it: merge only up to the
-                # smaller end of the full ones, and go on from there.
-                bound = min((c[-1] for c in chunks if len(c) == limit), default=None)
-                keys = sorted(k for c in chunks for k in c if bound is None or k <= bound)
+                keys = self.catalog.keys.after(after, limit)
                 for k in keys:
-                    rec = records.get(k)
-                    if rec is not None and (tier is None or rec.tier == tier):
+                    rec = records[k]
+                    if tier is None or rec.tier == tier:
                         page.append(rec)
                         if len(page) == limit:
                             return page, k
-                if bound is None:
+                if len(keys) < limit:
                     return page, None
-                after = bound
+                after = keys[-1]
                 scanned += len(keys)
                 if scanned >= LS_SCAN_FACTOR * limit:
                     return page, after  # a short page: the lock is never held for long

@@ -9,9 +9,9 @@ Checked, each raising ``IntegrityError`` with what is wrong:
 * hold counts equal the holds of open acquisitions plus reservation dedups, and
   every held key is stored; pins and pending counts are never negative;
 * the in-flight key map matches the open reservations;
-* the LMDB indexes hold exactly the committed records, those naming NVMe bytes in
-  the durable one and the rest in the volatile one (last_access aside: access
-  times are kept in memory and persisted with the next change).
+* the LMDB index holds exactly the committed records that name NVMe bytes
+  (last_access aside: access times are kept in memory and persisted with the next
+  change), and the key pages ``ls`` walks exactly the keys of every record.
 """
 
 from __future__ import annotations
@@ -111,16 +111,21 @@ class Audit(Operations):
             raise IntegrityError(f"key {stored[0].hex()} is both committed and being written")
 
     def _audit_index(self) -> None:
-        memory = {k: r._replace(last_access=0.0) for k, r in self.catalog.records.items()}
-        for index, wanted in ((self.catalog.index, True), (self.catalog.vindex, False)):
-            stored = {r.key: r._replace(last_access=0.0) for r in index.records()}
-            expected = {k: r for k, r in memory.items() if durable(r) == wanted}
-            if stored != expected:
-                diff = set(stored) ^ set(expected)
-                changed = [k for k in set(stored) & set(expected) if stored[k] != expected[k]]
-                raise IntegrityError(f"{'durable' if wanted else 'volatile'} index and memory "
-                                     f"disagree: {len(diff)} keys in one only, "
-                                     f"{len(changed)} records differ")
+        """The durable index holds exactly the records that name NVMe bytes (access
+        times aside: they reach it with the next change), and the key pages exactly
+        the keys of every record."""
+        memory = {k: r._replace(last_access=0.0) for k, r in self.catalog.records.items()
+                  if durable(r)}
+        stored = {r.key: r._replace(last_access=0.0) for r in self.catalog.index.records()}
+        if stored != memory:
+            diff = set(stored) ^ set(memory)
+            changed = [k for k in set(stored) & set(memory) if stored[k] != memory[k]]
+            raise IntegrityError(f"durable index and memory disagree: {len(diff)} keys in "
+                                 f"one only, {len(changed)} records differ")
+        paged = list(self.catalog.keys)
+        if len(paged) != len(self.catalog.records) or set(paged) != set(self.catalog.records):
+            raise IntegrityError(f"key pages out of step: {len(paged)} keys for "
+                                 f"{len(self.catalog.records)} records")
 
 
 def _audit_record(key: bytes, rec: Record) -> None:

@@ -1,17 +1,20 @@
-"""The catalog: every committed record, its two LMDB indexes, and the per-tier
-membership and victim orders kept in step with them. The one place records
-change; the class says what it owns and keeps."""
+"""The catalog: every committed record, the LMDB index of those that name NVMe
+bytes, the key order ``ls`` pages through, and the per-tier membership and victim
+orders kept in step with them. The one place records change; the class says what it
+owns and keeps."""
 
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from kvstore.core.errors import StorageError, TierFullError
-from kvstore.store.index import Index, Record, open_volatile
+from kvstore.store.index import Index, Record
+from kvstore.store.keypages import KeyPages
 from kvstore.store.order import GroupOrder
 from tiers.base import Extent, Tier, free_by_tier
 
@@ -21,45 +24,43 @@ _STORAGE_LOG_EVERY_S = 10.0  # a full disk fails every write: one log line per t
 
 
 class Catalog:
-    """Owner of: ``records`` (key -> Record), ``by_tier`` (tier -> its keys, in insertion
-    order), ``copies`` (keys served from memory that keep an NVMe copy), the durable
-    ``index`` and the ``vindex`` (volatile), ``orders`` (one ``GroupOrder`` per tier)
-    and ``copy_order`` (the NVMe copies). Others read these; only ``apply`` (and
-    ``touch``, for access times) writes them.
+    """Owner of: ``records`` (key -> Record), ``keys`` (their keys in key order, for
+    ``ls``), ``by_tier`` (tier -> its keys, in insertion order), ``copies`` (keys
+    served from memory that keep an NVMe copy), the durable ``index``, ``orders`` (one
+    ``GroupOrder`` per tier) and ``copy_order`` (the NVMe copies). Others read these;
+    only ``apply`` (and ``touch``, for access times) writes them.
 
     Invariants kept here:
-    * ``apply`` is the only place records change: the index transactions first (the
-      volatile environment's, then the durable one's), then memory, then the freeing
-      of every extent no record points at any more. Freeing after the transaction
-      means a crash can never leave two records on one extent. If the index refuses
-      (``StorageError``: full, read-only, failing disk), nothing changed.
-    * ``by_tier`` and ``copies`` list exactly the records of that tier / with a copy;
-      every member has an item in its order whose key is at most its sort key
-      (kvstore/store/order.py).
-    * records naming NVMe bytes live in the durable index, the rest in the volatile one.
+    * ``apply`` is the only place records change: the index transaction first (when
+      the change touches a record that names NVMe bytes), then memory, then the
+      freeing of every extent no record points at any more. Freeing after the
+      transaction means a crash can never leave two records on one extent. If the
+      index refuses (``StorageError``: full, read-only, failing disk), nothing changed.
+    * ``keys`` holds exactly the keys of ``records``; ``by_tier`` and ``copies`` list
+      exactly the records of that tier / with a copy; every member has an item in its
+      order whose key is at most its sort key (kvstore/store/order.py).
+    * the records naming NVMe bytes are exactly those in the durable index; the
+      records of memory tiers are in memory only (their bytes die with the process).
     """
 
     def __init__(self, data_dir: Path, map_bytes: int, sync: bool,
                  tiers: Mapping[str, Tier], sort_key: Callable[[Record], tuple],
                  counts: Counter) -> None:
-        """Open both indexes (``index`` synced unless ``sync`` is False, ``index-
-        volatile`` recreated). ``tiers`` are only freed into here, never allocated;
-        ``counts`` is the store's event counter (``storage_errors``, ``dropped``)."""
-        # Two LMDB environments: ``index`` holds the records that name NVMe bytes
-        # (synced per nvme_fsync), ``index-volatile`` those of memory tiers only
-        # (never synced, recreated on start). A DRAM/GPU-only commit so costs no
-        # fsync; docs/architecture.md "Departures from DESIGN.md".
+        """Open the index (synced unless ``sync`` is False). ``tiers`` are only freed
+        into here, never allocated; ``counts`` is the store's event counter
+        (``storage_errors``, ``dropped``)."""
+        # Only the records that name NVMe bytes have an index on disk (synced per
+        # nvme_fsync): those of memory tiers die with the process, so a DRAM/GPU-only
+        # commit or release touches no LMDB at all; docs/architecture.md "Departures
+        # from DESIGN.md". Earlier versions kept them in ``index-volatile``: removed here.
         self.index = Index(data_dir / "index", map_bytes, sync=sync)
-        try:
-            self.vindex = open_volatile(data_dir / "index-volatile", map_bytes)
-        except BaseException:
-            self.index.close()
-            raise
+        shutil.rmtree(data_dir / _OLD_VOLATILE_INDEX, ignore_errors=True)
         self._tiers = tiers
         self._sort_key = sort_key
         self._counts = counts
         self._storage_logged_at = -_STORAGE_LOG_EVERY_S
         self.records: dict[bytes, Record] = {}
+        self.keys = KeyPages()
         self.by_tier: dict[str, dict[bytes, None]] = {name: {} for name in tiers}
         self.copies: dict[bytes, None] = {}
         self.pinned = 0  # records with pins > 0 (stats reads it: no scan of the records)
@@ -83,13 +84,13 @@ class Catalog:
             self.pinned += rec.pins > 0
             if rec.nvme_copy is not None:
                 self.copies[rec.key] = None
+        self.keys.add_many(rec.key for rec in recovered)
         for order in self.orders.values():
             order.rebuild()
         self.copy_order.rebuild()
 
     def close(self) -> None:
         self.index.close()
-        self.vindex.close()
 
     def set_sort_key(self, sort_key: Callable[[Record], tuple]) -> None:
         """Order victims by another policy from now on (the orders are rebuilt)."""
@@ -168,14 +169,17 @@ class Catalog:
         """Memory catches up with ``put`` (already in the index); extents the old
         records owned and the new ones do not are freed."""
         records, by_tier, orders = self.records, self.by_tier, self.orders
+        new: list[bytes] = []
         for rec in put:
             old = records.get(rec.key)
             records[rec.key] = rec
             self.pinned += (rec.pins > 0) - (old is not None and old.pins > 0)
-            if old is None and rec.nvme_copy is None:  # a new entry (commit): the short way
-                by_tier[rec.tier][rec.key] = None
-                orders[rec.tier].push(rec)
-                continue
+            if old is None:
+                new.append(rec.key)
+                if rec.nvme_copy is None:  # a new entry (commit): the short way
+                    by_tier[rec.tier][rec.key] = None
+                    orders[rec.tier].push(rec)
+                    continue
             if rec.tier == "nvme":  # every read from NVMe verifies it
                 self.unchecked.pop(rec.key, None)
             if old is not None and old.tier != rec.tier:
@@ -189,9 +193,11 @@ class Catalog:
             if old is not None:
                 for ext in set(owned(old)) - set(owned(rec)):
                     self._tiers[ext.tier].free(ext)
+        self.keys.add_many(new)
 
     def _drop_records(self, drop: list[bytes]) -> None:
         freed: list[Extent] = []
+        self.keys.discard_many(drop)
         for key in drop:
             rec = self.records.pop(key)
             self.pinned -= rec.pins > 0
@@ -203,44 +209,23 @@ class Catalog:
         free_by_tier(self._tiers, freed)
 
     def _write_index(self, put: Sequence[Record], drop: list[bytes]) -> None:
-        """Each change into its environment: records naming NVMe bytes into the
-        durable index, the rest into the volatile one (no fsync). Volatile first:
-        if the durable transaction then fails, the volatile one is undone, so the
-        change is still all or nothing. A record that crosses over is deleted from
-        the other environment; a crash between the two transactions is harmless
-        because the volatile one is discarded on start anyway."""
-        vput, vdel, dput, ddel = [], [], [], []
+        """The change's records that name NVMe bytes into the durable index, in one
+        transaction, and out of it those that stop naming them (staged and their copy
+        dropped, or dropped). A change of memory-tier records only writes nothing."""
+        dput, ddel = [], []
+        records = self.records
         for rec in put:
-            old = self.records.get(rec.key)
-            if durable(rec):
+            if rec.tier == "nvme" or rec.nvme_copy is not None:  # durable(rec), inlined
                 dput.append(rec)
-                if old is not None and not durable(old):
-                    vdel.append(rec.key)
             else:
-                vput.append(rec)
+                old = records.get(rec.key)
                 if old is not None and durable(old):
                     ddel.append(rec.key)
         for key in drop:
-            (ddel if durable(self.records[key]) else vdel).append(key)
-        if vput or vdel:
-            self.vindex.apply(put=vput, delete=vdel)
+            if durable(records[key]):
+                ddel.append(key)
         if dput or ddel:
-            try:
-                self.index.apply(put=dput, delete=ddel)
-            except BaseException:
-                if vput or vdel:
-                    self._undo_volatile([r.key for r in vput] + vdel)
-                raise
-
-    def _undo_volatile(self, keys: list[bytes]) -> None:
-        """Put the volatile index back as memory still has it for ``keys``."""
-        back = [r for r in (self.records.get(k) for k in keys)
-                if r is not None and not durable(r)]
-        try:
-            self.vindex.apply(put=back, delete=[k for k in keys if k not in
-                                                {r.key for r in back}])
-        except Exception:  # the first error (the durable one) is the one to report
-            log.exception("volatile index out of step after a failed index write")
+            self.index.apply(put=dput, delete=ddel)
 
     def _reordered(self, rec: Record, old: Record | None = None) -> None:
         """Keep the victim orders in step with ``rec``, which just replaced ``old``:
@@ -277,6 +262,8 @@ class Catalog:
 
 
 _LAST_ACCESS = Record._fields.index("last_access")
+# Where earlier versions kept the records of memory tiers in LMDB; removed on open.
+_OLD_VOLATILE_INDEX = "index-volatile"
 
 
 def durable(rec: Record) -> bool:

@@ -1,7 +1,7 @@
 """The durable index: an LMDB map from a 16-byte key to its ``Record``.
 
-Only ``kvstore.store.facade.Store`` uses this, under its lock. It keeps two: the durable
-index (records naming NVMe bytes, synced) and ``open_volatile``'s (the rest).
+Only ``kvstore.store.facade.Store`` uses this, under its lock, for the records that name
+NVMe bytes (the records of memory tiers live in memory only: kvstore/store/catalog.py).
 Every method is one LMDB transaction over a whole batch, never one per entry: a
 store operation (commit, demotion pass, release, ...) hands all its changed
 records to one ``apply`` call per environment.
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -102,13 +101,11 @@ class LoadResult(NamedTuple):
 class Index:
     """LMDB environment at ``path`` (a directory) holding one unnamed database."""
 
-    def __init__(self, path: str | os.PathLike, map_size: int, sync: bool = True,
-                 lock: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, map_size: int, sync: bool = True) -> None:
         try:
             Path(path).mkdir(parents=True, exist_ok=True)
             check_data_file(Path(path) / "data.mdb")
-            if lock:
-                _allocate_lock_file(Path(path) / "lock.mdb")
+            _allocate_lock_file(Path(path) / "lock.mdb")
         except OSError as exc:
             raise ConfigError(f"cannot open index at {path}: {exc.strerror or exc}") from None
         try:
@@ -117,10 +114,8 @@ class Index:
             # Never writemap: LMDB would then write into a writable map of a sparse
             # file, and a page a full file system cannot back kills the process
             # with SIGBUS. With write() calls a full disk is an error (ENOSPC).
-            # lock=False only for an environment its one owner serializes itself.
             self._env = lmdb.open(str(path), map_size=map_size, subdir=True,
-                                  sync=sync, metasync=sync, max_dbs=0, lock=lock,
-                                  writemap=False)
+                                  sync=sync, metasync=sync, max_dbs=0, writemap=False)
         except lmdb.Error as exc:
             raise ConfigError(f"cannot open index at {path}: {exc}") from exc
         self.path = str(path)
@@ -241,19 +236,6 @@ class Index:
 
     def close(self) -> None:
         self._env.close()
-
-
-def open_volatile(path: str | os.PathLike, map_size: int) -> Index:
-    """A fresh, never-synced index for records of volatile tiers (DRAM, GPU).
-
-    Their bytes die with the process, so their records need no durability: the
-    environment is deleted and recreated on every start, which also makes a torn
-    (unsynced) environment after a power loss harmless. It never fsyncs, so a
-    commit that touches only memory tiers costs no disk flush. Records that name
-    NVMe bytes never go here (see ``Catalog.apply``).
-    """
-    shutil.rmtree(path, ignore_errors=True)
-    return Index(path, map_size, sync=False, lock=False)  # the store's lock serializes it
 
 
 # LMDB's data file starts with two meta pages (x86-64 layout, LMDB 0.9): after a

@@ -139,18 +139,27 @@ def test_an_index_that_refuses_the_write_fails_the_put_before_any_answer(
 
 
 def test_a_full_index_map_is_refused_to_the_writer_and_loses_nothing(open_store):
-    """The real thing: a volatile index whose map fills up (no monkeypatch)."""
-    store = open_store(dram=64, index_map_bytes=32 << 10)
-    work, told_stored = [], []
+    """The real thing: the durable index's map fills up (no monkeypatch). A put of
+    new DRAM entries needs no index space and is stored; one that dedups onto NVMe
+    entries must rewrite their records, and is refused before any answer."""
+    store = open_store(dram=64, nvme=256, index_map_bytes=32 << 10)
+    on_nvme = []
     with pytest.raises(TierFullError, match="index"):
-        for i in range(0, 64, 8):
+        for i in range(0, 256, 8):
             ids = list(range(i, i + 8))
-            put_ids(store, ids, later=work.append, meta=[b"m" * 1000] * 8)
-            for w in work:
-                w()
-            work.clear()
-            told_stored.append(ids)
-    assert work == [] and told_stored
-    for ids in told_stored:
-        assert matched(store, ids) == len(ids)
+            put(store, ids, meta=[b"m" * 1000] * 8)
+            store.demote([key(j) for j in ids])
+            on_nvme += ids
+    assert on_nvme and set(where(store).values()) == {"dram", "nvme"}
+    work = []
+    res = put_ids(store, list(range(1000, 1008)), later=work.append)
+    assert res.new == 8 and len(work) == 1
+    work.pop()()
+    assert matched(store, list(range(1000, 1008))) == 8
+    before = {k: r.pending for k, r in store.catalog.records.items()}
+    with pytest.raises(TierFullError, match="index"):
+        put_ids(store, on_nvme[:8], later=work.append)
+    assert work == []
+    assert {k: r.pending for k, r in store.catalog.records.items()} == before
+    assert store.verify(keys=[key(i) for i in on_nvme[:8]]) == (8, [])  # bytes intact
     store.check_integrity()

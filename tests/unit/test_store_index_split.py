@@ -1,6 +1,6 @@
-"""The two index environments: records naming NVMe bytes in the synced ``index``,
-memory-only records in ``index-volatile`` (never synced, recreated on start).
-Real LMDB on both sides; conftest integrity-checks every store at the end."""
+"""Records naming NVMe bytes in the synced LMDB ``index``; records of memory tiers in
+memory only (their bytes die with the process), so they cost no index write. Real
+LMDB; conftest integrity-checks every store at the end (the index against memory)."""
 
 import pytest
 
@@ -43,19 +43,33 @@ def test_a_dropped_copy_leaves_the_durable_index(make_store, tmp_path):
     store.release(store.acquire([key(1)], [toks(1)]).id)  # staged, copy kept
     store.evict(tier="dram", keys=[key(1)])
     assert where(store) == {}
-    store.check_integrity()  # both environments agree with memory
+    store.check_integrity()  # the index agrees with memory
 
 
-def test_a_refused_durable_write_undoes_the_volatile_one(make_store):
-    """Demotion deletes from the volatile env and puts into the durable one; when
-    the durable map is full the demotion fails and both envs are as before."""
+def test_a_refused_durable_write_changes_nothing(make_store):
+    """Demotion puts records into the durable index; when its map is full the
+    demotion fails and the store is as before."""
     store = make_store(dram=64, nvme=64, index_map_bytes=64 << 10)
     demoted = 0
     with pytest.raises(TierFullError, match=r"index map is full \(.*/index\)"):
         for i in range(0, 64, 2):
             put(store, [i, i + 1], meta=[b"m" * 1000] * 2)
-            store.demote([key(i), key(i + 1)])  # the durable env fills up first
+            store.demote([key(i), key(i + 1)])  # the durable index fills up
             demoted += 2
     store.check_integrity()
     # the failed demotion changed nothing: its batch is still in DRAM, the rest on NVMe
     assert sorted(where(store).values()) == ["dram"] * 2 + ["nvme"] * demoted
+
+
+def test_a_volatile_index_left_by_an_earlier_version_is_removed(tmp_path):
+    """Earlier versions kept memory-tier records in ``index-volatile`` (recreated on
+    every start anyway): opening a data dir that has one deletes it."""
+    cfg = store_config(tmp_path / "d", dram=4)
+    old = tmp_path / "d" / "index-volatile"
+    old.mkdir(parents=True)
+    (old / "data.mdb").write_bytes(b"x" * 4096)
+    with Store(cfg) as store:
+        put(store, [1])
+        assert not old.exists()
+        store.check_integrity()
+    assert durable_keys(tmp_path / "d") == set()

@@ -1,6 +1,6 @@
-"""``kvstore ls`` pages: key order across both indexes (memory-tier records in the
-volatile one, NVMe ones in the durable one), every record exactly once, a tier
-filter, and a cursor that survives entries going between pages."""
+"""``kvstore ls`` pages: key order across every tier (the catalog's key pages hold
+memory-tier and NVMe records alike), every record exactly once, a tier filter, and
+a cursor that survives entries going between pages."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def _all_pages(store, tier=None, limit=3):
             return keys, pages
 
 
-def test_pages_cover_every_record_once_in_key_order_across_both_indexes(make_store):
+def test_pages_cover_every_record_once_in_key_order_across_tiers(make_store):
     store = make_store(dram=8, nvme=8)
     for i in range(1, 13):  # 12 entries, 8 fit DRAM: the oldest demote to NVMe
         put(store, [i])
