@@ -284,3 +284,17 @@ def test_writeback_section_rows_compare_both_modes_on_the_same_puts(tmp_path):
     # Both runs demoted the same prompts (same sizes, same order): only how differs.
     assert off["demotions"] == on["demotions"] > 0
     assert off["median x off"] == 1.0 and on["median x off"] > 0
+
+
+def test_store_ab_runs_two_checkouts_in_turn():
+    """``tools.bench.store_ab`` against this very checkout: both workers store,
+    acquire and release every entry (a worker that acquired fewer stops the run)."""
+    from pathlib import Path
+
+    from tools.bench import store_ab
+
+    root = Path(__file__).resolve().parents[2]
+    result = store_ab.run(root, entries=8, reps=2)
+    assert set(result) == {"base", "this"}
+    for steps in result.values():
+        assert list(steps) == list(store_ab.STEPS) and all(v > 0 for v in steps.values())

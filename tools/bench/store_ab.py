@@ -1,0 +1,129 @@
+"""The store's own cost of put / acquire / release, this checkout against another one,
+side by side (in-process ``Store`` calls: no sockets, no copies, one thread).
+
+    python -m tools.bench.store_ab --base /path/to/other/checkout [--entries 2048] [--reps 61]
+
+Starts one worker process per checkout (``PYTHONPATH`` set to it, so each imports its
+own ``kvstore``), each with a DRAM-only store of its own, and has them take turns,
+one round each, the order swapped every round, so both see the same moments of a
+noisy machine. A round: a room for ``entries`` blocks of 64 KiB, a ``put`` of fresh
+random keys into it (its book-keeping run at once when the store answers first), an
+``acquire`` of them, a ``release`` with drop. Prints the median ms of each step per
+checkout (the first two rounds are warm-up) and base / this (> 1: this is faster).
+A checkout must have rooms (``Store.grant_room``, from 6736e70 on). Make one with
+``git worktree add /tmp/base <commit>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ENTRY = 64 << 10
+STEPS = ("put", "acquire", "release")
+WARMUP = 2
+
+
+def worker(entries: int) -> None:
+    """One store; a round per line on stdin, its step times (s) as JSON on stdout."""
+    import time
+
+    import numpy as np
+
+    from kvstore.core.config import KVStoreConfig
+    from kvstore.store.facade import Store
+
+    with tempfile.TemporaryDirectory(prefix="store-ab-") as data_dir:
+        cfg = KVStoreConfig().replace(
+            tiers={"dram_bytes": 4 * entries * ENTRY, "nvme_bytes": 0, "gpu_bytes": 0,
+                   "gpu_device": "cpu", "dram_shared": False},
+            store={"data_dir": data_dir})
+        store = Store(cfg)
+        later = "later" in inspect.signature(store.put).parameters
+        tokens = [np.full(16, i, dtype="<i4").tobytes() for i in range(entries)]
+        sizes, offsets = [ENTRY] * entries, [i * ENTRY for i in range(entries)]
+        for _ in sys.stdin:
+            keys = [os.urandom(16) for _ in range(entries)]
+            room = store.grant_room(entries * ENTRY)
+            work: list = []
+            t0 = time.perf_counter()
+            kw = {"later": work.append} if later else {}
+            store.put(room.id, keys, sizes, tokens, offsets, [0] * entries, **kw)
+            for step in work:
+                step()
+            t1 = time.perf_counter()
+            acq = store.acquire(keys, tokens)
+            t2 = time.perf_counter()
+            store.release(acq.id, drop=True)
+            t3 = time.perf_counter()
+            if len(acq.entries) != entries:
+                raise SystemExit(f"acquired {len(acq.entries)} of {entries}")
+            print(json.dumps([t1 - t0, t2 - t1, t3 - t2]), flush=True)
+        store.close()
+
+
+def run(base: Path, entries: int, reps: int) -> dict[str, dict[str, float]]:
+    """Median ms per step for ``base`` and this checkout, taking turns."""
+    here = Path(__file__).resolve().parents[2]
+    trees = {"base": base.resolve(), "this": here}
+    # run_path, not ``python FILE``: the script's folder on sys.path would shadow
+    # modules (tools/bench/profile.py is also a stdlib module's name).
+    start = (f"import runpy, sys; sys.argv = [{__file__!r}, '--worker', '{entries}']; "
+             f"runpy.run_path({__file__!r}, run_name='__main__')")
+    procs = {name: subprocess.Popen(
+        [sys.executable, "-c", start], cwd=tree,
+        env={**os.environ, "PYTHONPATH": str(tree)}, stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, text=True) for name, tree in trees.items()}
+    times: dict[str, list[list[float]]] = {name: [] for name in trees}
+    try:
+        for r in range(reps + WARMUP):
+            for name in (["base", "this"] if r % 2 else ["this", "base"]):
+                proc = procs[name]
+                assert proc.stdin is not None and proc.stdout is not None
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+                line = proc.stdout.readline()
+                if not line:
+                    raise SystemExit(f"the {name} worker ({trees[name]}) stopped")
+                if r >= WARMUP:
+                    times[name].append(json.loads(line))
+    finally:
+        for proc in procs.values():
+            if proc.stdin is not None:
+                proc.stdin.close()
+            proc.wait(timeout=60)
+    return {name: {step: statistics.median(t[i] for t in rows) * 1e3
+                   for i, step in enumerate(STEPS)} for name, rows in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="the store's put/acquire/release cost, "
+                                                 "this checkout against another")
+    parser.add_argument("--base", type=Path, help="the other checkout (its root)")
+    parser.add_argument("--entries", type=int, default=2048)
+    parser.add_argument("--reps", type=int, default=61)
+    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker is not None:
+        worker(args.worker)
+        return 0
+    if args.base is None:
+        parser.error("--base is required")
+    result = run(args.base, args.entries, args.reps)
+    print(f"{args.entries} entries of 64 KiB, median ms of {args.reps} rounds:")
+    for name, steps in result.items():
+        print(f"  {name:4s} " + "  ".join(f"{s} {v:.3f}" for s, v in steps.items()))
+    print("  base / this  " + "  ".join(f"{s} {result['base'][s] / result['this'][s]:.2f}x"
+                                       for s in STEPS))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
