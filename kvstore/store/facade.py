@@ -6,11 +6,12 @@ the server, and tests. Every public method takes the store's one lock, so calls
 are serialized; none waits on anything but local memory and disk.
 
 Life of an entry (docs/architecture.md, "Store"):
-  reserved (memory only) -> committed (index + tier) -> leased / pinned
+  reserved (memory only) -> committed (records; the LMDB index too when it names
+  NVMe bytes) -> leased / pinned
   -> demoted (gpu -> dram -> nvme) -> dropped (pending reached 0, evicted, corrupt)
 
-Parts: ``Catalog`` (records, indexes, victim orders: the one place records
-change), ``Holds`` (reservations, leases, hold counts), ``Placement`` (tiers,
+Parts: ``Catalog`` (records, the NVMe index, key order, victim orders: the one
+place records change), ``Holds`` (reservations, leases, hold counts), ``Placement`` (tiers,
 policy: allocation, demotion, staging), ``ByteIO`` (bytes and checksums); the
 operations over them in groups: ``Writes``, ``Reads``, ``Admin``, ``Audit``.
 This class builds and wires them, reaps, counts, and is the typed interface

@@ -4,7 +4,7 @@ Only ``kvstore.store.facade.Store`` uses this, under its lock, for the records t
 NVMe bytes (the records of memory tiers live in memory only: kvstore/store/catalog.py).
 Every method is one LMDB transaction over a whole batch, never one per entry: a
 store operation (commit, demotion pass, release, ...) hands all its changed
-records to one ``apply`` call per environment.
+records to one ``apply`` call.
 
 Invariants:
 * Only committed entries are ever written here; a reservation lives in the
@@ -136,20 +136,6 @@ class Index:
             items = list(txn.cursor())
         for key, value in items:
             yield decode(key, value)
-
-    def keys_after(self, after: bytes | None, limit: int) -> list[bytes]:
-        """Up to ``limit`` keys in key order, from the first one after ``after`` (from
-        the first key when None)."""
-        out: list[bytes] = []
-        with self._env.begin() as txn:
-            cur = txn.cursor()
-            ok = cur.first() if after is None else cur.set_range(after)
-            if ok and after is not None and cur.key() == after:
-                ok = cur.next()
-            while ok and len(out) < limit:
-                out.append(cur.key())
-                ok = cur.next()
-        return out
 
     # -------------------------------------------------------------- writes
     def apply(self, put: Iterable[Record] = (), delete: Iterable[bytes] = ()) -> None:

@@ -77,6 +77,8 @@ class KeyPages:
         """Up to ``limit`` keys in key order, from the first one after ``after`` (from
         the first key when None). Sorts only the buckets it takes keys from."""
         out: list[bytes] = []
+        if limit <= 0:
+            return out
         first = 0 if after is None else bucket_of(after)
         for at in range(first, BUCKETS):
             keys = self._buckets[at]

@@ -2,7 +2,7 @@
 operations (writes.py, reads.py, admin.py, audit.py), so each sees the owners of
 the state by name and can change state only through them.
 
-Who owns what: ``Catalog`` the records and indexes (catalog.py), ``Holds`` the
+Who owns what: ``Catalog`` the records, their index and order (catalog.py), ``Holds`` the
 reservations, leases and hold counts (holds.py), ``Placement`` the tiers and the
 policy (placement.py), ``ByteIO`` nothing (bytes_io.py). ``Counters`` are the
 store's event counts: every part adds to them, only ``Store.stats`` reads them.

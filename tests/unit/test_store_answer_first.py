@@ -118,6 +118,8 @@ def test_with_the_switch_off_the_answer_comes_after_booking(open_store):
 
 def test_an_index_that_refuses_the_write_fails_the_put_before_any_answer(
         open_store, monkeypatch):
+    """(The index write is patched to fail: a put of DRAM entries writes no index
+    for real, one that dedups onto NVMe entries does; the next test has that.)"""
     store = open_store()
     put(store, [3])
     work = []

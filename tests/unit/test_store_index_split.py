@@ -28,7 +28,7 @@ def test_memory_records_stay_out_of_the_durable_index(tmp_path):
         assert where(store) == {1: "dram", 2: "dram", 3: "dram"}
         store.check_integrity()
     assert durable_keys(tmp_path / "d") == {1}
-    with Store(cfg) as store:  # the volatile env is gone, 1 falls back to its copy
+    with Store(cfg) as store:  # DRAM records died with the store, 1 falls back to its copy
         assert where(store) == {1: "nvme"}
         acq = store.acquire([key(1)], [toks(1)])
         assert store.read(acq.id, 0) == data(1)

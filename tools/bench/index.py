@@ -115,7 +115,8 @@ def _ops_at(store: Store, n: int, ops: int, lmdb_dir: Path, sync: bool) -> dict[
     of random held keys, then 64-entry acquire+release batches. The LMDB baseline
     runs right before, so both see the same disk (fsync latency here is noisy)."""
     base = _lmdb_baseline(lmdb_dir, ops, sync)
-    # what the store's DRAM records now cost: a txn in its never-synced volatile env
+    # a never-synced LMDB txn: what each DRAM record cost the store until 65ad191
+    # (a second, volatile environment); since then memory records write no LMDB
     nosync = _lmdb_baseline(lmdb_dir.with_name(lmdb_dir.name + "-nosync"), ops, False)
     rng = np.random.default_rng(n)
     picks = iter(rng.integers(0, n, size=2 * ops + 1).tolist())
