@@ -56,6 +56,12 @@ HELP = {
     "policy.low_watermark": "Demotion stops once usage is below this fraction.",
     "policy.stage_nvme_hits": "Copy an NVMe hit into DRAM before serving it (TE reads memory).",
     "server.busy_after_s": "A request that would wait longer than this behind others (a slow request in flight, a queue) is answered `busy` at once, a miss the caller can retry or recompute, instead of a late reply. Keep clients' timeouts above it.",
+    "server.gc_young": "Young-generation threshold of the server process's garbage "
+                       "collector; at start the objects made so far are frozen out of "
+                       "every collection. A request's short-lived objects (~7 000 for a "
+                       "put of 2 048 entries) then die before a collection sees them "
+                       "(docs/benchmarks.md, \"The garbage collector\"). 0: Python's "
+                       "own settings (700 on CPython 3.11), nothing frozen.",
     "server.local_socket": "A Unix socket beside the shared DRAM arena (`<arena>.sock` under `/dev/shm`, mode 0600) that clients on this node send their requests to instead of the ZeroMQ port: a round trip 1.4 - 2.1x faster (docs/benchmarks.md, \"The same-node door\"). Only the server's own user and root get in, CURVE or not. Needs `tiers.dram_shared`.",
     "policy.background_writeback": "A background thread writes NVMe copies of the least-recently-used entries of the tier above NVMe, one demotion ahead, so demotion under pressure is an index change (no NVMe write on the request path).",
     "policy.writeback_batch_bytes": "Most bytes one background writeback round copies to NVMe (the store's lock is not held while they are written).",

@@ -154,6 +154,9 @@ class StoreConfig:
                               "'background' or 'inline'")
 
 
+MAX_GC_YOUNG = 10**8  # what gc.set_threshold takes is a C int; far above any request
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -170,10 +173,16 @@ class ServerConfig:
     # A Unix socket beside the shared DRAM arena for clients on this node
     # (kvstore/server/local.py); off, or without a shared arena, they use the ROUTER.
     local_socket: bool = True
+    # The serving process's young-generation GC threshold (kvstore.server.loop.tune_gc;
+    # what start-up made is frozen out of every collection). 0: Python's own settings.
+    gc_young: int = 50_000
 
     def __post_init__(self) -> None:
         _sizes(self, "max_message_bytes")
         _positive(self, "busy_after_s")
+        if isinstance(self.gc_young, bool) or not isinstance(self.gc_young, int) \
+                or not 0 <= self.gc_young <= MAX_GC_YOUNG:
+            raise ConfigError(f"ServerConfig.gc_young must be an int in 0..{MAX_GC_YOUNG}")
         _te_settings(self, "server")
         if not 0 < self.port < 65536 or not 0 <= self.metrics_port < 65536:
             raise ConfigError("server: ports must be in 1..65535")

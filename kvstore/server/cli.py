@@ -36,7 +36,7 @@ _FLAGS = {
     "verify_commits": ("store", "verify_commits"), "answer_first": ("store", "answer_first"),
     "dram": ("tiers", "dram_bytes"), "dram_shared": ("tiers", "dram_shared"),
     "dram_prefault": ("tiers", "dram_prefault"),
-    "local_socket": ("server", "local_socket"),
+    "local_socket": ("server", "local_socket"), "gc_young": ("server", "gc_young"),
     "nvme": ("tiers", "nvme_bytes"), "nvme_path": ("tiers", "nvme_path"),
     "nvme_direct": ("tiers", "nvme_direct"), "nvme_fsync": ("tiers", "nvme_fsync"),
     "gpu": ("tiers", "gpu_bytes"), "gpu_device": ("tiers", "gpu_device"),
@@ -106,6 +106,7 @@ def _describe(server, cfg: KVStoreConfig) -> str:
 
 
 def _serve(cfg: KVStoreConfig) -> int:
+    from kvstore.server.loop import tune_gc
     from kvstore.server.registration import connect_etcd, register_server
 
     etcd = connect_etcd(cfg)  # before opening anything: etcd down is a quick, clear error
@@ -125,6 +126,7 @@ def _serve(cfg: KVStoreConfig) -> int:
         if etcd is not None:
             registration = register_server(etcd, cfg, server)
         log.info("%s", _describe(server, cfg))
+        tune_gc(cfg.server.gc_young)  # last: what start-up made is frozen
         server.serve_forever()
         log.info("kvstore-server stopping")
     finally:
@@ -155,6 +157,8 @@ def _serve(cfg: KVStoreConfig) -> int:
               help="Map every DRAM page into the server in the background from start. [on]")
 @click.option("--local-socket/--no-local-socket", default=None,
               help="A Unix socket beside that file for same-node clients' requests. [on]")
+@click.option("--gc-young", type=int,
+              help="Young-generation GC threshold of this process; 0: Python's. [50000]")
 @click.option("--nvme", help="NVMe tier size; 0 disables. [4GiB]")
 @click.option("--nvme-path", help="NVMe slab file or block device. [<data-dir>/nvme.slab]")
 @click.option("--nvme-direct", type=click.Choice(["auto", "on", "off"]), help="O_DIRECT. [auto]")

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import errno
 import collections
+import gc
 import itertools
 import logging
 import threading
@@ -611,3 +612,25 @@ def _reap_interval(config: KVStoreConfig) -> float:
     shortest = min(config.store.reservation_lease_s, config.store.read_lease_s)
     return min(1.0, max(0.05, shortest / 4))
 
+
+
+def tune_gc(young: int) -> None:
+    """Tune this process's garbage collector for serving (``server.gc_young``; 0: leave
+    Python's settings). With Python's young-generation threshold (700 container
+    objects) a put of 2 048 entries, which makes ~7 000 that live until its end (an
+    acquire ~2 000 more), set off ~20 collections a put / acquire / release round,
+    each scanning the young records, one in eight rounds the whole heap (~10 ms):
+    3.5 ms of such a round's ~25 ms of store work (docs/benchmarks.md, "The garbage
+    collector"). With ``young`` well above what one request makes, they die before a
+    collection sees them; ``gc.freeze`` first takes
+    everything start-up made (modules, the store, records recovered from the index)
+    out of every later collection. Records are flat tuples: Python stops tracking
+    them at their first collection, so a store's size does not grow what a
+    collection scans. Cycles are rare here (a traceback); they wait for a
+    collection, which comes after ``young`` more objects at most."""
+    if young <= 0:
+        return
+    gc.collect()  # start-up's garbage is freed, not frozen for good
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(young, older, oldest)

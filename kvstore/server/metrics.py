@@ -27,7 +27,7 @@ import re
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
@@ -165,6 +165,8 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=False)
         if stats_fn is not None:
             self.registry.register(StoreCollector(stats_fn))
+        # python_gc_*: this process's garbage collections by generation (server.gc_young)
+        GCCollector(registry=self.registry)
         self._latency = Histogram(
             f"{PREFIX}_request_duration_seconds",
             "Time the server spent handling one control-plane request, by wire op "

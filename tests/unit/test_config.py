@@ -108,6 +108,9 @@ def test_replace_returns_a_new_tree():
     ("[tiers]\nnvme_fsync = \"sometimes\"\n", "nvme_fsync"),
     ("[tiers]\ndram_shared = \"perhaps\"\n", "dram_shared"),
     ("[server]\nport = 70000\n", "port"),
+    ("[server]\ngc_young = -1\n", "gc_young"),
+    ("[server]\ngc_young = true\n", "gc_young"),
+    ("[server]\ngc_young = 1099511627776\n", "gc_young"),  # past a C int: refused here
     ("[cluster]\nttl_s = \"x\"\n", "cluster.ttl_s"),
     ("[policy]\nhigh_watermark = \"high\"\n", "policy.high_watermark"),
     ("not toml [", "cannot read config"),
@@ -121,6 +124,7 @@ def test_bad_toml_is_a_config_error_naming_the_field(tmp_path, toml, field):
     ("KVSTORE_STORE_BLOCK_TOKENS", "1.5", "store.block_tokens"),
     ("KVSTORE_TIERS_DRAM_BYTES", "abc", "tiers.dram_bytes"),
     ("KVSTORE_SERVER_PORT", "0", "port"),
+    ("KVSTORE_SERVER_GC_YOUNG", "-5", "gc_young"),
     ("KVSTORE_CLIENT_TIMEOUT_S", "-1", "timeout_s"),
 ])
 def test_bad_env_is_a_config_error_naming_the_field(name, value, field):
@@ -200,3 +204,18 @@ def test_tier_size_messages_say_what_is_wrong(name, value, words):
 def test_a_tier_of_one_page_or_zero_is_fine():
     cfg = load_config(env={}, overrides={"tiers": {"nvme_bytes": "4KiB", "gpu_bytes": 0}})
     assert cfg.tiers.nvme_bytes == 4096 and cfg.tiers.gpu_bytes == 0
+
+
+def test_tune_gc_freezes_start_up_and_raises_the_young_threshold():
+    """In a fresh interpreter (this one's collector is left alone): 0 changes
+    nothing, N freezes what exists and sets the young threshold to N."""
+    import subprocess
+    import sys
+
+    code = ("import gc; from kvstore.server.loop import tune_gc; t = gc.get_threshold(); "
+            "tune_gc(0); assert gc.get_threshold() == t and gc.get_freeze_count() == 0; "
+            "tune_gc(50000); assert gc.get_threshold() == (50000, t[1], t[2]); "
+            "assert gc.get_freeze_count() > 1000; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

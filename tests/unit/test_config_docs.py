@@ -31,7 +31,7 @@ def test_splice_and_check(tmp_path):
     assert gen.main(["--check", "--doc", str(doc)]) == 1
     assert gen.main(["--write", "--doc", str(doc)]) == 0
     text = doc.read_text()
-    assert "old" not in text and text.endswith("\n\nafter\n") and gen.render_table() in text
+    assert "\nold\n" not in text and text.endswith("\n\nafter\n") and gen.render_table() in text
     assert gen.main(["--check", "--doc", str(doc)]) == 0
     with pytest.raises(ValueError):
         gen.splice("no markers", "t")

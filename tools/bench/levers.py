@@ -2,9 +2,9 @@
 
     python -m tools.bench.levers [--layout large] [--tokens 2048] [--reps 9]
 
-Seven kvstore-servers on loopback (DRAM only, ``parts.server_opts``): one with
+Eight kvstore-servers on loopback (DRAM only, ``parts.server_opts``): one with
 ``--verify-commits inline`` (the commit hashes every byte before it answers, as
-before), six with the default ``background``, two of them without rooms (each
+before), seven with the default ``background``, two of them without rooms (each
 put variant runs on a server of its own, idle since the last round). Then,
 round by round so that every variant sees the same moment of this noisy machine,
 the same prompt size is moved by each variant and each call timed in the calling
@@ -20,22 +20,25 @@ process:
   server's same-node Unix socket, kvstore/server/local.py, answered once the server
   has booked it: ``KVSTORE_STORE_ANSWER_FIRST=false``), ``background, 2 threads at
   any size, room`` (entries of any size copied on two threads, as before
-  ``PARALLEL_MIN_ENTRY_BYTES``) and ``background, 2 threads, room`` (now: answered
-  first, booked right after the reply);
+  ``PARALLEL_MIN_ENTRY_BYTES``), ``background, 2 threads, room, Python's GC`` (a
+  server with Python's own garbage-collector settings: ``KVSTORE_SERVER_GC_YOUNG=0``)
+  and ``background, 2 threads, room`` (now: answered first, booked right after the
+  reply);
 * ``get`` over TE (loopback TCP, into a reused buffer):
   ``spin, acked release`` (the old path: one TE sync transfer per run of entries,
   which busy-waits a core, hashed after it landed, and a release that waits for its
   reply), ``spin, one-way release``, ``spin, 2 MiB pieces`` (``client.te_piece_bytes
   = 2MiB``: several sync transfers in flight), ``streamed, one-way release``
-  (``client.te_wait = "yield"``: async pieces hashed as they land, the wait yielding)
+  (``client.te_wait = "yield"``: async pieces hashed as they land, the wait yielding),
+  ``streamed, sleeping, Python's GC`` (from a server with Python's own GC settings)
   and ``streamed, sleeping`` (now: ``"sleep"``, the wait sleeping between polls);
 * ``put-te``, a producer on another node (TE write from the caller's buffer):
   ``spin`` (hash after the transfer) against ``streamed`` (hash while it flies,
   yielding) and ``streamed, sleeping`` (TE writers get no rooms).
 
 Rooms are switched off (``KVSTORE_POLICY_ROOM_FRACTION=0``) on the servers of every
-variant but the four room ones; the same-node socket is off
-(``KVSTORE_SERVER_LOCAL_SOCKET=false``) on all of them but the last three, and the
+variant but the five room ones; the same-node socket is off
+(``KVSTORE_SERVER_LOCAL_SOCKET=false``) on all of them but the last four, and the
 last runs on a server as shipped.
 
 Prints the median ms of each variant and its ratio to the old path (> 1: faster).
@@ -66,9 +69,10 @@ PIECE = 2 * MiB
 
 PUTS = ("inline, 1 thread", "background, 1 thread", "background, 2 threads",
         "background, 2 threads, room, ZeroMQ", "background, 2 threads, room, booked first",
-        "background, 2 threads at any size, room", "background, 2 threads, room")
+        "background, 2 threads at any size, room", "background, 2 threads, room, Python's GC",
+        "background, 2 threads, room")
 GETS = ("spin, acked release", "spin, one-way release", "spin, 2 MiB pieces",
-        "streamed, one-way release", "streamed, sleeping")
+        "streamed, one-way release", "streamed, sleeping, Python's GC", "streamed, sleeping")
 TE_PUTS = ("spin", "streamed", "streamed, sleeping")
 NO_SOCKET = {"KVSTORE_SERVER_LOCAL_SOCKET": "false"}  # same-node requests over ZeroMQ
 NO_ROOMS = {"KVSTORE_POLICY_ROOM_FRACTION": "0", **NO_SOCKET}  # reserve, then commit
@@ -107,6 +111,7 @@ def run(layout_name: str, ntokens: int, reps: int) -> dict[str, dict[str, float]
         rooms_zmq = servers(env=NO_SOCKET, **opts)
         booked_first = servers(env={"KVSTORE_STORE_ANSWER_FIRST": "false"}, **opts)
         any_size = servers(**opts)
+        python_gc = servers(env={"KVSTORE_SERVER_GC_YOUNG": "0"}, **opts)
         rooms = servers(**opts)  # as shipped: rooms, the same-node socket, answer first
 
         def client(srv: Any, same_node: Any, piece: int = 0, wait: str = "spin"
@@ -122,17 +127,21 @@ def run(layout_name: str, ntokens: int, reps: int) -> dict[str, dict[str, float]
                    PUTS[3]: (client(rooms_zmq, True), threads, big),
                    PUTS[4]: (client(booked_first, True), threads, big),
                    PUTS[5]: (client(any_size, True), threads, 0),
-                   PUTS[6]: (client(rooms, True), threads, big)}
-        # The getters read what a same-node writer stored on the background server.
-        feeder = client(background, True)
-        readers = {GETS[0]: client(background, False), GETS[1]: client(background, False),
-                   GETS[2]: client(background, False, PIECE),
-                   GETS[3]: client(background, False, wait="yield"),
-                   GETS[4]: client(background, False, wait="sleep")}
+                   PUTS[6]: (client(python_gc, True), threads, big),
+                   PUTS[7]: (client(rooms, True), threads, big)}
+        # The getters read what a same-node writer stored on the background server
+        # (Python's GC one: on that server).
+        feeder, gc_feeder = client(background, True), client(python_gc, True)
+        readers = {GETS[0]: (client(background, False), feeder),
+                   GETS[1]: (client(background, False), feeder),
+                   GETS[2]: (client(background, False, PIECE), feeder),
+                   GETS[3]: (client(background, False, wait="yield"), feeder),
+                   GETS[4]: (client(python_gc, False, wait="sleep"), gc_feeder),
+                   GETS[5]: (client(background, False, wait="sleep"), feeder)}
         te_writers = {TE_PUTS[0]: client(background, False),
                       TE_PUTS[1]: client(background, False, wait="yield"),
                       TE_PUTS[2]: client(background, False, wait="sleep")}
-        undo = _acked(readers[GETS[0]])
+        undo = _acked(readers[GETS[0]][0])
         kv = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
         out = np.empty(nbytes + MiB, np.uint8)
         serial = 0
@@ -157,10 +166,10 @@ def run(layout_name: str, ntokens: int, reps: int) -> dict[str, dict[str, float]
                 feeder.drop_select(tokens, into=out)
                 if rep:
                     times["put-te"][name].append(took)
-            for name, reader in readers.items():
+            for name, (reader, source) in readers.items():
                 serial += 1
                 tokens = (np.arange(ntokens) + serial * ntokens) % 50_000
-                feeder.insert(tokens, kv=kv)
+                source.insert(tokens, kv=kv)
                 start = time.perf_counter()
                 got = reader.drop_select(tokens, into=out)
                 took = time.perf_counter() - start
@@ -169,8 +178,8 @@ def run(layout_name: str, ntokens: int, reps: int) -> dict[str, dict[str, float]
                 if rep:
                     times["get"][name].append(took)
         undo()
-        for c in [*(w for w, _, _ in writers.values()), feeder, *readers.values(),
-                  *te_writers.values()]:
+        for c in [*(w for w, _, _ in writers.values()), feeder, gc_feeder,
+                  *(r for r, _ in readers.values()), *te_writers.values()]:
             c.close()
     finally:
         shm.COPY_THREADS, shm.PARALLEL_MIN_ENTRY_BYTES = threads, big
