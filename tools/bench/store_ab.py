@@ -1,22 +1,28 @@
 """The store's own cost of put / acquire / release, this checkout against another one,
 side by side (in-process ``Store`` calls: no sockets, no copies, one thread).
 
-    python -m tools.bench.store_ab --base /path/to/other/checkout [--entries 2048] [--reps 61]
+    python -m tools.bench.store_ab --base /path/to/other/checkout [--this /path/to/another]
+                                   [--entries 2048] [--reps 61]
 
 Starts one worker process per checkout (``PYTHONPATH`` set to it, so each imports its
 own ``kvstore``), each with a DRAM-only store of its own, and has them take turns,
 one round each, the order swapped every round, so both see the same moments of a
 noisy machine. A round: a room for ``entries`` blocks of 64 KiB, a ``put`` of fresh
 random keys into it (its book-keeping run at once when the store answers first), an
-``acquire`` of them, a ``release`` with drop. Prints the median ms of each step per
-checkout (the first two rounds are warm-up) and base / this (> 1: this is faster).
-A checkout must have rooms (``Store.grant_room``, from 6736e70 on). Make one with
-``git worktree add /tmp/base <commit>``.
+``acquire`` of them, a ``release`` with drop. Both workers run with the garbage
+collector as a server runs it (``server.gc_young``: start-up frozen, collections
+rare), so that a collection set off by one step is not charged to another. Prints
+the median ms of each step and of the whole round per checkout (the first two
+rounds are warm-up) and base / this (> 1: this is faster).
+``--this``: measure that checkout instead of this one. A checkout must have rooms
+(``Store.grant_room``, from 6736e70 on). Make one with ``git worktree add /tmp/base
+<commit>``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
 import json
 import os
@@ -27,7 +33,8 @@ import tempfile
 from pathlib import Path
 
 ENTRY = 64 << 10
-STEPS = ("put", "acquire", "release")
+STEPS = ("put", "acquire", "release", "round")
+GC_YOUNG = 50_000  # server.gc_young's default (kvstore.server.loop.tune_gc)
 WARMUP = 2
 
 
@@ -49,6 +56,9 @@ def worker(entries: int) -> None:
         later = "later" in inspect.signature(store.put).parameters
         tokens = [np.full(16, i, dtype="<i4").tobytes() for i in range(entries)]
         sizes, offsets = [ENTRY] * entries, [i * ENTRY for i in range(entries)]
+        gc.collect()  # as tune_gc does (a checkout from before it has none)
+        gc.freeze()
+        gc.set_threshold(GC_YOUNG, *gc.get_threshold()[1:])
         for _ in sys.stdin:
             keys = [os.urandom(16) for _ in range(entries)]
             room = store.grant_room(entries * ENTRY)
@@ -65,14 +75,16 @@ def worker(entries: int) -> None:
             t3 = time.perf_counter()
             if len(acq.entries) != entries:
                 raise SystemExit(f"acquired {len(acq.entries)} of {entries}")
-            print(json.dumps([t1 - t0, t2 - t1, t3 - t2]), flush=True)
+            print(json.dumps([t1 - t0, t2 - t1, t3 - t2, t3 - t0]), flush=True)
         store.close()
 
 
-def run(base: Path, entries: int, reps: int) -> dict[str, dict[str, float]]:
-    """Median ms per step for ``base`` and this checkout, taking turns."""
+def run(base: Path, entries: int, reps: int, this: Path | None = None
+        ) -> dict[str, dict[str, float]]:
+    """Median ms per step for ``base`` and ``this`` (default: this checkout), taking
+    turns."""
     here = Path(__file__).resolve().parents[2]
-    trees = {"base": base.resolve(), "this": here}
+    trees = {"base": base.resolve(), "this": (this or here).resolve()}
     # run_path, not ``python FILE``: the script's folder on sys.path would shadow
     # modules (tools/bench/profile.py is also a stdlib module's name).
     start = (f"import runpy, sys; sys.argv = [{__file__!r}, '--worker', '{entries}']; "
@@ -107,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="the store's put/acquire/release cost, "
                                                  "this checkout against another")
     parser.add_argument("--base", type=Path, help="the other checkout (its root)")
+    parser.add_argument("--this", type=Path, help="measure this checkout instead of ours")
     parser.add_argument("--entries", type=int, default=2048)
     parser.add_argument("--reps", type=int, default=61)
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
@@ -116,7 +129,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.base is None:
         parser.error("--base is required")
-    result = run(args.base, args.entries, args.reps)
+    for flag, tree in (("--base", args.base), ("--this", args.this)):
+        if tree is not None and not (tree / "kvstore" / "store" / "facade.py").is_file():
+            parser.error(f"{flag} {tree}: not a kvstore checkout (no kvstore/store/facade.py)")
+    if args.entries < 1 or args.reps < 1:
+        parser.error("--entries and --reps must be >= 1")
+    result = run(args.base, args.entries, args.reps, args.this)
     print(f"{args.entries} entries of 64 KiB, median ms of {args.reps} rounds:")
     for name, steps in result.items():
         print(f"  {name:4s} " + "  ".join(f"{s} {v:.3f}" for s, v in steps.items()))
