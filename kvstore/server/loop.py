@@ -613,7 +613,6 @@ def _reap_interval(config: KVStoreConfig) -> float:
     return min(1.0, max(0.05, shortest / 4))
 
 
-
 def tune_gc(young: int) -> None:
     """Tune this process's garbage collector for serving (``server.gc_young``; 0: leave
     Python's settings). With Python's young-generation threshold (700 container

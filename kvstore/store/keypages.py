@@ -34,12 +34,6 @@ class KeyPages:
         self._buckets: list[set[bytes] | None] = [None] * BUCKETS
         self.add_many(keys)
 
-    def add(self, key: bytes) -> None:
-        self.add_many((key,))
-
-    def discard(self, key: bytes) -> None:
-        self.discard_many((key,))
-
     def add_many(self, keys: Iterable[bytes]) -> None:
         buckets = self._buckets
         for key in keys:

@@ -368,10 +368,10 @@ class Reads(Operations):
         return out
 
     def _infos(self, recs: list[Record]) -> list[EntryInfo]:
-        """``_info`` of each: the tier's base address looked up once per run of one
-        tier (an extent's address is its tier's base plus its offset, or None), and
-        each built with ``tuple.__new__`` (an acquire builds one per entry: this loop
-        was half of a 2 048-entry acquire)."""
+        """What a reader needs of each record (``EntryInfo``): the tier's base address
+        looked up once per run of one tier (an extent's address is its tier's base plus
+        its offset, or None), each built with ``tuple.__new__`` (an acquire builds one
+        per entry: this loop was half of a 2 048-entry acquire)."""
         out: list[EntryInfo] = []
         tiers, new = self.place.tiers, tuple.__new__
         name, base = "", None
@@ -384,8 +384,3 @@ class Reads(Operations):
                                        rec.checksum, rec.ntokens, rec.meta)))
         return out
 
-    def _info(self, rec: Record) -> EntryInfo:
-        tier = self.place.tiers[rec.tier]
-        address = tier.address(Extent(rec.tier, rec.offset, rec.nbytes))
-        return EntryInfo(rec.key, rec.tier, rec.offset, rec.nbytes, address, rec.checksum,
-                         rec.ntokens, rec.meta)
