@@ -54,8 +54,10 @@ class ArenaTier(Tier):
         self._alloc.free(extent.offset, extent.nbytes)
 
     def free_many(self, extents: list[Extent]) -> None:
-        for extent in extents:
-            self._own(extent)
+        name = self.name
+        if any(e.tier != name for e in extents):
+            for extent in extents:
+                self._own(extent)  # raises for the first foreign one
         self._alloc.free_many([(e.offset, e.nbytes) for e in extents])
 
     def retain(self, extent: Extent, pieces: list[tuple[int, int]]) -> list[Extent]:
@@ -63,7 +65,8 @@ class ArenaTier(Tier):
         if not self._alloc.is_live(extent.offset, extent.nbytes):
             raise IntegrityError(f"{self.name}: extent {extent} is not live")
         self._alloc.retain(extent.offset, pieces)
-        return [Extent(self.name, off, int(n)) for off, n in pieces]
+        new, name = tuple.__new__, self.name  # one Extent per entry of a put: no call each
+        return [new(Extent, (name, off, int(n))) for off, n in pieces]
 
     def claim(self, extent: Extent) -> None:
         self._own(extent)

@@ -16,7 +16,7 @@ from kvstore.core.errors import StorageError, TierFullError
 from kvstore.store.index import Index, Record
 from kvstore.store.keypages import KeyPages
 from kvstore.store.order import GroupOrder
-from tiers.base import Extent, Tier, free_by_tier
+from tiers.base import Extent, Tier
 
 log = logging.getLogger(__name__)
 
@@ -168,8 +168,9 @@ class Catalog:
     def _put_records(self, put: Sequence[Record]) -> None:
         """Memory catches up with ``put`` (already in the index); extents the old
         records owned and the new ones do not are freed."""
-        records, by_tier, orders = self.records, self.by_tier, self.orders
+        records, by_tier = self.records, self.by_tier
         new: list[bytes] = []
+        fresh: dict[str, list[Record]] = {}  # new entries (commits), by tier: pushed at once
         for rec in put:
             old = records.get(rec.key)
             records[rec.key] = rec
@@ -178,7 +179,11 @@ class Catalog:
                 new.append(rec.key)
                 if rec.nvme_copy is None:  # a new entry (commit): the short way
                     by_tier[rec.tier][rec.key] = None
-                    orders[rec.tier].push(rec)
+                    group = fresh.get(rec.tier)
+                    if group is None:
+                        fresh[rec.tier] = [rec]
+                    else:
+                        group.append(rec)
                     continue
             if rec.tier == "nvme":  # every read from NVMe verifies it
                 self.unchecked.pop(rec.key, None)
@@ -193,20 +198,35 @@ class Catalog:
             if old is not None:
                 for ext in set(owned(old)) - set(owned(rec)):
                     self._tiers[ext.tier].free(ext)
+        for tier, group in fresh.items():
+            self.orders[tier].push_many(group)
         self.keys.add_many(new)
 
     def _drop_records(self, drop: list[bytes]) -> None:
-        freed: list[Extent] = []
         self.keys.discard_many(drop)
+        records, by_tier, copies = self.records, self.by_tier, self.copies
+        unchecked, condemned = self.unchecked, self.condemned
+        # owned(rec) and free_by_tier, inlined: a release drops every entry it read.
+        freed: dict[str, list[Extent]] = {}
+        make = tuple.__new__
         for key in drop:
-            rec = self.records.pop(key)
+            rec = records.pop(key)
             self.pinned -= rec.pins > 0
-            self.unchecked.pop(key, None)
-            self.condemned.pop(key, None)
-            del self.by_tier[rec.tier][key]
-            self.copies.pop(key, None)
-            freed += owned(rec)
-        free_by_tier(self._tiers, freed)
+            unchecked.pop(key, None)
+            condemned.pop(key, None)
+            del by_tier[rec.tier][key]
+            copies.pop(key, None)
+            ext = make(Extent, (rec.tier, rec.offset, rec.nbytes))
+            group = freed.get(ext[0])
+            if group is None:
+                freed[ext[0]] = [ext]
+            else:
+                group.append(ext)
+            if rec.nvme_copy is not None:
+                freed.setdefault("nvme", []).append(make(Extent, ("nvme", rec.nvme_copy,
+                                                                  rec.nbytes)))
+        for name, group in freed.items():
+            self._tiers[name].free_many(group)
 
     def _write_index(self, put: Sequence[Record], drop: list[bytes]) -> None:
         """The change's records that name NVMe bytes into the durable index, in one

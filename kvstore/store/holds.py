@@ -86,8 +86,10 @@ class Holds:
         self._expired: collections.OrderedDict[int, None] = collections.OrderedDict()
 
     def hold(self, keys: Sequence[bytes]) -> None:
+        leased = self.leased
+        get = leased.get
         for key in keys:
-            self.leased[key] = self.leased.get(key, 0) + 1
+            leased[key] = get(key, 0) + 1
 
     def unhold(self, keys: Sequence[bytes]) -> list[bytes]:
         """Drop one hold per key; returns the keys now due to be freed (pending 0,

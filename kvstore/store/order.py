@@ -20,7 +20,7 @@ then yielded late, as soon as its stale item comes up.)
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Collection, Generator
+from collections.abc import Callable, Collection, Generator, Iterable
 
 from kvstore.store.index import Record
 
@@ -47,6 +47,14 @@ class GroupOrder:
     def push(self, rec: Record) -> None:
         heapq.heappush(self._heap, self._sort_key(rec))
         if len(self._heap) > self._limit:
+            self._bound()
+
+    def push_many(self, recs: Iterable[Record]) -> None:
+        """``push`` each of ``recs`` (a commit's new entries), the bound checked once."""
+        heap, sort_key, heappush = self._heap, self._sort_key, heapq.heappush
+        for rec in recs:
+            heappush(heap, sort_key(rec))
+        if len(heap) > self._limit:
             self._bound()
 
     def _bound(self) -> None:

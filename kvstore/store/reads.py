@@ -243,8 +243,8 @@ class Reads(Operations):
 
     def _count_hits(self, found_in: list[str], served: int, blocks: int) -> None:
         served = min(served, blocks)
-        for tier in found_in[:served]:
-            self.hits[tier] += 1
+        for tier, n in Counter(found_in[:served]).items():
+            self.hits[tier] += n
         self.counts["misses"] += blocks - served
 
     def _lease_prefix(self, recs: list[Record], found_in: list[str], lease_s: float,
@@ -259,9 +259,13 @@ class Reads(Operations):
         if end is not None and not any(r.key == end for r in recs):
             end = None  # staging cut the lease before the prompt's end: a later round
         self.holds.add_lease(aid, Lease([r.key for r in recs], now + lease_s, claim, take, end))
-        self.counts["bytes_out"] += sum(r.nbytes for r in recs)
-        for tier, rec in zip(found_in, recs):  # counted where it was found
-            self.tier_bytes[tier, "bytes_out"] += rec.nbytes
+        nbytes = sum(r.nbytes for r in recs)
+        self.counts["bytes_out"] += nbytes
+        if len(set(found_in)) == 1 and len(found_in) == len(recs):  # the usual case
+            self.tier_bytes[found_in[0], "bytes_out"] += nbytes
+        else:
+            for tier, rec in zip(found_in, recs):  # counted where it was found
+                self.tier_bytes[tier, "bytes_out"] += rec.nbytes
         return Acquisition(aid, self._infos(recs), sum(r.ntokens for r in recs),
                            now + lease_s)
 

@@ -441,14 +441,16 @@ def _new_records(op: Open, new: list[int], sums: list[int], now: float) -> dict[
     keys, extents, tokens, metas, namespace = op.keys, op.extents, op.tokens, op.meta, \
         op.namespace
     extra_pins, extra, extra_ends = op.extra_pins, op.extra, op.extra_ends
+    # tuple.__new__: a NamedTuple's own __new__ is a Python call per entry (and
+    # keyword arguments a third more); the fields in Record's order.
+    make = tuple.__new__
     for i, s in zip(new, sums):
         key, ext, tok = keys[i], extents[i], tokens[i]
         assert ext is not None  # ``new`` lists the written placements only
-        # Positional: keyword arguments cost a NamedTuple a third more, per entry.
-        put[key] = Record(key, ext.tier, ext.offset, ext.nbytes, len(tok) // 4, tok, s, now,
-                          now, extra_pins.get(key, 0), 1 + extra.get(key, 0), metas[i],
-                          COMMITTED, None, namespace,
-                          (key == end) + extra_ends.get(key, 0))
+        put[key] = make(Record, (key, ext[0], ext[1], ext[2], len(tok) // 4, tok, s, now,
+                                 now, extra_pins.get(key, 0), 1 + extra.get(key, 0), metas[i],
+                                 COMMITTED, None, namespace,
+                                 (key == end) + extra_ends.get(key, 0)))
     return put
 
 
@@ -462,6 +464,8 @@ def _match_checksums(checksums: Sequence[int], nkeys: int, new: list[int]) -> li
     else:
         raise InvalidRequestError(f"{len(checksums)} checksums for {nkeys} keys "
                                   f"({len(new)} new placements)")
+    if all(type(s) is int and 0 <= s < 2**64 for s in picked):
+        return picked  # the usual case, one pass (a subclass of int takes the long way)
     for s in picked:
         if not isinstance(s, int) or isinstance(s, bool) or not 0 <= s < 2**64:
             raise InvalidRequestError(f"checksum must be a uint64, got {s!r}")
