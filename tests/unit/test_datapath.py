@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from kvstore.client.datapath import _mirror
 from kvstore.client.shm import PIECE_BYTES, RUN_BYTES, copy_in, copy_out
@@ -43,6 +44,41 @@ def test_out_of_order_entries_land_at_their_own_offsets():
     offsets, local, remote, lengths = _mirror(items, writing=True)
     assert offsets == [4096, 0] and (local, remote, lengths) == ([0], [BASE], [8192])
 
+
+_SIZES = st.sampled_from([65536, 4096, 100, 5000])
+_GAPS = st.sampled_from([0, 0, 0, 96, 4096])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["dram", "dram", "nvme"]), _SIZES, _GAPS),
+                min_size=1, max_size=12),
+       st.sampled_from([0, 7 * 4096, 1 << 40]), st.booleans(), st.randoms())
+def test_back_to_back_entries_take_the_array_path_to_the_loops_layout(
+        spec, start, shuffled, rnd):
+    """``_mirror``'s fast path (one tier, entries back to back: a stored prompt) must
+    give exactly what its loop gives, and step aside for every other layout."""
+    import kvstore.client.datapath as dp
+
+    items, addr = [], start
+    for tier, nbytes, gap in spec:
+        items.append([tier, 0, nbytes, addr])
+        addr += nbytes + gap
+    if shuffled:
+        rnd.shuffle(items)
+    for writing in (False, True):
+        fast = dp._mirror(items, writing)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(dp, "_back_to_back", lambda items: None)
+            assert fast == dp._mirror(items, writing)
+    contiguous = all(b[3] == a[3] + a[2] and b[0] == a[0] for a, b in zip(items, items[1:]))
+    assert (dp._back_to_back(items) is not None) == contiguous
+
+
+def test_an_entry_without_an_address_is_still_refused_by_name():
+    from kvstore.core.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="no TE address for a nvme entry"):
+        _mirror([pl("dram", 0, 4096), ["nvme", 4096, 4096, None]], writing=False)
 
 
 def test_shm_copies_merge_neighbours_and_hash_every_entry_from_the_callers_side():
@@ -113,7 +149,6 @@ def test_write_refuses_a_buffer_whose_size_is_not_its_placements():
 
 
 # ------------------------------------------------------------ TE pieces
-from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from kvstore.client import shm as shm_mod  # noqa: E402
 from kvstore.client.datapath import DataPath  # noqa: E402
