@@ -62,6 +62,13 @@ HELP = {
                        "put of 2 048 entries) then die before a collection sees them "
                        "(docs/benchmarks.md, \"The garbage collector\"). 0: Python's "
                        "own settings (700 on CPython 3.11), nothing frozen.",
+    "server.inline_max_bytes": "An acquire's bytes, up to this many, go in its reply (a "
+        "frame after it) instead of over TE when the client asks for them "
+        "(`client.inline_max_bytes`), all are in DRAM and the request came over the "
+        "ZeroMQ port: one round trip for a small drop_select. The server copies them "
+        "into the reply (on its serving thread, so keep it small) and holds at most "
+        "8 replies' worth unsent; past that, replies name TE addresses. 0: always TE "
+        "(docs/benchmarks.md, \"Small drop_selects in one round trip\"). At most 64MiB.",
     "server.local_socket": "A Unix socket beside the shared DRAM arena (`<arena>.sock` under `/dev/shm`, mode 0600) that clients on this node send their requests to instead of the ZeroMQ port: a round trip 1.4 - 2.1x faster (docs/benchmarks.md, \"The same-node door\"). Only the server's own user and root get in, CURVE or not. Needs `tiers.dram_shared`.",
     "policy.background_writeback": "A background thread writes NVMe copies of the least-recently-used entries of the tier above NVMe, one demotion ahead, so demotion under pressure is an index change (no NVMe write on the request path).",
     "policy.writeback_batch_bytes": "Most bytes one background writeback round copies to NVMe (the store's lock is not held while they are written).",
@@ -134,6 +141,13 @@ HELP = {
     "client.curve_server_public_key": "Server public key file (CURVE); empty: no CURVE.",
     "client.curve_secret_key": "Client key pair file written by `kvstore keys`.",
     "client.etcd": "etcd of a cluster; the client finds nodes there instead of `server`.",
+    "client.inline_max_bytes": "A drop_select or get of a prompt up to this many bytes "
+        "asks for them in the acquire's reply (the server sends them when its own "
+        "`server.inline_max_bytes` allows): one round trip, no TE read; verified as "
+        "they are copied out. Only with `te_protocol = \"tcp\"`, without CURVE keys "
+        "(ZeroMQ would encrypt the bytes: slower than TE) and off the server's "
+        "node (a same-node client copies from the arena), and not when the caller "
+        "skips blocks. With RDMA the TE read is used always. 0: always TE.",
 }
 
 

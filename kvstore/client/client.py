@@ -166,6 +166,12 @@ class KVStoreClient:
         self._room: _Room | None = None
         self._room_lock = threading.Lock()
         self._last_need = 0  # bytes the last insert wrote (rooms are asked that big)
+        # A drop_select / get of at most this many bytes asks for them in the acquire's
+        # reply (``_inline``); TE over TCP only: RDMA reads beat the control socket. Not
+        # under CURVE either: ZeroMQ would encrypt the bytes, 1.4 - 2.3x slower than TE
+        # reads them (docs/benchmarks.md, "Small drop_selects in one round trip").
+        self._inline_max = cfg.inline_max_bytes \
+            if self._data.engine.protocol == "tcp" and curve is None else 0
 
     # ------------------------------------------------------------ connection
     def hello(self) -> dict[str, Any]:
@@ -665,7 +671,8 @@ class KVStoreClient:
             # with the head taken, no whole-prompt read could reach it again.
             acq = self._call(p.Acquire(keys=tuple(keys[done:]), tokens=tuple(toks[done:]),
                                        claim=drop, optional_tail=True,
-                                       spend_rest=drop and done > 0), _left(deadline))
+                                       spend_rest=drop and done > 0,
+                                       inline=self._inline(skip - done)), _left(deadline))
             short = acq.get("short", "")
             if not acq["entries"]:
                 if acq.get("spent"):
@@ -699,6 +706,18 @@ class KVStoreClient:
         return SelectResult(matched, torch.from_numpy(out[:kv_bytes]), hidden,
                             short if nblocks < len(prompt.keys) else "")
 
+    def _inline(self, skip: int) -> int | None:
+        """What an acquire asks to get in its reply (``Acquire.inline``): this client's
+        ``inline_max_bytes`` when the server sends bytes so (its hello says how many)
+        and this client reads over TE (not its node's shared arena, not skipping
+        blocks: those would travel for nothing); else None (the field left out, for
+        servers that predate it)."""
+        hello = self._hello
+        if not self._inline_max or skip > 0 or hello is None or not hello.get("inline_max") \
+                or self._data.uses_shared_memory:
+            return None
+        return self._inline_max
+
     def _read_round(self, acq: dict, drop: bool, deadline: float,
                     into: Any, skip: int = 0) -> tuple[np.ndarray, bool]:
         """Read one acquisition's entries but its first ``skip`` (verified) and
@@ -713,9 +732,13 @@ class KVStoreClient:
         wanted = entries[skip:]
         try:
             start = time.perf_counter()
-            # Verified against the stored checksums as it lands (same node: while copying).
-            out = (self._data.read(self._segment(acq["segment"]), wanted, into, verify=True)
-                   if wanted else np.empty(0, dtype=np.uint8))
+            # Verified against the stored checksums as it lands (same node: while copying;
+            # bytes that came in the reply: while copying them out of it).
+            if "inline" in acq:
+                out = self._data.take_inline(acq, skip, into)
+            else:
+                out = (self._data.read(self._segment(acq["segment"]), wanted, into, verify=True)
+                       if wanted else np.empty(0, dtype=np.uint8))
             moved = time.perf_counter() - start
         except ChecksumError as exc:
             # The server re-checks the lease's entries and drops the ones bad at rest.

@@ -362,6 +362,29 @@ class DataPath:
                         self._te_read(seg.name, out, [remote[i] for i in group], landed)
         return out
 
+    def take_inline(self, acq: dict[str, Any], skip: int, into: Any = None) -> np.ndarray:
+        """The entries of an acquire answered with their bytes (``acq["inline_data"]``,
+        the reply's frame; ``kvstore.client.rpc``) but the first ``skip``, back to back
+        in a new array or in ``into``, each verified against the checksum it was stored
+        with while it is copied (``ChecksumError`` names the first bad one)."""
+        entries = acq["entries"]
+        data = np.frombuffer(acq["inline_data"], dtype=np.uint8)
+        sizes = [e[_NBYTES] for e in entries]
+        if data.size != sum(sizes) or acq["inline"] != data.size:
+            raise InvalidRequestError(f"malformed reply: {data.size} inline bytes for "
+                                      f"entries of {sum(sizes)}")
+        wanted = entries[skip:]
+        out = _output(into, sum(sizes[skip:]))
+        # copy_out's items: each entry at its place in the reply's bytes, not the arena.
+        at = np.cumsum([0, *sizes]).tolist()
+        items = [(at[i] - at[skip], [e[_TIER], at[i], e[_NBYTES], None, e[_CHECKSUM]])
+                 for i, e in enumerate(wanted, start=skip)]
+        with self._timed("inline_read"):
+            bad = copy_out(data, out, items, verify=True)
+        if bad is not None:
+            raise _corrupt(wanted[bad], wanted)
+        return out
+
     @contextlib.contextmanager
     def _timed(self, op: str) -> Iterator[None]:
         start, ok = time.perf_counter(), False

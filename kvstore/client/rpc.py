@@ -165,6 +165,17 @@ class Requests:
         return False
 
 
+def _inline_frame(result: dict[str, Any], frames: list) -> None:
+    """An acquire answered with its bytes: the reply's second frame, which must be as
+    long as its ``inline`` says, goes in ``result["inline_data"]`` (a view of it)."""
+    n = result.get("inline")
+    if "error" in result or len(frames) != 2 or type(n) is not int \
+            or len(frames[1]) != n:
+        raise InvalidRequestError(f"malformed reply from server: {len(frames)} frames, "
+                                  f"inline {n!r}")
+    result["inline_data"] = frames[1].buffer
+
+
 class Channel(Requests):
     """Request/reply over one DEALER. Thread-safe (one call at a time)."""
 
@@ -235,7 +246,10 @@ class Channel(Requests):
                  op: str) -> dict[str, Any]:
         while True:
             self._wait(sock, zmq.POLLIN, deadline, op, sent=True)
-            rid, result = p.decode_reply(sock.dealer.recv(zmq.NOBLOCK), REPLY_CAP)
+            frames = sock.dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+            rid, result = p.decode_reply(frames[0].bytes, REPLY_CAP)
+            if len(frames) > 1 or "inline" in result:
+                _inline_frame(result, frames)
             if self._is_reply(rid, result, frame_id):
                 return result
 

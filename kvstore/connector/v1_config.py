@@ -33,6 +33,9 @@ Every key (docs/vllm.md lists them with examples):
 * ``te_devices`` — the RDMA NICs this worker's TE may use, e.g. "mlx5_0,mlx5_1"
   (the ones nearest its GPU); empty: every NIC TE finds. [""]
 * ``staging_bytes`` — the worker's registered TE staging buffer. [256MiB]
+* ``inline_max_bytes`` — a load of at most this many bytes from a server on another
+  node asks for them in the acquire's reply instead of a TE read (TCP only; the
+  client's ``client.inline_max_bytes``); 0: always TE. [4MiB]
 * ``same_node`` — "auto" memcpys through a same-node server's shared DRAM arena;
   false forces TE. ["auto"]
 * ``load_mode`` — "drop" (disaggregated: the store forgets what a decode took) or
@@ -55,12 +58,14 @@ from typing import Any, NamedTuple
 
 from kvstore.core.config import check_te_protocol, parse_size, parse_te_devices
 from kvstore.core.errors import ConfigError
+from kvstore.core.protocol import MAX_INLINE_BYTES
 from kvstore.core.layout import KVLayout, dtype_name
 
 SERVER_SCHEMES = ("tcp://", "etcd://")  # one server / a cluster's registry
 _KEYS = {"server", "allowed_servers", "cluster_prefix", "model_id", "salt", "timeout_s",
          "lookup_timeout_s", "load_wait_s", "down_s", "te_host", "te_protocol", "te_devices",
-         "staging_bytes", "same_node", "load_mode", "save", "load", "layerwise_saves"}
+         "staging_bytes", "same_node", "load_mode", "save", "load", "layerwise_saves",
+         "inline_max_bytes"}
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,7 @@ class ConnectorSettings:
     save: bool
     load: bool
     layerwise_saves: bool = True
+    inline_max_bytes: int = 4 << 20
 
     @classmethod
     def from_extra(cls, role: str | None, extra: Mapping[str, Any] | None,
@@ -117,6 +123,7 @@ class ConnectorSettings:
             save=_flag(extra.get("save", role != "kv_consumer")),
             load=_flag(extra.get("load", role != "kv_producer")),
             layerwise_saves=_flag(extra.get("layerwise_saves", True)),
+            inline_max_bytes=parse_size(extra.get("inline_max_bytes", "4MiB")),
         )
         settings.check()
         return settings
@@ -140,6 +147,9 @@ class ConnectorSettings:
         if self.load_mode not in ("drop", "keep"):
             raise ConfigError(f"load_mode must be 'drop' or 'keep', got {self.load_mode!r}")
         check_te_protocol("te_protocol", self.te_protocol)
+        if not 0 <= self.inline_max_bytes <= MAX_INLINE_BYTES:
+            raise ConfigError(f"inline_max_bytes must be 0 .. {MAX_INLINE_BYTES} (64MiB), "
+                              f"got {self.inline_max_bytes}")
         if self.same_node not in (True, False, "auto"):
             raise ConfigError(f"same_node must be true, false or 'auto', got {self.same_node!r}")
 

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kvstore.client.client import KVStoreClient, PendingInsert
+from kvstore.core.config import ClientConfig
 from kvstore.cluster.client import ClusterClient, connect
 from kvstore.client.datapath import TeEngine
 from kvstore.connector.v1_config import ConnectorSettings
@@ -76,7 +77,8 @@ class StoreClients:
                 server, self.layout, prefix=s.cluster_prefix, model_id=s.model_id,
                 tp_rank=tp_rank, tp_size=self.tp_size, salt=s.salt,
                 pp_rank=pp_rank, pp_size=self.pp_size,
-                timeout_s=s.timeout_s, same_node=s.same_node, te_engine=self._engine)
+                timeout_s=s.timeout_s, same_node=s.same_node, te_engine=self._engine,
+                config=ClientConfig(inline_max_bytes=s.inline_max_bytes))
             kept = _CLIENTS_KEPT * self.tp_size * self.pp_size
             old = self._clients.popitem(last=False)[1] if len(self._clients) > kept else None
         if old is not None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping, get_type_hints
 
 from kvstore.core.errors import ConfigError
+from kvstore.core.protocol import MAX_INLINE_BYTES
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20,
@@ -154,6 +155,12 @@ class StoreConfig:
                               "'background' or 'inline'")
 
 
+def _inline(section: Any) -> None:
+    if section.inline_max_bytes > MAX_INLINE_BYTES:
+        raise ConfigError(f"{type(section).__name__}.inline_max_bytes must be at most "
+                          f"{MAX_INLINE_BYTES} (64MiB), got {section.inline_max_bytes}")
+
+
 MAX_GC_YOUNG = 10**8  # what gc.set_threshold takes is a C int; far above any request
 
 
@@ -176,9 +183,13 @@ class ServerConfig:
     # The serving process's young-generation GC threshold (kvstore.server.loop.tune_gc;
     # what start-up made is frozen out of every collection). 0: Python's own settings.
     gc_young: int = 50_000
+    # An acquire's bytes, up to this many, go in its reply when the client asks
+    # (client.inline_max_bytes) and they are all in DRAM; 0: always over TE.
+    inline_max_bytes: Size = 4 << 20
 
     def __post_init__(self) -> None:
-        _sizes(self, "max_message_bytes")
+        _sizes(self, "max_message_bytes", "inline_max_bytes")
+        _inline(self)
         _positive(self, "busy_after_s")
         if isinstance(self.gc_young, bool) or not isinstance(self.gc_young, int) \
                 or not 0 <= self.gc_young <= MAX_GC_YOUNG:
@@ -219,9 +230,13 @@ class ClientConfig:
     curve_server_public_key: str = ""
     curve_secret_key: str = ""
     etcd: str = ""
+    # A drop_select / get of at most this many bytes asks for them in the acquire's
+    # reply (one round trip, no TE read) when te_protocol is tcp; 0: always TE.
+    inline_max_bytes: Size = 4 << 20
 
     def __post_init__(self) -> None:
-        _sizes(self, "staging_bytes", "te_piece_bytes")
+        _sizes(self, "staging_bytes", "te_piece_bytes", "inline_max_bytes")
+        _inline(self)
         _positive(self, "timeout_s")
         if 0 < self.te_piece_bytes < MIN_TE_PIECE_BYTES:
             raise ConfigError(f"client.te_piece_bytes: {self.te_piece_bytes} is below "

@@ -32,6 +32,8 @@ MAX_LEASE_S = 3600.0
 MAX_ID = (1 << 63) - 1
 MAX_LS_LIMIT = 10_000
 MAX_META_BYTES = 1024
+# An acquire's bytes sent in its reply (``Acquire.inline``, docs/protocol.md), at most.
+MAX_INLINE_BYTES = 64 << 20
 NAMESPACE_BYTES = 16  # hashing.namespace_of; a reserve may send it or its first 8 bytes  # the index keeps at most this much caller meta per entry
 # Every tier name, fastest first; demotion follows this order. The one definition.
 TIER_ORDER = ("gpu", "dram", "nvme")
@@ -304,16 +306,22 @@ class Acquire(Lookup):
     ``optional_tail``: the last key is an optional extra (the hidden-state entry), not
     a block of the prompt; the store's hit/miss counts leave it out.
     ``spend_rest``: the keys are the rest of a drop_select whose first round took the
-    prompt's head; if none can be staged they are spent unread (see Store.acquire)."""
+    prompt's head; if none can be staged they are spent unread (see Store.acquire).
+    ``inline``: the most bytes the caller takes in the reply itself (a frame after the
+    reply's map, ``"inline"`` in the map its length) instead of reading them over
+    TE; the server sends them so when they are all in DRAM, fit its own
+    ``server.inline_max_bytes`` and the request came over the ZeroMQ port."""
 
     lease_s: float | None = None
     claim: bool = False
     optional_tail: bool = False
     spend_rest: bool = False
+    inline: int | None = None
     OP = "acquire"
     CHECKS = {"keys": _keys, "tokens": _tokens, "lease_s": _lease, "claim": _bool,
-              "optional_tail": _bool, "spend_rest": _bool}
-    OPTIONAL = frozenset({"lease_s", "claim", "optional_tail", "spend_rest"})
+              "optional_tail": _bool, "spend_rest": _bool,
+              "inline": _opt(_int, 0, MAX_INLINE_BYTES)}
+    OPTIONAL = frozenset({"lease_s", "claim", "optional_tail", "spend_rest", "inline"})
 
 
 @dataclass(frozen=True)

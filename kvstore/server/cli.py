@@ -37,6 +37,7 @@ _FLAGS = {
     "dram": ("tiers", "dram_bytes"), "dram_shared": ("tiers", "dram_shared"),
     "dram_prefault": ("tiers", "dram_prefault"),
     "local_socket": ("server", "local_socket"), "gc_young": ("server", "gc_young"),
+    "inline_max_bytes": ("server", "inline_max_bytes"),
     "nvme": ("tiers", "nvme_bytes"), "nvme_path": ("tiers", "nvme_path"),
     "nvme_direct": ("tiers", "nvme_direct"), "nvme_fsync": ("tiers", "nvme_fsync"),
     "gpu": ("tiers", "gpu_bytes"), "gpu_device": ("tiers", "gpu_device"),
@@ -159,6 +160,8 @@ def _serve(cfg: KVStoreConfig) -> int:
               help="A Unix socket beside that file for same-node clients' requests. [on]")
 @click.option("--gc-young", type=int,
               help="Young-generation GC threshold of this process; 0: Python's. [50000]")
+@click.option("--inline-max-bytes",
+              help="Send a drop_select's bytes in its reply up to this size; 0: TE. [4MiB]")
 @click.option("--nvme", help="NVMe tier size; 0 disables. [4GiB]")
 @click.option("--nvme-path", help="NVMe slab file or block device. [<data-dir>/nvme.slab]")
 @click.option("--nvme-direct", type=click.Choice(["auto", "on", "off"]), help="O_DIRECT. [auto]")

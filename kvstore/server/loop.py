@@ -54,7 +54,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, cast
 
 import zmq
 
@@ -82,6 +82,10 @@ POLL_MS = 100  # upper bound on how long a stop request waits for the loop
 WATCH_S = 0.02
 _EWMA = 0.2  # weight of the latest request in the recent service time
 _INPROC = itertools.count()
+# Inline replies (Server._inline) handed to ZeroMQ and not yet sent, in replies of
+# server.inline_max_bytes: what a client that stops reading can make the server hold.
+INLINE_BACKLOG = 8
+_DATA = object()  # the key of an inline reply's bytes in a result map (never encoded)
 Observer = Callable[[str, float, bool], None]
 
 
@@ -107,7 +111,15 @@ class Server:
         self.max_bytes = config.server.max_message_bytes
         self._stop = False
         self._started = time.time()
-        self.counters = {"requests": 0, "errors": 0, "busy": 0, "local_requests": 0}
+        self.counters = {"requests": 0, "errors": 0, "busy": 0, "local_requests": 0,
+                         "inline_replies": 0, "inline_bytes": 0}
+        # Acquires answered with their bytes (``Acquire.inline``): at most this many
+        # bytes per reply, and INLINE_BACKLOG replies' worth handed to ZeroMQ and not
+        # sent yet (each one's tracker, bytes); past that, replies name TE addresses.
+        self._inline_max = config.server.inline_max_bytes
+        self._inline_sent: collections.deque[tuple[zmq.MessageTracker, int]] = \
+            collections.deque()
+        self._inline_pending = 0
         self._counters_lock = threading.Lock()
         # Whoever holds _sock_lock may use the ROUTER socket: the serving thread while
         # it receives and sends, the watchdog while the serving thread works.
@@ -329,6 +341,10 @@ class Server:
         if is_local(frames[0]):
             if self._local is not None:
                 self._local.send(frames[0], frames[-1])
+        elif type(frames[-1]) is memoryview:  # an acquire's bytes (``_inline``)
+            tracker = self._sock.send_multipart(frames, copy=False, track=True)
+            self._inline_sent.append((tracker, len(frames[-1])))
+            self._inline_pending += len(frames[-1])
         else:
             self._sock.send_multipart(frames)
 
@@ -423,8 +439,14 @@ class Server:
                 self._staging.append((envelope, rid, req, staging, arrived))
                 self._staging_wake.notify()
 
-        reply = self.handle(body, defer, later)
-        return None if reply is None else [*envelope, reply]
+        reply = self.handle(body, defer, later, inline=not (envelope and is_local(envelope[0])))
+        if reply is None:
+            return None
+        data = getattr(reply, "data", None)
+        if data is None:
+            return [*envelope, reply]
+        # A memoryview marks the frame ``_send`` tracks (the bytes are not copied again).
+        return [*envelope, reply, cast(bytes, memoryview(data))]
 
     def _stage(self) -> None:
         """The staging thread: acquires whose NVMe entries must be read, in order.
@@ -473,11 +495,14 @@ class Server:
 
     def handle(self, frame: bytes,
                defer: Callable[[int, p.Acquire, Staging], None] | None = None,
-               later: Later | None = None) -> bytes | None:
+               later: Later | None = None, inline: bool = False) -> bytes | None:
         """One request frame -> one reply frame. Never raises. With ``defer``, an
         acquire that must stage NVMe entries is handed to it instead (None: its
         reply comes from there). With ``later``, a commit or put may hand it the
-        work that follows its answer (the caller runs it after sending the reply)."""
+        work that follows its answer (the caller runs it after sending the reply).
+        With ``inline`` (the request came over the ZeroMQ port), an acquire that asks
+        for its bytes in the reply may get them: the reply is then an ``Inline``,
+        whose ``data`` goes out as a frame after it."""
         start = time.perf_counter()
         try:
             rid, req = p.decode_request(frame, self.max_bytes)
@@ -494,7 +519,10 @@ class Server:
                 if isinstance(step, Staging):
                     defer(rid, req, step)
                     return None
-                return self._acquired(step)
+                result = self._acquired(step)
+                if inline and req.inline:
+                    self._inline(req.inline, step, result)
+                return result
 
             return self._answer(rid, req, start, begin)
         return self._answer(rid, req, start, lambda: self._dispatch(req, later))
@@ -509,7 +537,11 @@ class Server:
             if answer is None:
                 return None
             result = answer
+            data = result.pop(_DATA, None)
             reply = p.encode_ok(rid, result)
+            if data is not None:
+                reply = Inline(reply)
+                reply.data = data
             ok = True
         except KVStoreError as exc:
             log.debug("%s failed: %s", op, exc)
@@ -524,6 +556,27 @@ class Server:
             except Exception:  # noqa: BLE001 - metrics must not fail a request
                 log.exception("on_result hook failed for %s", op)
         return reply
+
+    def _inline(self, cap: int, acq: Acquisition, result: dict) -> None:
+        """Put ``acq``'s bytes in ``result`` (under ``_DATA``; ``"inline"``: their
+        length) when they fit ``cap`` and this server's limit, are all in DRAM, and
+        the replies still unsent leave room (``INLINE_BACKLOG``)."""
+        nbytes = sum(e.nbytes for e in acq.entries)
+        if not acq.entries or nbytes > min(cap, self._inline_max):
+            return
+        with self._sock_lock:  # _send appends to the backlog under it
+            while self._inline_sent and self._inline_sent[0][0].done:
+                self._inline_pending -= self._inline_sent.popleft()[1]
+            if self._inline_pending + nbytes > INLINE_BACKLOG * self._inline_max:
+                return
+        data = self.store.dram_bytes(acq.entries)
+        if data is None:
+            return
+        result["inline"] = nbytes
+        result[_DATA] = data
+        with self._counters_lock:
+            self.counters["inline_replies"] += 1
+            self.counters["inline_bytes"] += nbytes
 
     def _acquired(self, acq: Acquisition) -> dict:
         # Addresses are only meaningful in this segment; a client holding an
@@ -558,6 +611,7 @@ class Server:
                 "local": local,
                 "block_tokens": self.config.store.block_tokens,
                 "max_message_bytes": self.max_bytes, "te_probe": self._te_probe(),
+                "inline_max": self._inline_max,
                 "now": time.time()}
 
     def _te_probe(self) -> list[int] | None:
@@ -606,6 +660,12 @@ class Server:
             self._auth.stop()
             self._auth = None
         self._ctx.term()
+
+
+class Inline(bytes):
+    """A reply frame with the acquired bytes that follow it as the next frame."""
+
+    data: bytes
 
 
 def _reap_interval(config: KVStoreConfig) -> float:

@@ -66,7 +66,7 @@ from kvstore.store.types import (  # the result types are re-exported: callers i
     VerifyResult,
 )
 from kvstore.store.writes import Later, Writes
-from tiers.base import MemoryRegion, Tier
+from tiers.base import Extent, MemoryRegion, Tier
 
 __all__ = ["Acquisition", "CommitResult", "DemoteResult", "EntryInfo", "EntryPlacement",
            "EvictResult", "LookupResult", "PutResult", "Reservation", "RoomGrant", "Store",
@@ -213,6 +213,19 @@ class Store:
         (reads.py, ``Reads.begin_acquire``)."""
         return self._reads.begin_acquire(keys, tokens, lease_s, claim, optional_tail,
                                          spend_rest)
+
+    def dram_bytes(self, entries: Sequence[EntryInfo]) -> bytes | None:
+        """The bytes of acquired entries back to back, one copy (a server sends a
+        small drop_select's bytes in the acquire's reply); None unless all are in
+        DRAM. Their lease keeps them where they are while this runs."""
+        with self._lock:
+            dram = self.place.tiers.get("dram")
+            if dram is None or any(e.tier != "dram" for e in entries):
+                return None
+            views = dram.views([Extent("dram", e.offset, e.nbytes) for e in entries])
+            if any(v is None for v in views):
+                return None
+            return b"".join(v for v in views if v is not None)
 
     def read(self, acquisition_id: int, index: int) -> bytes:
         """The bytes of one acquired entry (local readers)."""

@@ -227,6 +227,7 @@ def clean_server(shared_server) -> ServerProc:
 @pytest.fixture
 def client_factory():
     from kvstore.client.client import KVStoreClient
+    from kvstore.core.config import ClientConfig
 
     clients = []
 
@@ -234,6 +235,9 @@ def client_factory():
         opts.setdefault("layout", LAYOUT)
         opts.setdefault("timeout_s", 10.0)
         opts.setdefault("staging_bytes", 1 << 20)
+        # A client off the server's node reads over TE here, as these tests expect:
+        # tests/integration/test_inline.py covers bytes sent in the acquire's reply.
+        opts.setdefault("config", ClientConfig(inline_max_bytes=0))
         address = server if isinstance(server, str) else server.address
         client = KVStoreClient(address, **opts)
         clients.append(client)

@@ -8,7 +8,7 @@ from tools.bench.parts import run
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.mark.parametrize("path", ["shm", "te"])
+@pytest.mark.parametrize("path", ["shm", "te", "inline"])
 def test_bench_parts_reports_each_part_of_insert_and_get(path):
     result = run("small", 64, path, reps=2)
     for op in ("insert", "get"):

@@ -120,3 +120,16 @@ def test_rtt_times_both_doors():
     for doors in out.values():
         assert set(doors) == {"router", "local"}
         assert all(0 < ms < 1000 for ms in doors.values()), doors
+
+
+def test_inline_times_both_reads_of_the_same_prompts():
+    from tools.bench import inline
+
+    kind, rows = inline.run([64, 2048], reps=2, layout="small")
+    assert kind in ("netns", "loopback")
+    assert [r["tokens"] for r in rows] == [64, 2048]
+    for r in rows:
+        assert r["te"] > 0 and r["inline"] > 0
+    # 0.25 MiB went in the replies every round (warm-ups too); 8 MiB is over the
+    # server's default limit (4 MiB), so it went over TE for both consumers.
+    assert [r["inline_replies"] for r in rows] == [4, 0]

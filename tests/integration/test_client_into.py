@@ -49,7 +49,7 @@ def test_every_te_wait_moves_and_verifies_the_same_bytes(clean_server, client_fa
     monkeypatch.setattr(te_mod, "STREAM_YIELD_S", 0.0)
     monkeypatch.setattr(te_mod.time, "sleep", lambda s: (naps.append(s), real_sleep(s)))
     client = client_factory(clean_server, same_node=False, staging_bytes=4 << 20,
-                            config=ClientConfig(te_wait=wait))
+                            config=ClientConfig(te_wait=wait, inline_max_bytes=0))
     assert client._data.engine.wait == wait
     buf = np.zeros(LAYOUT.nbytes(96) + 4096, np.uint8)
     for seed, n in enumerate([96, 17]):

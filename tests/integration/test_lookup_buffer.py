@@ -259,10 +259,15 @@ def test_record_larger_than_the_staging_buffer_crosses_nodes(server_factory, rec
 def test_consumer_too_small_for_the_producers_parts_misses_and_leaves_no_pin(
         server_factory, caplog):
     """Parts are half the producer's staging buffer; a consumer with a smaller one
-    cannot read them over TE: a miss with a warning, and the parts unpinned."""
+    cannot read them over TE: a miss with a warning, and the parts unpinned. (Asking
+    for them in the acquire's reply, ``client.inline_max_bytes``, it would get these
+    3 MiB parts: that consumer reads over TE only.)"""
+    from kvstore.core.config import ClientConfig
+
     server = server_factory(dram="64MiB", nvme="0")
     provider = _buffer(server, staging_bytes=4 << 20, same_node=False)
-    consumer = _buffer(server, staging_bytes=1 << 20, same_node=False, select_timeout_s=2.0)
+    consumer = _buffer(server, staging_bytes=1 << 20, same_node=False, select_timeout_s=2.0,
+                       config=ClientConfig(inline_max_bytes=0))
     tokens = torch.arange(10, 30)
     provider.insert(tokens, None, torch.ones(3 << 18), torch.zeros(3 << 18), None)  # 6 MiB
     assert _stats(server)["pinned_entries"] > 0

@@ -87,6 +87,33 @@ def test_connector_settings_carry_them():
         ConnectorSettings.from_extra("kv_both", {"te_protocol": "ib"}, "m")
 
 
+def test_connector_settings_carry_the_inline_limit():
+    assert ConnectorSettings.from_extra("kv_both", {}, "m").inline_max_bytes == 4 << 20
+    settings = ConnectorSettings.from_extra("kv_both", {"inline_max_bytes": "1MiB"}, "m")
+    assert settings.inline_max_bytes == 1 << 20
+    assert ConnectorSettings.from_extra("kv_both", {"inline_max_bytes": 0}, "m") \
+        .inline_max_bytes == 0
+    with pytest.raises(ConfigError, match="inline_max_bytes"):
+        ConnectorSettings.from_extra("kv_both", {"inline_max_bytes": "1GiB"}, "m")
+
+
+def test_an_rdma_client_never_asks_for_bytes_in_the_reply():
+    """RDMA reads beat the control socket at any size: the client leaves ``inline`` out
+    (checked without a NIC: the client is made with a shared engine claiming rdma)."""
+    from kvstore.client.client import KVStoreClient
+    from kvstore.client.datapath import TeEngine
+
+    engine = TeEngine.__new__(TeEngine)  # as a real one on an RDMA node would say
+    engine.__dict__.update(TeEngine("127.0.0.1", 1 << 20).__dict__, protocol="rdma",
+                           devices="")
+    client = KVStoreClient("tcp://127.0.0.1:1", te_engine=engine, te_protocol="rdma")
+    assert client._inline_max == 0
+    tcp = KVStoreClient("tcp://127.0.0.1:1")
+    assert tcp._inline_max == 4 << 20
+    client.close()
+    tcp.close()
+
+
 # ------------------------------------------------------------------ RDMA present?
 def test_tcp_needs_no_nic(tmp_path):
     assert check_protocol("tcp", "mlx5_0,mlx5_1", sysfs=tmp_path / "absent") == \

@@ -30,8 +30,11 @@ process:
   reply), ``spin, one-way release``, ``spin, 2 MiB pieces`` (``client.te_piece_bytes
   = 2MiB``: several sync transfers in flight), ``streamed, one-way release``
   (``client.te_wait = "yield"``: async pieces hashed as they land, the wait yielding),
-  ``streamed, sleeping, Python's GC`` (from a server with Python's own GC settings)
-  and ``streamed, sleeping`` (now: ``"sleep"``, the wait sleeping between polls);
+  ``streamed, sleeping, Python's GC`` (from a server with Python's own GC settings),
+  ``streamed, sleeping`` (now, for a prompt over ``client.inline_max_bytes``:
+  ``"sleep"``, the wait sleeping between polls; every other variant asks for no
+  bytes inline) and ``in the acquire's reply`` (now, up to that size: the bytes come
+  with the acquire, no TE read);
 * ``put-te``, a producer on another node (TE write from the caller's buffer):
   ``spin`` (hash after the transfer) against ``streamed`` (hash while it flies,
   yielding) and ``streamed, sleeping`` (TE writers get no rooms).
@@ -72,7 +75,8 @@ PUTS = ("inline, 1 thread", "background, 1 thread", "background, 2 threads",
         "background, 2 threads at any size, room", "background, 2 threads, room, Python's GC",
         "background, 2 threads, room")
 GETS = ("spin, acked release", "spin, one-way release", "spin, 2 MiB pieces",
-        "streamed, one-way release", "streamed, sleeping, Python's GC", "streamed, sleeping")
+        "streamed, one-way release", "streamed, sleeping, Python's GC", "streamed, sleeping",
+        "in the acquire's reply")
 TE_PUTS = ("spin", "streamed", "streamed, sleeping")
 NO_SOCKET = {"KVSTORE_SERVER_LOCAL_SOCKET": "false"}  # same-node requests over ZeroMQ
 NO_ROOMS = {"KVSTORE_POLICY_ROOM_FRACTION": "0", **NO_SOCKET}  # reserve, then commit
@@ -114,11 +118,12 @@ def run(layout_name: str, ntokens: int, reps: int) -> dict[str, dict[str, float]
         python_gc = servers(env={"KVSTORE_SERVER_GC_YOUNG": "0"}, **opts)
         rooms = servers(**opts)  # as shipped: rooms, the same-node socket, answer first
 
-        def client(srv: Any, same_node: Any, piece: int = 0, wait: str = "spin"
-                   ) -> KVStoreClient:
+        def client(srv: Any, same_node: Any, piece: int = 0, wait: str = "spin",
+                   inline: int = 0) -> KVStoreClient:
             return KVStoreClient(srv.address, layout=layout, timeout_s=60, same_node=same_node,
                                  staging_bytes=nbytes + 64 * MiB,
-                                 config=ClientConfig(te_piece_bytes=piece, te_wait=wait))
+                                 config=ClientConfig(te_piece_bytes=piece, te_wait=wait,
+                                                     inline_max_bytes=inline))
 
         # writer, its copy threads, and the smallest average entry copied on several
         writers = {PUTS[0]: (client(inline, True), 1, big),
@@ -137,7 +142,9 @@ def run(layout_name: str, ntokens: int, reps: int) -> dict[str, dict[str, float]
                    GETS[2]: (client(background, False, PIECE), feeder),
                    GETS[3]: (client(background, False, wait="yield"), feeder),
                    GETS[4]: (client(python_gc, False, wait="sleep"), gc_feeder),
-                   GETS[5]: (client(background, False, wait="sleep"), feeder)}
+                   GETS[5]: (client(background, False, wait="sleep"), feeder),
+                   GETS[6]: (client(background, False, wait="sleep",
+                                    inline=ClientConfig().inline_max_bytes), feeder)}
         te_writers = {TE_PUTS[0]: client(background, False),
                       TE_PUTS[1]: client(background, False, wait="yield"),
                       TE_PUTS[2]: client(background, False, wait="sleep")}

@@ -1,6 +1,6 @@
 """Where one insert / drop_select spends its time, by direct timers (one node).
 
-    python -m tools.bench.parts [--layout large] [--tokens 2048] [--path shm|te] [--reps 9]
+    python -m tools.bench.parts [--layout large] [--tokens 2048] [--path shm|te|inline] [--reps 9]
 
 Starts one kvstore-server on loopback (DRAM only, sized to two prompts), then
 inserts and drop_selects (``into=`` a reused buffer) the same prompt size ``reps``
@@ -12,7 +12,9 @@ inside those, the server's own time (its ``/metrics`` histogram
 ``kvstore_request_duration_seconds``: decoding, the store's work, encoding the
 reply). What the round trips take beyond the server's time is the sockets and the
 threads they wake on both sides. The first prompt is a warm-up and not counted.
-``--path shm``: the same-node shared-memory path; ``te``: TE over loopback TCP. Not a benchmark of the network: both ends are on this machine.
+``--path shm``: the same-node shared-memory path; ``te``: TE over loopback TCP;
+``inline``: TE writes, and reads whose bytes come in the acquire's reply
+(``client.inline_max_bytes`` as shipped; their copy out of it is the get's "move"). Not a benchmark of the network: both ends are on this machine.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ def _server_seconds(port: int, ops: frozenset[str]) -> float:
 def run(layout_name: str, ntokens: int, path: str, reps: int) -> dict[str, dict[str, float]]:
     """Median ms per part of insert and drop_select."""
     from kvstore.client.client import KVStoreClient
+    from kvstore.core.config import ClientConfig
 
     layout = LAYOUTS[layout_name]
     nbytes = layout.nbytes(ntokens)
@@ -93,10 +96,13 @@ def run(layout_name: str, ntokens: int, path: str, reps: int) -> dict[str, dict[
         srv = servers(**server_opts(layout, nbytes), extra=("--metrics-port", str(port)))
         client = KVStoreClient(srv.address, layout=layout, timeout_s=60,
                                same_node="auto" if path == "shm" else False,
-                               staging_bytes=nbytes + 64 * MiB)
+                               staging_bytes=nbytes + 64 * MiB,
+                               config=ClientConfig(inline_max_bytes=0) if path == "te"
+                               else ClientConfig())
         sink: dict[str, float] = defaultdict(float)
         _timed(client._data, "write", "move", sink)
         _timed(client._data, "read", "move", sink)
+        _timed(client._data, "take_inline", "move", sink)
         _timed(client, "_prompt", "keys", sink)
         _timed(client, "_call", "round trips", sink)
         kv = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
@@ -129,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="time the parts of insert / drop_select")
     parser.add_argument("--layout", default="large", choices=sorted(LAYOUTS))
     parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--path", default="shm", choices=("shm", "te"))
+    parser.add_argument("--path", default="shm", choices=("shm", "te", "inline"))
     parser.add_argument("--reps", type=int, default=9)
     args = parser.parse_args(argv)
     result = run(args.layout, args.tokens, args.path, args.reps)

@@ -71,7 +71,8 @@ def run(layout_name: str, ntokens: int, reps: int, arena: int
         def client(name: str, same_node: bool) -> KVStoreClient:
             c = KVStoreClient(srv[name].address, layout=layout, timeout_s=60,
                               same_node=same_node, staging_bytes=nbytes + 64 * MiB,
-                              config=ClientConfig(prefault_arena=name == VARIANTS[0]))
+                              config=ClientConfig(prefault_arena=name == VARIANTS[0],
+                                                  inline_max_bytes=0))
             clients.append(c)
             return c
 

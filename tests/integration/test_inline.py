@@ -1,0 +1,239 @@
+"""A drop_select's bytes in its acquire's reply (``Acquire.inline``), against real servers.
+
+A client off the server's node asks for up to ``client.inline_max_bytes`` of a prompt
+in the acquire's reply; the server sends them as a frame after the reply when they
+are all in DRAM, fit its ``server.inline_max_bytes`` and the request came over the
+ZeroMQ port. Everything else reads over TE, as before. The client verifies every
+entry as it copies it out of the reply.
+"""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from kvstore.client.client import KVStoreClient
+from kvstore.client.local import LocalChannel
+from kvstore.client.rpc import Channel
+from kvstore.core import protocol as p
+from kvstore.core.config import ClientConfig
+from kvstore.core.errors import ChecksumError
+from kvstore.server.loop import INLINE_BACKLOG
+from tests.integration.conftest import LAYOUT, make_kv, wait_checked
+
+pytestmark = pytest.mark.timeout(120)
+INLINE = ClientConfig(inline_max_bytes=4 << 20)
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(2000 + seed).integers(0, 50_000, n).tolist()
+
+
+def reader(client_factory, server, cap: int = 4 << 20, **opts):
+    """A client off the server's node (TE), asking for up to ``cap`` bytes inline; the
+    data-path operations it ran are in its ``.ops``."""
+    ops: list[str] = []
+    client = client_factory(server, same_node=False, config=ClientConfig(inline_max_bytes=cap),
+                            observer=lambda op, s, ok: ops.append(op), **opts)
+    client.ops = ops
+    return client
+
+
+def inline_stats(client) -> tuple[int, int]:
+    stats = client.stats()
+    return stats["inline_replies"], stats["inline_bytes"]
+
+
+def test_a_small_drop_select_comes_in_its_acquires_reply(clean_server, client_factory):
+    producer = client_factory(clean_server)  # same node: writes through the arena
+    consumer = reader(client_factory, clean_server)
+    assert consumer.hello()["inline_max"] == 4 << 20
+    before = inline_stats(producer)
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(13, 16, generator=g).bfloat16()
+    for seed, n in enumerate([13, 4, 37]):  # sub-page entries: the arena has gaps
+        kv = make_kv(n, seed)
+        producer.insert(prompt(n, seed), kv, hidden=hidden if seed == 0 else None)
+        got = consumer.drop_select(prompt(n, seed))
+        assert got.matched_tokens == n and np.array_equal(got.kv.numpy(), kv)
+        if seed == 0:
+            assert torch.equal(got.hidden, hidden)
+    replies, nbytes = inline_stats(producer)
+    hidden_bytes = hidden.numel() * hidden.element_size()
+    # Every byte moved in the replies (the hidden entry with its prompt), none over TE.
+    assert replies - before[0] == 3
+    assert nbytes - before[1] >= LAYOUT.nbytes(13 + 4 + 37) + hidden_bytes
+    assert "inline_read" in consumer.ops and "te_read" not in consumer.ops
+    assert producer.stats()["entries"] == 0 and producer.stats()["leases"] == 0
+
+
+def test_into_a_reused_buffer_and_a_get_that_keeps_the_entries(clean_server, client_factory):
+    producer = client_factory(clean_server)
+    consumer = reader(client_factory, clean_server)
+    kv = make_kv(40, 7)
+    producer.insert(prompt(40, 7), kv)
+    out = torch.zeros(LAYOUT.nbytes(40) + 4096, dtype=torch.uint8)
+    for _ in range(2):
+        got = consumer.get(prompt(40, 7), into=out)
+        assert got.matched_tokens == 40 and np.array_equal(got.kv.numpy(), kv)
+        assert got.kv.data_ptr() == out.data_ptr()  # landed in the caller's buffer
+    assert consumer.drop_select(prompt(40, 7), into=out).matched_tokens == 40
+    assert "te_read" not in consumer.ops and producer.stats()["entries"] == 0
+
+
+def test_over_either_limit_or_skipping_blocks_the_bytes_go_over_te(server_factory,
+                                                                    client_factory):
+    srv = server_factory(dram="16MiB", env={"KVSTORE_SERVER_INLINE_MAX_BYTES": "16KiB"})
+    producer = client_factory(srv)
+    small = reader(client_factory, srv, cap=8 << 10)  # under the prompt below
+    big = reader(client_factory, srv)  # asks for 4 MiB: the server sends at most 16 KiB
+    kv = make_kv(200, 8)  # 25 KiB of KV: over both limits
+    assert LAYOUT.nbytes(200) > 16 << 10
+    for client in (small, big):
+        producer.insert(prompt(200, 8), kv)
+        got = client.drop_select(prompt(200, 8))
+        assert got.matched_tokens == 200 and np.array_equal(got.kv.numpy(), kv)
+        assert client.ops.count("te_read") == 1 and "inline_read" not in client.ops
+    # Within both limits, but the caller holds the first blocks: what moves goes over TE.
+    producer.insert(prompt(8, 9), make_kv(8, 9))
+    got = big.drop_select(prompt(8, 9), skip_blocks=1)
+    assert np.array_equal(got.kv.numpy(), make_kv(8, 9)[LAYOUT.nbytes(4):])
+    assert big.ops.count("te_read") == 2
+    # And within both: in the reply.
+    producer.insert(prompt(8, 9), make_kv(8, 9))
+    assert big.drop_select(prompt(8, 9)).matched_tokens == 8
+    assert "inline_read" in big.ops and inline_stats(producer)[0] == 1
+
+
+def test_a_server_that_sends_none_is_never_asked(server_factory, client_factory):
+    srv = server_factory(env={"KVSTORE_SERVER_INLINE_MAX_BYTES": "0"})
+    producer = client_factory(srv)
+    consumer = reader(client_factory, srv)
+    assert consumer.hello()["inline_max"] == 0
+    assert consumer._inline(0) is None  # the field is left out (as for older servers)
+    producer.insert(prompt(9, 1), make_kv(9, 1))
+    assert np.array_equal(consumer.drop_select(prompt(9, 1)).kv.numpy(), make_kv(9, 1))
+    assert consumer.ops == ["te_read"] and inline_stats(producer) == (0, 0)
+
+
+def test_bytes_bad_at_rest_are_a_checksum_miss_reported_and_dropped(clean_server,
+                                                                      client_factory):
+    from kvstore.client.shm import map_shared
+
+    producer = client_factory(clean_server)
+    consumer = reader(client_factory, clean_server)
+    producer.insert(prompt(12, 5), make_kv(12, 5))
+    wait_checked(producer)  # the server's own check is done: this is damage at rest
+    keys = producer.keys_for(prompt(12, 5))
+    dram = producer.hello()["dram"]
+    arena = map_shared(dram["path"], dram["nbytes"])
+    where = {e["key"]: e["offset"] for e in producer.ls()}
+    for key in keys[1:]:
+        arena[where[key]] ^= 0xFF
+    before = producer.stats()["checksum_failures"]
+    with pytest.raises(ChecksumError):
+        consumer.drop_select(prompt(12, 5))
+    assert "inline_read" in consumer.ops
+    stats = producer.stats()
+    assert stats["checksum_failures"] - before == 2 and stats["leases"] == 0
+    assert {e["key"] for e in producer.ls()} == {keys[0]}
+
+
+def _acquire(client: KVStoreClient, tokens: list[int], inline: int) -> p.Acquire:
+    pr = client._prompt(tokens)
+    return p.Acquire(keys=tuple(pr.keys), tokens=tuple(pr.tokens), inline=inline)
+
+
+def test_only_the_zeromq_port_sends_bytes_and_they_are_exactly_the_entries(clean_server,
+                                                                            client_factory):
+    producer = client_factory(clean_server)
+    kv = make_kv(20, 3)
+    producer.insert(prompt(20, 3), kv)
+    req = _acquire(producer, prompt(20, 3), inline=1 << 20)
+    router = Channel(clean_server.address, timeout_s=10.0)
+    local = LocalChannel(router.call(p.Hello())["local"], timeout_s=10.0,
+                         max_bytes=router.max_bytes)
+    try:
+        over_local = local.call(req)
+        assert "inline" not in over_local and "inline_data" not in over_local
+        over_router = router.call(req)
+        assert over_router["inline"] == kv.size
+        assert bytes(over_router["inline_data"]) == kv.tobytes()
+        assert [e[:3] for e in over_router["entries"]] == [e[:3] for e in over_local["entries"]]
+        for got in (over_local, over_router):
+            router.call(p.Release(aid=got["aid"], drop=False))
+    finally:
+        router.close()
+        local.close()
+    assert producer.lookup(prompt(20, 3)).matched_tokens == 20
+
+
+def test_replies_a_peer_leaves_unread_are_bounded(server_factory, client_factory):
+    """A peer that asks and never reads cannot make the server hold more than
+    INLINE_BACKLOG replies' worth of bytes: past that, replies name TE addresses."""
+    cap = 1 << 20
+    srv = server_factory(dram="64MiB", env={"KVSTORE_SERVER_INLINE_MAX_BYTES": str(cap)})
+    producer = client_factory(srv)
+    n = 8192  # 1 MiB of KV in 2 048 blocks: each reply carries all of it
+    assert LAYOUT.nbytes(n) == cap
+    producer.insert(prompt(n, 6), make_kv(n, 6))
+    req = _acquire(producer, prompt(n, 6), inline=cap)
+    asks = 100  # 100 MiB if nothing bounded it; the sockets' buffers take a few
+    ch = Channel(srv.address, timeout_s=30.0)
+    # A peer whose libzmq takes one message at a time and whose socket buffers are
+    # small: what it has not read stays with the server (a stopped process, a slow link).
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.setsockopt(zmq.RCVBUF, 64 << 10)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(srv.address)
+    try:
+        for i in range(asks):
+            sock.send(p.encode_request(i + 1, req))
+        time.sleep(1.0)  # the server answers while nothing is read
+        got = []
+        while len(got) < asks:
+            assert sock.poll(10_000), f"only {len(got)} of {asks} replies"
+            got.append(sock.recv_multipart())
+        for frames in got:
+            rid, result = p.decode_reply(frames[0], 1 << 30)
+            assert "error" not in result and len(result["entries"]) == n // 4
+            assert len(frames) == 1 + ("inline" in result)
+            if len(frames) == 2:
+                assert frames[1] == make_kv(n, 6).tobytes()
+            ch.send(p.Release(aid=result["aid"], drop=False))
+    finally:
+        sock.close(0)
+        ctx.term()
+        ch.close()
+    sent = sum(len(frames) == 2 for frames in got)
+    assert inline_stats(producer)[0] == sent
+    assert INLINE_BACKLOG <= sent < asks // 2, sent  # a backlog, then TE addresses
+    deadline = time.monotonic() + 10
+    while producer.stats()["leases"]:
+        assert time.monotonic() < deadline, "the releases were never applied"
+        time.sleep(0.05)
+    assert producer.lookup(prompt(n, 6)).matched_tokens == n
+
+
+def test_a_curve_client_reads_over_te(server_factory, client_factory, tmp_path):
+    """Under CURVE, ZeroMQ encrypts every byte of a reply: bytes sent inline would be
+    slower than TE's read, so a client with CURVE keys never asks for them."""
+    from kvstore.server.cli import generate_keys
+
+    server_pub, server_secret = generate_keys(str(tmp_path / "server"), "server")
+    client_pub, client_secret = generate_keys(str(tmp_path / "client"), "client")
+    (tmp_path / "authorized").mkdir()
+    (tmp_path / "authorized" / "client.key").write_bytes(open(client_pub, "rb").read())
+    srv = server_factory(extra=("--curve-secret-key", server_secret,
+                                "--curve-authorized-keys", str(tmp_path / "authorized")))
+    keys = dict(curve_secret_key=client_secret, curve_server_public_key=server_pub)
+    producer = client_factory(srv, **keys)
+    consumer = reader(client_factory, srv, **keys)
+    assert consumer.hello()["inline_max"] == 4 << 20 and consumer._inline(0) is None
+    producer.insert(prompt(9, 2), make_kv(9, 2))
+    assert np.array_equal(consumer.drop_select(prompt(9, 2)).kv.numpy(), make_kv(9, 2))
+    assert consumer.ops == ["te_read"] and inline_stats(producer) == (0, 0)
