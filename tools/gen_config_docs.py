@@ -145,9 +145,9 @@ HELP = {
         "asks for them in the acquire's reply (the server sends them when its own "
         "`server.inline_max_bytes` allows): one round trip, no TE read; verified as "
         "they are copied out. Only with `te_protocol = \"tcp\"`, without CURVE keys "
-        "(ZeroMQ would encrypt the bytes: slower than TE) and off the server's "
-        "node (a same-node client copies from the arena), and not when the caller "
-        "skips blocks. With RDMA the TE read is used always. 0: always TE.",
+        "(ZeroMQ would encrypt the bytes: slower than TE), when the client reads "
+        "over TE (a client that maps the server's arena copies from it), and not "
+        "when the caller skips blocks. With RDMA the TE read is used always. 0: always TE.",
 }
 
 

@@ -159,7 +159,8 @@ class TeEngine:
 
 class DataPath:
     """``observer(op, seconds, ok)`` (e.g. ``kvstore.server.metrics.Metrics.observe``) is told
-    how long each TE move took, as ``te_write`` / ``te_read``: staging copy plus the
+    how long each TE move took, as ``te_write`` / ``te_read`` (and ``inline_read``: the
+    copy and check of bytes that came in an acquire's reply): staging copy plus the
     batched transfers (the first one also starts the TE engine). Same-node memcpys
     are not reported.
 

@@ -167,13 +167,16 @@ class Requests:
 
 def _inline_frame(result: dict[str, Any], frames: list) -> None:
     """An acquire answered with its bytes: the reply's second frame, which must be as
-    long as its ``inline`` says, goes in ``result["inline_data"]`` (a view of it)."""
+    long as its ``inline`` says, goes in ``result["inline_data"]`` (a view of it). A
+    reply where they do not match keeps its lease and entries but loses ``inline``:
+    the caller reads the entries over TE instead (logged), and releases as always."""
     n = result.get("inline")
-    if "error" in result or len(frames) != 2 or type(n) is not int \
-            or len(frames[1]) != n:
-        raise InvalidRequestError(f"malformed reply from server: {len(frames)} frames, "
-                                  f"inline {n!r}")
-    result["inline_data"] = frames[1].buffer
+    if "error" not in result and len(frames) == 2 and type(n) is int and len(frames[1]) == n:
+        result["inline_data"] = frames[1].buffer
+        return
+    log.warning("reply with %d frames and inline %r: its bytes are not used", len(frames),
+                str(n)[:20])
+    result.pop("inline", None)
 
 
 class Channel(Requests):
@@ -248,9 +251,9 @@ class Channel(Requests):
             self._wait(sock, zmq.POLLIN, deadline, op, sent=True)
             frames = sock.dealer.recv_multipart(zmq.NOBLOCK, copy=False)
             rid, result = p.decode_reply(frames[0].bytes, REPLY_CAP)
-            if len(frames) > 1 or "inline" in result:
-                _inline_frame(result, frames)
             if self._is_reply(rid, result, frame_id):
+                if len(frames) > 1 or "inline" in result:
+                    _inline_frame(result, frames)
                 return result
 
     def _wait(self, sock: _Socket, event: int, deadline: float, op: str, sent: bool,

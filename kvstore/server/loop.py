@@ -565,8 +565,14 @@ class Server:
         if not acq.entries or nbytes > min(cap, self._inline_max):
             return
         with self._sock_lock:  # _send appends to the backlog under it
-            while self._inline_sent and self._inline_sent[0][0].done:
+            while self._inline_sent and self._inline_sent[0][0].done:  # (keeps it short)
                 self._inline_pending -= self._inline_sent.popleft()[1]
+            if self._inline_pending + nbytes > INLINE_BACKLOG * self._inline_max:
+                # Every reply sent since leaves (not only those in front: one peer's
+                # stuck reply must not count the others' against the backlog).
+                self._inline_sent = collections.deque(
+                    (t, n) for t, n in self._inline_sent if not t.done)
+                self._inline_pending = sum(n for _, n in self._inline_sent)
             if self._inline_pending + nbytes > INLINE_BACKLOG * self._inline_max:
                 return
         data = self.store.dram_bytes(acq.entries)

@@ -51,7 +51,7 @@ OP_KINDS = {
     "reserve": "insert", "commit": "insert", "put": "insert", "abort": "insert",
     "acquire": "drop_select", "release": "drop_select",
     "lookup": "lookup",
-    "te_write": "transfer", "te_read": "transfer",
+    "te_write": "transfer", "te_read": "transfer", "inline_read": "transfer",
 }
 
 # Store stats keys that only ever grow; every other number is exported as a gauge.

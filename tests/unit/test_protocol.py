@@ -146,3 +146,24 @@ def test_structured_garbage_decodes_to_valid_request_or_rejects(op, fields):
     except InvalidRequestError:
         return
     assert isinstance(req, p.REQUESTS[op])
+
+
+def test_a_reply_whose_inline_frame_does_not_match_falls_back_to_te(caplog):
+    """The client never uses bytes that are not exactly what the reply says: it drops
+    ``inline`` (the entries are then read over TE) and keeps the lease to release."""
+    from kvstore.client.rpc import _inline_frame
+
+    class Frame(bytes):
+        @property
+        def buffer(self):
+            return memoryview(self)
+
+    good = {"aid": 3, "entries": [], "inline": 4}
+    _inline_frame(good, [Frame(b"map"), Frame(b"abcd")])
+    assert bytes(good["inline_data"]) == b"abcd"
+    for result, frames in (({"aid": 3, "inline": 5}, [Frame(b"m"), Frame(b"abcd")]),
+                           ({"aid": 3, "inline": 4}, [Frame(b"m")]),
+                           ({"aid": 3}, [Frame(b"m"), Frame(b"abcd")]),
+                           ({"aid": 3, "inline": "4"}, [Frame(b"m"), Frame(b"abcd")])):
+        _inline_frame(result, frames)
+        assert result == {"aid": 3}
