@@ -371,7 +371,7 @@ class DataPath:
         entries = acq["entries"]
         data = np.frombuffer(acq["inline_data"], dtype=np.uint8)
         sizes = [e[_NBYTES] for e in entries]
-        if data.size != sum(sizes) or acq["inline"] != data.size:
+        if data.size != sum(sizes):  # (its length against ``inline``: _inline_frame)
             raise InvalidRequestError(f"malformed reply: {data.size} inline bytes for "
                                       f"entries of {sum(sizes)}")
         wanted = entries[skip:]

@@ -249,8 +249,10 @@ class Channel(Requests):
                  op: str) -> dict[str, Any]:
         while True:
             self._wait(sock, zmq.POLLIN, deadline, op, sent=True)
-            frames = sock.dealer.recv_multipart(zmq.NOBLOCK, copy=False)
-            rid, result = p.decode_reply(frames[0].bytes, REPLY_CAP)
+            frames: list = [sock.dealer.recv(zmq.NOBLOCK)]
+            while sock.dealer.getsockopt(zmq.RCVMORE):  # an acquire's bytes: not copied
+                frames.append(sock.dealer.recv(zmq.NOBLOCK, copy=False))
+            rid, result = p.decode_reply(frames[0], REPLY_CAP)
             if self._is_reply(rid, result, frame_id):
                 if len(frames) > 1 or "inline" in result:
                     _inline_frame(result, frames)

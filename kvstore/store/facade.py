@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from kvstore.core.config import KVStoreConfig
 from kvstore.core.errors import ConfigError, StorageError
@@ -223,9 +223,7 @@ class Store:
             if dram is None or any(e.tier != "dram" for e in entries):
                 return None
             views = dram.views([Extent("dram", e.offset, e.nbytes) for e in entries])
-            if any(v is None for v in views):
-                return None
-            return b"".join(v for v in views if v is not None)
+            return None if None in views else b"".join(cast(list[memoryview], views))
 
     def read(self, acquisition_id: int, index: int) -> bytes:
         """The bytes of one acquired entry (local readers)."""

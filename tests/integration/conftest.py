@@ -264,6 +264,20 @@ def transports_made(monkeypatch) -> list:
     return made
 
 
+def damage_at_rest(client, keys) -> None:
+    """Flip a byte of each of ``keys``' entries in the server's shared DRAM arena,
+    behind the store's back (a stray writer), once the server's own check of them is
+    done (``wait_checked``)."""
+    from kvstore.client.shm import map_shared
+
+    wait_checked(client)
+    dram = client.hello()["dram"]
+    arena = map_shared(dram["path"], dram["nbytes"])
+    where = {e["key"]: e["offset"] for e in client.ls()}
+    for key in keys:
+        arena[where[key]] ^= 0xFF
+
+
 def wait_checked(client, timeout_s: float = 30.0) -> None:
     """Until the server's scrub has hashed every entry committed unhashed
     (``store.verify_commits = "background"`` checks entries once they are a second

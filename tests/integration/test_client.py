@@ -14,7 +14,7 @@ from kvstore.core import protocol as p
 from kvstore.core.errors import (ChecksumError, InvalidRequestError, NotFoundError,
                             PeerUnavailableError, TierFullError)
 from kvstore.core.layout import unpack_hf
-from tests.integration.conftest import LAYOUT, free_port, make_kv, wait_checked
+from tests.integration.conftest import LAYOUT, damage_at_rest, free_port, make_kv
 
 pytestmark = pytest.mark.timeout(120)
 PATHS = pytest.mark.parametrize("same_node", ["auto", False], ids=["shm", "te"])
@@ -111,17 +111,10 @@ def test_prompt_larger_than_staging_buffer(clean_server, client_factory):
 @pytest.mark.parametrize("same_node", ["auto", False], ids=["shm", "te"])
 def test_corrupt_bytes_are_a_checksum_miss_reported_and_dropped(clean_server, client_factory,
                                                                  same_node):
-    from kvstore.client.shm import map_shared
-
     client = client_factory(clean_server, same_node=same_node)
     client.insert(prompt(12, 5), make_kv(12, 5))
-    wait_checked(client)  # the server's own check is done: this is damage at rest
     keys = client.keys_for(prompt(12, 5))
-    dram = client.hello()["dram"]
-    arena = map_shared(dram["path"], dram["nbytes"])
-    where = {e["key"]: e["offset"] for e in client.ls()}
-    for key in keys[1:]:  # a stray writer hit blocks 1 and 2 behind the store's back
-        arena[where[key]] ^= 0xFF
+    damage_at_rest(client, keys[1:])  # a stray writer hit blocks 1 and 2
     before = client.stats()["checksum_failures"]
     with pytest.raises(ChecksumError):
         client.drop_select(prompt(12, 5))

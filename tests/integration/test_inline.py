@@ -21,7 +21,7 @@ from kvstore.core import protocol as p
 from kvstore.core.config import ClientConfig
 from kvstore.core.errors import ChecksumError
 from kvstore.server.loop import INLINE_BACKLOG
-from tests.integration.conftest import LAYOUT, make_kv, wait_checked
+from tests.integration.conftest import LAYOUT, damage_at_rest, make_kv
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -119,18 +119,11 @@ def test_a_server_that_sends_none_is_never_asked(server_factory, client_factory)
 
 def test_bytes_bad_at_rest_are_a_checksum_miss_reported_and_dropped(clean_server,
                                                                       client_factory):
-    from kvstore.client.shm import map_shared
-
     producer = client_factory(clean_server)
     consumer = reader(client_factory, clean_server)
     producer.insert(prompt(12, 5), make_kv(12, 5))
-    wait_checked(producer)  # the server's own check is done: this is damage at rest
     keys = producer.keys_for(prompt(12, 5))
-    dram = producer.hello()["dram"]
-    arena = map_shared(dram["path"], dram["nbytes"])
-    where = {e["key"]: e["offset"] for e in producer.ls()}
-    for key in keys[1:]:
-        arena[where[key]] ^= 0xFF
+    damage_at_rest(producer, keys[1:])
     before = producer.stats()
     with pytest.raises(ChecksumError) as err:
         consumer.drop_select(prompt(12, 5))
