@@ -13,6 +13,7 @@ Failures raise ``kvstore.core.errors`` classes within a bounded time: a miss
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -669,10 +670,10 @@ class KVStoreClient:
             # The hidden key is optional: a prompt stored without one is no miss.
             # A later round of a drop_select that finds no room spends the rest:
             # with the head taken, no whole-prompt read could reach it again.
-            acq = self._call(p.Acquire(keys=tuple(keys[done:]), tokens=tuple(toks[done:]),
-                                       claim=drop, optional_tail=True,
-                                       spend_rest=drop and done > 0,
-                                       inline=self._inline(skip - done)), _left(deadline))
+            acq = self._acquire(p.Acquire(keys=tuple(keys[done:]), tokens=tuple(toks[done:]),
+                                          claim=drop, optional_tail=True,
+                                          spend_rest=drop and done > 0,
+                                          inline=self._inline(skip - done)), deadline)
             short = acq.get("short", "")
             if not acq["entries"]:
                 if acq.get("spent"):
@@ -705,6 +706,22 @@ class KVStoreClient:
             hidden = _hidden_tensor(out[kv_bytes:], entries[nblocks][6])
         return SelectResult(matched, torch.from_numpy(out[:kv_bytes]), hidden,
                             short if nblocks < len(prompt.keys) else "")
+
+    def _acquire(self, req: p.Acquire, deadline: float) -> dict[str, Any]:
+        """``req``'s reply. A server that refuses its ``inline`` as an unknown field
+        predates inline replies: one that replaced a newer server at this address
+        while this client kept the newer one's hello. Such a refusal is the decoder's,
+        before any work, so the same acquire is asked again without the field, and the
+        hello is read afresh at the next call."""
+        try:
+            return self._call(req, _left(deadline))
+        except InvalidRequestError as exc:
+            if req.inline is None or f"unknown field {'inline'!r}" not in str(exc):
+                raise
+        log.info("the server at %s refuses inline replies (an older build): reading "
+                 "over TE", self.server)
+        self._hello = None
+        return self._call(dataclasses.replace(req, inline=None), _left(deadline))
 
     def _inline(self, skip: int) -> int | None:
         """What an acquire asks to get in its reply (``Acquire.inline``): this client's

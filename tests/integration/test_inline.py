@@ -232,3 +232,37 @@ def test_a_curve_client_reads_over_te(server_factory, client_factory, tmp_path):
     producer.insert(prompt(9, 2), make_kv(9, 2))
     assert np.array_equal(consumer.drop_select(prompt(9, 2)).kv.numpy(), make_kv(9, 2))
     assert consumer.ops == ["te_read"] and inline_stats(producer) == (0, 0)
+
+
+# A server from before inline replies: the shipped server, its acquire schema without
+# the field (as that build's decoder had it), saying nothing about inline in its hello.
+_OLDER_SERVER = ("import runpy, sys\n"
+                 "from kvstore.core import protocol\n"
+                 "del protocol.Acquire.CHECKS['inline']\n"
+                 "sys.argv[0] = 'kvstore-server'\n"
+                 "runpy.run_module('kvstore.server', run_name='__main__')\n")
+
+
+def test_a_client_whose_server_was_replaced_by_an_older_one_reads_over_te(
+        server_factory, client_factory):
+    """The client keeps a server's hello while the server answers; a newer server
+    replaced by an older build at the same address refuses ``inline`` as an unknown
+    field. The drop_select asks again without it and reads over TE, and the client
+    stops asking."""
+    srv = server_factory()
+    consumer = reader(client_factory, srv)
+    assert consumer.hello()["inline_max"] == 4 << 20
+    srv.stop()
+    assert srv.argv[1:3] == ["-m", "kvstore.server"]
+    srv.argv[1:3] = ["-c", _OLDER_SERVER]
+    srv.argv += ["--inline-max-bytes", "0"]
+    srv.start()
+    producer = client_factory(srv)
+    for seed in (3, 4):  # the first refused and asked again; the second not asked
+        producer.insert(prompt(21, seed), make_kv(21, seed))
+        got = consumer.drop_select(prompt(21, seed))
+        assert got.matched_tokens == 21 and np.array_equal(got.kv.numpy(), make_kv(21, seed))
+    assert consumer.ops == ["te_read", "te_read"] and consumer._inline(0) is None
+    stats = producer.stats()
+    assert stats["entries"] == 0 and stats["leases"] == 0
+    assert stats["errors"] == 1  # the one refused acquire
