@@ -133,3 +133,11 @@ def test_inline_times_both_reads_of_the_same_prompts():
     # 0.25 MiB went in the replies every round (warm-ups too); 8 MiB is over the
     # server's default limit (4 MiB), so it went over TE for both consumers.
     assert [r["inline_replies"] for r in rows] == [4, 0]
+
+
+def test_verify_cost_times_both_reads_and_the_hash():
+    from tools.bench import verify_cost
+
+    res = verify_cost.run("small", 256, reps=2)
+    assert set(res) == {"verified", "unverified", "hash alone"}
+    assert all(len(v) == 2 and all(ms > 0 for ms in v) for v in res.values()), res
