@@ -143,3 +143,86 @@ def test_server_signalled_at_each_step(server_factory, client_factory, fault_log
     while (s := admin.stats())["reservations"] or s["leases"]:
         assert time.monotonic() < deadline, s
         time.sleep(0.2)
+
+
+INLINE_STEPS = [("acquire", "as the acquire is sent"),
+                ("before", "after the reply with the bytes came, before they are copied"),
+                ("after", "after they were copied, before release")]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
+@pytest.mark.parametrize("when,step", INLINE_STEPS, ids=[s[1] for s in INLINE_STEPS])
+def test_server_signalled_around_a_drop_select_answered_inline(
+        server_factory, client_factory, fault_log, when, step, sig):
+    """A prompt in DRAM read by a client off the server's node comes in the acquire's
+    reply (``Acquire.inline``). Once that reply is in, the bytes are the caller's: a
+    server killed or stopped afterwards changes nothing. One signalled before it
+    answers is a bounded miss, and a stopped one's late reply with the bytes is
+    dropped by the client; its lease expires and the prompt stays stored."""
+    from kvstore.core.config import ClientConfig
+    from kvstore.core.protocol import Acquire
+
+    srv = server_factory(dram="4MiB", nvme="8MiB")
+    setup = client_factory(srv, timeout_s=5.0)
+    target = 7
+    setup.insert(prompt_tokens(target, N), prompt_kv(target, N))
+    ops: list[str] = []
+    client = client_factory(srv, timeout_s=2.0, same_node=False,
+                            config=ClientConfig(inline_max_bytes=4 << 20),
+                            observer=lambda op, s, ok: ops.append(op))
+    assert client.hello()["inline_max"] > 0
+    taken = []
+    real_take = client._data.take_inline
+    client._data.take_inline = lambda *a, **kw: taken.append(1) or real_take(*a, **kw)
+    fault = Fault(srv, sig)
+    if when == "acquire":
+        real_call = client._rpc.call
+
+        def call(req, *args, **kwargs):
+            if isinstance(req, Acquire):
+                fault()
+            return real_call(req, *args, **kwargs)
+
+        client._rpc.call = call
+    else:
+        fault.wrap(client, "take_inline", when)
+
+    start, got, failed = time.monotonic(), None, None
+    try:
+        got = client.drop_select(prompt_tokens(target, N))
+    except MissError as exc:
+        failed = exc
+    finally:
+        elapsed = time.monotonic() - start
+        assert fault.sent, "the step was never reached"
+        fault.undo()
+    assert elapsed < BOUND_S, f"drop_select took {elapsed:.1f}s under {signal.Signals(sig).name}"
+    assert srv.proc.poll() is None, srv.log()
+    assert "te_read" not in ops
+
+    admin = client_factory(srv, timeout_s=5.0)
+    still_there = admin.lookup(prompt_tokens(target, N)).matched_tokens == N
+    lost = 0
+    if when == "acquire":
+        assert failed is not None and not taken, "no reply could have come"
+        if sig == signal.SIGSTOP:  # it answered once continued; nobody took the bytes
+            lost = 0 if still_there else prompt_kv(target, N).nbytes
+    else:  # the reply came before the signal: the bytes are in hand, exact
+        assert failed is None and taken
+        assert got.matched_tokens == N
+        assert np.array_equal(got.kv.numpy(), prompt_kv(target, N))
+    fault_log(f"server {signal.Signals(sig).name} around an inline drop_select, {step}", 1,
+              int(srv.proc.poll() is None), lost)
+    assert lost == 0
+    deadline = time.monotonic() + 10
+    while (s := admin.stats())["reservations"] or s["leases"]:
+        assert time.monotonic() < deadline, s
+        time.sleep(0.2)
+    if sig == signal.SIGSTOP and when != "acquire":  # the one-way release was applied
+        assert not admin.lookup(prompt_tokens(target, N)).matched_tokens
+    assert admin.stats()["inline_replies"] == (1 if sig == signal.SIGSTOP else 0)
+    # The same client goes on: a late reply with its bytes (SIGSTOP, "as the acquire
+    # is sent") is skipped whole, and the next prompt comes exact.
+    admin.insert(prompt_tokens(8, N), prompt_kv(8, N))
+    again = client.drop_select(prompt_tokens(8, N))
+    assert again.matched_tokens == N and np.array_equal(again.kv.numpy(), prompt_kv(8, N))
