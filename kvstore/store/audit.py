@@ -20,7 +20,7 @@ import collections
 
 from kvstore.core.errors import IntegrityError
 from kvstore.store.index import Record
-from kvstore.store.catalog import durable
+from kvstore.store.catalog import durable, on_disk
 from kvstore.store.parts import Operations
 
 
@@ -114,9 +114,10 @@ class Audit(Operations):
         """The durable index holds exactly the records that name NVMe bytes (access
         times aside: they reach it with the next change), and the key pages exactly
         the keys of every record."""
-        memory = {k: r._replace(last_access=0.0) for k, r in self.catalog.records.items()
-                  if durable(r)}
-        stored = {r.key: r._replace(last_access=0.0) for r in self.catalog.index.records()}
+        memory = {k: on_disk(r)._replace(last_access=0.0)
+                  for k, r in self.catalog.records.items() if durable(r)}
+        stored = {r.key: on_disk(r)._replace(last_access=0.0)
+                  for r in self.catalog.index.records()}
         if stored != memory:
             diff = set(stored) ^ set(memory)
             changed = [k for k in set(stored) & set(memory) if stored[k] != memory[k]]

@@ -229,14 +229,24 @@ class Catalog:
             self._tiers[name].free_many(group)
 
     def _write_index(self, put: Sequence[Record], drop: list[bytes]) -> None:
-        """The change's records that name NVMe bytes into the durable index, in one
-        transaction, and out of it those that stop naming them (staged and their copy
-        dropped, or dropped). A change of memory-tier records only writes nothing."""
-        dput, ddel = [], []
+        """The change's records that name NVMe bytes into the durable index (as
+        ``on_disk`` has them), in one transaction, and out of it those that stop
+        naming them (staged and their copy dropped, or dropped). Rows whose only
+        change is the access time are written with the rest, or left as they are if
+        the index refuses them. A change of memory-tier records only writes nothing."""
+        dput, ddel, touched = [], [], []
         records = self.records
         for rec in put:
             if rec.tier == "nvme" or rec.nvme_copy is not None:  # durable(rec), inlined
-                dput.append(rec)
+                # Only NVMe bytes are durable (on_disk): staging an NVMe hit, or
+                # demoting it onto its copy again, changes no more than the stored
+                # row's access time, which may wait: reads need no index space.
+                row = on_disk(rec)
+                old = records.get(rec.key)
+                if old is None or not durable(old) or _unlike(on_disk(old), row):
+                    dput.append(row)
+                else:
+                    touched.append(row)
             else:
                 old = records.get(rec.key)
                 if old is not None and durable(old):
@@ -244,6 +254,12 @@ class Catalog:
         for key in drop:
             if durable(records[key]):
                 ddel.append(key)
+        if touched:
+            try:
+                self.index.apply(put=dput + touched, delete=ddel)
+                return
+            except (TierFullError, StorageError):
+                pass  # (a full map or disk) those access times wait for a later change
         if dput or ddel:
             self.index.apply(put=dput, delete=ddel)
 
@@ -289,6 +305,22 @@ _OLD_VOLATILE_INDEX = "index-volatile"
 def durable(rec: Record) -> bool:
     """Does the record name NVMe bytes (then it lives in the synced index)?"""
     return rec.tier == "nvme" or rec.nvme_copy is not None
+
+
+def on_disk(rec: Record) -> Record:
+    """What the durable index keeps of a record that names NVMe bytes: an entry
+    served from memory with an NVMe copy is kept as that copy, which is all a
+    restart could serve."""
+    if rec.tier == "nvme" or rec.nvme_copy is None:
+        return rec
+    return rec._replace(tier="nvme", offset=rec.nvme_copy, nvme_copy=None)
+
+
+def _unlike(a: Record, b: Record) -> bool:
+    """Do two rows differ in more than their access time (which reaches the index
+    with the entry's next change)?"""
+    at = _LAST_ACCESS
+    return a[:at] != b[:at] or a[at + 1:] != b[at + 1:]
 
 
 def owned(rec: Record) -> list[Extent]:

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from kvstore.core.config import KVStoreConfig
-from kvstore.core.errors import ConfigError, StorageError
+from kvstore.core.errors import ConfigError, StorageError, TierFullError
 from kvstore.core.hashing import checksum
 from kvstore.store.admin import Admin
 from kvstore.store.audit import Audit
@@ -314,7 +314,7 @@ class Store:
             for aid, lease in [(a, le) for a, le in holds.leases.items() if le.expires_at <= now]:
                 try:
                     self._reads.end_lease(lease, drop=False)
-                except StorageError:  # counted and logged; the lease is reaped next tick
+                except (StorageError, TierFullError):  # the index refused: reaped next tick
                     continue
                 holds.close_lease(aid)
                 holds.remember_expired(aid)
@@ -323,7 +323,7 @@ class Store:
             holds.reaped(now)
             try:
                 self.place.restore_watermarks()
-            except StorageError:  # counted and logged; demotion resumes when space does
+            except (StorageError, TierFullError):  # demotion resumes when space does
                 pass
             return done
 

@@ -206,8 +206,8 @@ class Index:
                     doomed.append(bytes(key))
             for key in doomed:
                 txn.delete(key)
-            for rec in fallen_back:
-                txn.put(rec.key, encode(rec))
+            # (fallen_back rows stay as they are, which means the same: catalog.on_disk.
+            # Rewriting them could make a full map refuse the start.)
         return LoadResult(kept + fallen_back, len(doomed))
 
     def sync(self) -> None:

@@ -8,7 +8,7 @@ from collections import Counter
 from typing import NamedTuple
 
 from kvstore.core.config import KVStoreConfig
-from kvstore.core.errors import MissError, TierFullError
+from kvstore.core.errors import MissError, StorageError, TierFullError
 from kvstore.core.hashing import checksum
 from kvstore.store.bytes_io import ByteIO
 from kvstore.store.catalog import Catalog
@@ -146,11 +146,17 @@ class Placement:
         except TierFullError:
             pass
         out: list[Extent | None] = []
-        for rec in recs:
-            try:
-                out.append(self.allocate_in(name, [rec.nbytes])[0])
-            except TierFullError:
-                out.append(None)
+        try:
+            for rec in recs:
+                try:
+                    out.append(self.allocate_in(name, [rec.nbytes])[0])
+                except TierFullError:
+                    out.append(None)
+        except BaseException:  # room-making failed (the index refused a demotion)
+            for ext in out:
+                if ext is not None:
+                    self.tiers[name].free(ext)
+            raise
         return out
 
     def shed(self, name: str, nbytes: int) -> int:
@@ -321,7 +327,12 @@ class Placement:
             return None
         stage = self.config.policy.stage_nvme_hits
         target = "dram" if "dram" in self.tiers else "gpu"
-        exts = self.allocate_each(target, [recs[i] for i in nv]) if stage else [None] * len(nv)
+        exts: list[Extent | None] = [None] * len(nv)
+        if stage:
+            try:
+                exts = self.allocate_each(target, [recs[i] for i in nv])
+            except StorageError:  # making room needs index writes the disk refuses:
+                pass              # none staged, the prefix ends there (short)
         # the prefix ends before the first entry that should stage but found no room
         upto = next((i for i, e in zip(nv, exts) if stage and e is None), len(recs))
         plan = StagingPlan(list(recs), list(zip(nv, exts)), upto, target)

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kvstore.core.config import KVStoreConfig, resolve_data_path
-from kvstore.core.errors import ConfigError, IntegrityError, InvalidRequestError
+from kvstore.core.errors import (ConfigError, IntegrityError, InvalidRequestError,
+                                 StorageError, TierFullError)
 from kvstore.store.index import Index, Record
 from tiers.base import Extent, Tier
 
@@ -177,7 +178,8 @@ def recover(index: Index, tiers: dict[str, Tier]) -> Recovered:
     A kept record may be the head of a prompt whose last block died with DRAM, so no
     drop_select could end at that prompt's end any more: each of its pending
     consumers may end at any kept block (``ends = pending``), else the survivors would
-    be read and never taken.
+    be read and never taken. If the index cannot take that change (its map or disk
+    full), they stay as stored and the store starts all the same.
     """
     persistent = {name for name, tier in tiers.items() if not tier.volatile}
     loaded = index.load(persistent)
@@ -192,12 +194,21 @@ def recover(index: Index, tiers: dict[str, Tier]) -> Recovered:
             bad.append(rec.key)
             continue
         if rec.pending > rec.ends:
-            rec = rec._replace(ends=rec.pending)
             reopened.append(rec)
+            rec = rec._replace(ends=rec.pending)
         kept.append(rec)
     if bad:
         index.delete_many(bad)
     if reopened:
-        index.put_many(reopened)
+        try:
+            index.put_many([rec._replace(ends=rec.pending) for rec in reopened])
+        except (TierFullError, StorageError) as exc:
+            # A full map or disk must not keep the store from starting: those records
+            # stay as stored (read, but not taken, until evicted) rather than differ
+            # from the index.
+            log.warning("%d records kept as stored, not reopened for drop_select: %s",
+                        len(reopened), exc)
+            as_stored = {rec.key: rec for rec in reopened}
+            kept = [as_stored.get(rec.key, rec) for rec in kept]
     log.info("recovered %s entries, dropped %s records", len(kept), loaded.dropped + len(bad))
     return Recovered(kept, loaded.dropped + len(bad))

@@ -73,3 +73,41 @@ def test_a_volatile_index_left_by_an_earlier_version_is_removed(tmp_path):
         assert not old.exists()
         store.check_integrity()
     assert durable_keys(tmp_path / "d") == set()
+
+
+def test_nvme_hits_are_served_while_the_index_map_is_full(tmp_path, caplog):
+    """The durable index keeps a staged entry as its NVMe copy (``on_disk``), so
+    staging an NVMe hit into DRAM, and demoting it onto that copy again, write no
+    row: with the map full, reads of NVMe entries are served, and the store starts
+    again and finds them."""
+    cfg = store_config(tmp_path / "d", dram=64, nvme=256, index_map_bytes=32 << 10)
+    on_nvme: list[int] = []
+    with Store(cfg) as store:
+        with pytest.raises(TierFullError, match="index"):
+            for i in range(0, 256, 8):
+                ids = list(range(i, i + 8))
+                put(store, ids, meta=[b"m" * 1000] * 8)
+                store.demote([key(j) for j in ids])  # the durable index fills up
+                on_nvme += ids
+        assert len(on_nvme) >= 8
+        with pytest.raises(TierFullError, match="index"):  # the map is full now
+            store.demote([key(j) for j, t in where(store).items() if t == "dram"][:1])
+        first = on_nvme[:8]
+        acq = store.acquire([key(i) for i in first], [toks(i) for i in first])
+        assert len(acq.entries) == 8 and {e.tier for e in acq.entries} == {"dram"}
+        assert [store.read(acq.id, j) for j in range(8)] == [data(i) for i in first]
+        store.release(acq.id)
+        assert store.stats()["stagings"] >= 8
+        store.check_integrity()  # the index still holds them as their NVMe copies
+        store.demote([key(i) for i in first])  # back onto their copies: no write either
+        assert all(where(store)[i] == "nvme" for i in first)
+        store.check_integrity()
+    assert set(on_nvme) <= durable_keys(tmp_path / "d")
+    with Store(cfg) as store:  # a full map does not keep it from starting either
+        assert "not reopened for drop_select: index map is full" in caplog.text
+        assert all(where(store)[i] == "nvme" for i in on_nvme)
+        acq = store.acquire([key(i) for i in on_nvme], [toks(i) for i in on_nvme])
+        assert [store.read(acq.id, j) for j in range(len(on_nvme))] == \
+            [data(i) for i in on_nvme]
+        store.release(acq.id)
+        store.check_integrity()
