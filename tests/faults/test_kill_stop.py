@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -83,6 +84,31 @@ class Fault:
         else:
             os.kill(self.srv.pid, signal.SIGCONT)
 
+    def around(self, what: str, call: Callable[[], Any]) -> tuple[Any, MissError | None]:
+        """``call()``'s result or miss, undone afterwards; it must have reached the
+        step, ended within ``BOUND_S`` and left the server up."""
+        start, got, failed = time.monotonic(), None, None
+        try:
+            got = call()
+        except MissError as exc:
+            failed = exc
+        finally:
+            elapsed = time.monotonic() - start
+            assert self.sent, "the step was never reached"
+            self.undo()
+        name = signal.Signals(self.sig).name
+        assert elapsed < BOUND_S, f"{what} took {elapsed:.1f}s under {name}"
+        assert self.srv.proc.poll() is None, self.srv.log()
+        return got, failed
+
+
+def _nothing_left_open(admin) -> None:
+    """Nothing of the interrupted call stays open past its lease."""
+    deadline = time.monotonic() + 10
+    while (s := admin.stats())["reservations"] or s["leases"]:
+        assert time.monotonic() < deadline, s
+        time.sleep(0.2)
+
 
 CASES = [("insert", "write", "before", "after reserve"),
          ("insert", "write", "after", "after the write, before commit"),
@@ -107,20 +133,12 @@ def test_server_signalled_at_each_step(server_factory, client_factory, fault_log
     fault = Fault(srv, sig)
     fault.wrap(client, method, when)
 
-    start, got, failed = time.monotonic(), None, None
-    try:
+    def call():
         if op == "insert":
-            got = client.insert(prompt_tokens(99, N), prompt_kv(99, N))
-        else:
-            got = client.drop_select(prompt_tokens(target, N))
-    except MissError as exc:
-        failed = exc
-    finally:
-        elapsed = time.monotonic() - start
-        assert fault.sent, "the step was never reached"
-        fault.undo()
-    assert elapsed < BOUND_S, f"{op} took {elapsed:.1f}s under {signal.Signals(sig).name}"
-    assert srv.proc.poll() is None, srv.log()
+            return client.insert(prompt_tokens(99, N), prompt_kv(99, N))
+        return client.drop_select(prompt_tokens(target, N))
+
+    got, failed = fault.around(op, call)
 
     admin = client_factory(srv, timeout_s=5.0)
     lost = sum(not _exact(admin, pid) for pid in keep) * prompt_kv(0, N).nbytes
@@ -138,11 +156,7 @@ def test_server_signalled_at_each_step(server_factory, client_factory, fault_log
     fault_log(f"server {signal.Signals(sig).name} during {op}, {step}", 1,
               int(srv.proc.poll() is None), lost)
     assert lost == 0
-    # Nothing of the interrupted call stays open past its lease.
-    deadline = time.monotonic() + 10
-    while (s := admin.stats())["reservations"] or s["leases"]:
-        assert time.monotonic() < deadline, s
-        time.sleep(0.2)
+    _nothing_left_open(admin)
 
 
 INLINE_STEPS = [("acquire", "as the acquire is sent"),
@@ -187,17 +201,8 @@ def test_server_signalled_around_a_drop_select_answered_inline(
     else:
         fault.wrap(client, "take_inline", when)
 
-    start, got, failed = time.monotonic(), None, None
-    try:
-        got = client.drop_select(prompt_tokens(target, N))
-    except MissError as exc:
-        failed = exc
-    finally:
-        elapsed = time.monotonic() - start
-        assert fault.sent, "the step was never reached"
-        fault.undo()
-    assert elapsed < BOUND_S, f"drop_select took {elapsed:.1f}s under {signal.Signals(sig).name}"
-    assert srv.proc.poll() is None, srv.log()
+    got, failed = fault.around("drop_select",
+                               lambda: client.drop_select(prompt_tokens(target, N)))
     assert "te_read" not in ops
 
     admin = client_factory(srv, timeout_s=5.0)
@@ -214,10 +219,7 @@ def test_server_signalled_around_a_drop_select_answered_inline(
     fault_log(f"server {signal.Signals(sig).name} around an inline drop_select, {step}", 1,
               int(srv.proc.poll() is None), lost)
     assert lost == 0
-    deadline = time.monotonic() + 10
-    while (s := admin.stats())["reservations"] or s["leases"]:
-        assert time.monotonic() < deadline, s
-        time.sleep(0.2)
+    _nothing_left_open(admin)
     if sig == signal.SIGSTOP and when != "acquire":  # the one-way release was applied
         assert not admin.lookup(prompt_tokens(target, N)).matched_tokens
     assert admin.stats()["inline_replies"] == (1 if sig == signal.SIGSTOP else 0)
