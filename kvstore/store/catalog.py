@@ -136,20 +136,22 @@ class Catalog:
                     self._tiers[rec.tier].free(Extent(rec.tier, rec.offset, rec.nbytes))
             raise
 
-    def drop_idle(self, keys: list[bytes]) -> None:
-        """Free entries that nothing needs any more. Runs after the change that made
-        them due (a commit, a release) has been applied: if the index cannot be
-        written now, they stay stored (idle, evictable) rather than failing it."""
+    def drop_idle(self, keys: list[bytes]) -> int:
+        """Free entries that nothing needs any more (how many went). Runs after the
+        change that made them due (a commit, a release) has been applied: if the
+        index cannot be written now, they stay stored (idle, evictable) rather than
+        failing it."""
         if not keys:
-            return
+            return 0
         try:
             self.apply(drop=keys)
         except StorageError:
-            return  # counted and logged by apply
+            return 0  # counted and logged by apply
         except TierFullError:  # the index map is full: they stay, idle and evictable
             log.warning("index map full: %d idle entries stay until it has room", len(keys))
-            return
+            return 0
         self._counts["dropped"] += len(keys)
+        return len(keys)
 
     def touch(self, recs: Sequence[Record], now: float) -> list[Record]:
         """Set the access time of ``recs`` (stored) in memory only: it is persisted
@@ -258,8 +260,12 @@ class Catalog:
             try:
                 self.index.apply(put=dput + touched, delete=ddel)
                 return
-            except (TierFullError, StorageError):
-                pass  # (a full map or disk) those access times wait for a later change
+            except TierFullError:
+                pass  # (a full map) those access times wait for a later change
+            except StorageError as exc:  # a full or failing disk: the same, counted
+                if not (dput or ddel):  # (else the write below fails and is counted)
+                    self._storage_failed(exc)
+                    return
         if dput or ddel:
             self.index.apply(put=dput, delete=ddel)
 

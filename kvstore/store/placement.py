@@ -104,7 +104,11 @@ class Placement:
             raise TierFullError(f"{need} bytes exceed the tier's capacity {tier.capacity}")
         pol = self.config.policy
         if over_watermark(tier.used, need, tier.capacity, pol.high_watermark):
-            self.shed(name, bytes_to_free(tier.used, need, tier.capacity, pol.low_watermark))
+            try:
+                self.shed(name, bytes_to_free(tier.used, need, tier.capacity,
+                                              pol.low_watermark))
+            except (TierFullError, StorageError):
+                pass  # the index refused the moves (full): what is free may still do
         while True:
             try:
                 return tier.allocate_many(list(sizes))

@@ -337,7 +337,9 @@ class Reads(Operations):
     def end_lease(self, lease: Lease, drop: bool) -> int:
         """Give back the lease's holds (and claims); with ``drop``, one pending
         consumer per key. The index write comes first: if it fails, the lease,
-        its holds, claims and records are exactly as they were."""
+        its holds, claims and records are exactly as they were. Without ``drop``
+        nothing but idle entries' drops is written, and a refused one leaves them
+        stored (``Catalog.drop_idle``). Returns how many entries went."""
         times = Counter(lease.keys)
         records, leased = self.catalog.records, self.holds.leased
         recs = {k: records[k] for k in times if k in records}
@@ -347,13 +349,18 @@ class Reads(Operations):
                 for k, r in recs.items()}
         gone = [k for k, r in recs.items() if left[k] == 0 and r.pins == 0
                 and leased.get(k, 0) <= times[k]]
+        if not drop:
+            # Only idle entries to drop: if the index refuses that (a full map or
+            # disk), they stay, idle and evictable, and the lease ends all the same.
+            dropped = self.catalog.drop_idle(gone)
+            self.holds.end_lease(lease)
+            return dropped
         put = []
-        if drop:
-            going = set(gone)  # not the list: ``in`` on it made a release O(entries^2)
-            for k, r in recs.items():
-                if k not in going:
-                    r = r._replace(pending=left[k])
-                    put.append(r._replace(ends=max(0, r.ends - 1)) if k == lease.end else r)
+        going = set(gone)  # not the list: ``in`` on it made a release O(entries^2)
+        for k, r in recs.items():
+            if k not in going:
+                r = r._replace(pending=left[k])
+                put.append(r._replace(ends=max(0, r.ends - 1)) if k == lease.end else r)
         self.catalog.apply(put=put, drop=gone)
         self.holds.end_lease(lease)
         self.counts["dropped"] += len(gone)

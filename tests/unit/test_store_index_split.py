@@ -111,3 +111,59 @@ def test_nvme_hits_are_served_while_the_index_map_is_full(tmp_path, caplog):
             [data(i) for i in on_nvme]
         store.release(acq.id)
         store.check_integrity()
+
+
+def test_above_the_watermark_a_full_map_still_leaves_free_room_usable(make_store):
+    """Over the high watermark an allocation first moves entries down, which needs
+    index rows; with the map full that is refused, and the free room below the
+    tier's capacity serves instead: new DRAM entries are stored, NVMe hits staged
+    whole."""
+    store = make_store(dram=64, nvme=256, index_map_bytes=32 << 10, high=0.5, low=0.3)
+    on_nvme: list[int] = []
+    with pytest.raises(TierFullError, match="index"):
+        for i in range(0, 256, 8):
+            ids = list(range(i, i + 8))
+            put(store, ids, meta=[b"m" * 1000] * 8)
+            store.demote([key(j) for j in ids])
+            on_nvme += ids
+    dram = [i for i, t in where(store).items() if t == "dram"]
+    more = list(range(1000, 1000 + 40 - len(dram)))
+    put(store, more)  # past the watermark: the demotion is refused, the room is free
+    tier = store.stats()["tiers"]["dram"]
+    assert tier["used"] > 0.5 * tier["capacity"]
+    first = on_nvme[:8]
+    acq = store.acquire([key(i) for i in first], [toks(i) for i in first], lease_s=0.05)
+    assert len(acq.entries) == 8 and {e.tier for e in acq.entries} == {"dram"}
+    assert [store.read(acq.id, j) for j in range(8)] == [data(i) for i in first]
+    store.check_integrity()
+
+
+def test_a_lease_expiring_while_the_map_is_full_ends_and_leaves_its_idle_entries(
+        tmp_path):
+    """A lease's end drops the entries nobody needs any more (taken by another
+    reader meanwhile). With the map full that drop is refused: the lease ends all
+    the same and they stay, idle and evictable (before, the lease never ended)."""
+    import time
+
+    store = Store(store_config(tmp_path / "d", dram=64, nvme=256,
+                               index_map_bytes=32 << 10))
+    try:
+        ids = list(range(500, 508))
+        put(store, ids)
+        store.demote([key(i) for i in ids])
+        reader = store.acquire([key(i) for i in ids], [toks(i) for i in ids], lease_s=0.3)
+        taker = store.acquire([key(i) for i in ids], [toks(i) for i in ids], claim=True)
+        store.release(taker.id, drop=True)  # taken: idle once the reader lets go
+        with pytest.raises(TierFullError, match="index"):
+            for i in range(0, 256, 8):
+                batch = list(range(i, i + 8))
+                put(store, batch, meta=[b"m" * 1000] * 8)
+                store.demote([key(j) for j in batch])
+        assert reader.id and store.stats()["leases"] == 1
+        time.sleep(0.4)
+        store.reap()
+        assert store.stats()["leases"] == 0
+        assert all(key(i) in store.catalog.records for i in ids)  # still stored, idle
+        store.check_integrity()
+    finally:
+        store.close()
