@@ -43,6 +43,22 @@ def where(store: Store) -> dict[int, str]:
     return {int.from_bytes(r.key, "little"): r.tier for r in store.entries()}
 
 
+def fill_index_map(store: Store, upto: int = 256) -> list[int]:
+    """Store and demote entries 8 at a time (with 1000-byte metas, so each takes
+    index room) until the durable index's map refuses a demotion; the ids now on
+    NVMe. The refused batch stays in DRAM. Fails if the map never fills."""
+    from kvstore.core.errors import TierFullError
+
+    on_nvme: list[int] = []
+    with pytest.raises(TierFullError, match="index"):
+        for i in range(0, upto, 8):
+            ids = list(range(i, i + 8))
+            put(store, ids, meta=[b"m" * 1000] * 8)
+            store.demote([key(j) for j in ids])
+            on_nvme += ids
+    return on_nvme
+
+
 def store_config(data_dir, dram: int = 4, nvme: int = 0, gpu: int = 0, high: float = 1.0,
                  low: float = 1.0, shared: bool = False, stage: bool = True,
                  **store_opts) -> KVStoreConfig:

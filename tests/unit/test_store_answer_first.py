@@ -13,7 +13,7 @@ import pytest
 
 from kvstore.core.errors import ChecksumError, StorageError, TierFullError
 from kvstore.core.hashing import checksum
-from tests.unit.conftest import ENTRY, data, key, put, toks, where
+from tests.unit.conftest import ENTRY, data, fill_index_map, key, put, toks, where
 from tests.unit.test_store_rooms import open_store, put_into, read_back  # noqa: F401
 
 
@@ -145,13 +145,7 @@ def test_a_full_index_map_is_refused_to_the_writer_and_loses_nothing(open_store)
     new DRAM entries needs no index space and is stored; one that dedups onto NVMe
     entries must rewrite their records, and is refused before any answer."""
     store = open_store(dram=64, nvme=256, index_map_bytes=32 << 10)
-    on_nvme = []
-    with pytest.raises(TierFullError, match="index"):
-        for i in range(0, 256, 8):
-            ids = list(range(i, i + 8))
-            put(store, ids, meta=[b"m" * 1000] * 8)
-            store.demote([key(j) for j in ids])
-            on_nvme += ids
+    on_nvme = fill_index_map(store)
     assert on_nvme and set(where(store).values()) == {"dram", "nvme"}
     work = []
     res = put_ids(store, list(range(1000, 1008)), later=work.append)

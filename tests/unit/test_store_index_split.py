@@ -7,7 +7,7 @@ import pytest
 from kvstore.core.errors import TierFullError
 from kvstore.store.index import Index
 from kvstore.store.facade import Store
-from tests.unit.conftest import data, key, put, store_config, toks, where
+from tests.unit.conftest import data, fill_index_map, key, put, store_config, toks, where
 
 
 def durable_keys(data_dir) -> set[int]:
@@ -81,14 +81,8 @@ def test_nvme_hits_are_served_while_the_index_map_is_full(tmp_path, caplog):
     row: with the map full, reads of NVMe entries are served, and the store starts
     again and finds them."""
     cfg = store_config(tmp_path / "d", dram=64, nvme=256, index_map_bytes=32 << 10)
-    on_nvme: list[int] = []
     with Store(cfg) as store:
-        with pytest.raises(TierFullError, match="index"):
-            for i in range(0, 256, 8):
-                ids = list(range(i, i + 8))
-                put(store, ids, meta=[b"m" * 1000] * 8)
-                store.demote([key(j) for j in ids])  # the durable index fills up
-                on_nvme += ids
+        on_nvme = fill_index_map(store)
         assert len(on_nvme) >= 8
         with pytest.raises(TierFullError, match="index"):  # the map is full now
             store.demote([key(j) for j, t in where(store).items() if t == "dram"][:1])
@@ -119,13 +113,7 @@ def test_above_the_watermark_a_full_map_still_leaves_free_room_usable(make_store
     tier's capacity serves instead: new DRAM entries are stored, NVMe hits staged
     whole."""
     store = make_store(dram=64, nvme=256, index_map_bytes=32 << 10, high=0.5, low=0.3)
-    on_nvme: list[int] = []
-    with pytest.raises(TierFullError, match="index"):
-        for i in range(0, 256, 8):
-            ids = list(range(i, i + 8))
-            put(store, ids, meta=[b"m" * 1000] * 8)
-            store.demote([key(j) for j in ids])
-            on_nvme += ids
+    on_nvme = fill_index_map(store)
     dram = [i for i, t in where(store).items() if t == "dram"]
     more = list(range(1000, 1000 + 40 - len(dram)))
     put(store, more)  # past the watermark: the demotion is refused, the room is free
@@ -154,11 +142,7 @@ def test_a_lease_expiring_while_the_map_is_full_ends_and_leaves_its_idle_entries
         reader = store.acquire([key(i) for i in ids], [toks(i) for i in ids], lease_s=0.3)
         taker = store.acquire([key(i) for i in ids], [toks(i) for i in ids], claim=True)
         store.release(taker.id, drop=True)  # taken: idle once the reader lets go
-        with pytest.raises(TierFullError, match="index"):
-            for i in range(0, 256, 8):
-                batch = list(range(i, i + 8))
-                put(store, batch, meta=[b"m" * 1000] * 8)
-                store.demote([key(j) for j in batch])
+        fill_index_map(store)
         assert reader.id and store.stats()["leases"] == 1
         time.sleep(0.4)
         store.reap()
