@@ -22,8 +22,9 @@ arrives; a request that would wait longer than ``server.busy_after_s`` (the one 
 flight has run that long, or the queue ahead of it would take that long at the
 recent pace) is answered ``busy`` at once, and one that did wait that long in the
 queue (the request queue, or the staging queue behind it) is answered ``busy``
-instead of being served late: a client hears a clear miss, never a silent
-timeout. (The store's background writeback and scrub run in threads of the
+instead of being served late (the watchdog answers queued ones as soon as they
+have waited that long, not when the work ahead ends): a client hears a clear miss,
+never a silent timeout. (The store's background writeback and scrub run in threads of the
 store's own.) A signal only sets a flag: the request in flight finishes, then the
 store (LMDB), TE and sockets close.
 
@@ -324,6 +325,7 @@ class Server:
                 if self._working_since is not None:
                     self._forward(staged)
                     self._drain()
+                    self._expire_queued()
 
     def _poller(self, staged: zmq.Socket) -> zmq.Poller:
         """What the serving thread waits on: the ROUTER, staged replies, and the
@@ -396,6 +398,27 @@ class Server:
             seen.add(peer)
             rest.append(frames)
         return first + rest
+
+    def _expire_queued(self) -> None:
+        """Answer ``busy`` now the queued requests that have waited past
+        ``busy_after_s`` behind the work in flight (one admitted while that work was
+        young), rather than when it ends: slow work may outlast their clients'
+        timeouts. Holds the socket (``_sock_lock``)."""
+        if not self._queue:
+            return
+        now = time.monotonic()
+        if now - self._queue[0][1] <= self._busy_after:
+            return  # the oldest is in time, so all are
+        kept: list[tuple[list[bytes], float]] = []
+        late: list[tuple[list[bytes], float]] = []
+        for item in self._queue:
+            frames, arrived = item
+            due = now - arrived > self._busy_after and not self._never_busy(frames)
+            (late if due else kept).append(item)
+        self._queue.clear()
+        self._queue.extend(kept)
+        for frames, arrived in late:
+            self._send(self._busy(frames, now - arrived))
 
     def _admit(self, frames: list[bytes]) -> None:
         """Queue one arrived request, or answer it ``busy`` at once."""
