@@ -65,7 +65,10 @@ def test_a_small_drop_select_comes_in_its_acquires_reply(clean_server, client_fa
     assert replies - before[0] == 3
     assert nbytes - before[1] >= LAYOUT.nbytes(13 + 4 + 37) + hidden_bytes
     assert "inline_read" in consumer.ops and "te_read" not in consumer.ops
-    assert producer.stats()["entries"] == 0 and producer.stats()["leases"] == 0
+    # Asked by the consumer: served after its own one-way release (another client's
+    # request, over another door, may be served before it).
+    stats = consumer.stats()
+    assert stats["entries"] == 0 and stats["leases"] == 0
 
 
 def test_into_a_reused_buffer_and_a_get_that_keeps_the_entries(clean_server, client_factory):
@@ -79,7 +82,7 @@ def test_into_a_reused_buffer_and_a_get_that_keeps_the_entries(clean_server, cli
         assert got.matched_tokens == 40 and np.array_equal(got.kv.numpy(), kv)
         assert got.kv.data_ptr() == out.data_ptr()  # landed in the caller's buffer
     assert consumer.drop_select(prompt(40, 7), into=out).matched_tokens == 40
-    assert "te_read" not in consumer.ops and producer.stats()["entries"] == 0
+    assert "te_read" not in consumer.ops and consumer.stats()["entries"] == 0  # (as above)
 
 
 def test_over_either_limit_or_skipping_blocks_the_bytes_go_over_te(server_factory,
@@ -268,6 +271,6 @@ def test_a_client_whose_server_was_replaced_by_an_older_one_reads_over_te(
         got = consumer.drop_select(prompt(21, seed))
         assert got.matched_tokens == 21 and np.array_equal(got.kv.numpy(), make_kv(21, seed))
     assert consumer.ops == ["te_read", "te_read"] and consumer._inline(0) is None
-    stats = producer.stats()
+    stats = consumer.stats()  # after its own one-way release
     assert stats["entries"] == 0 and stats["leases"] == 0
     assert stats["errors"] == 1  # the one refused acquire
