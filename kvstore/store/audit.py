@@ -19,8 +19,8 @@ from __future__ import annotations
 import collections
 
 from kvstore.core.errors import IntegrityError
-from kvstore.store.index import Record
-from kvstore.store.catalog import durable, on_disk
+from kvstore.store.index import Record, on_disk
+from kvstore.store.catalog import durable
 from kvstore.store.parts import Operations
 
 

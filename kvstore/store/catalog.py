@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from kvstore.core.errors import StorageError, TierFullError
-from kvstore.store.index import Index, Record
+from kvstore.store.index import Index, Record, on_disk
 from kvstore.store.keypages import KeyPages
 from kvstore.store.order import GroupOrder
 from tiers.base import Extent, Tier
@@ -245,7 +245,7 @@ class Catalog:
                 # row's access time, which may wait: reads need no index space.
                 row = on_disk(rec)
                 old = records.get(rec.key)
-                if old is None or not durable(old) or _unlike(on_disk(old), row):
+                if old is None or not durable(old) or not _same_row(old, rec):
                     dput.append(row)
                 else:
                     touched.append(row)
@@ -304,6 +304,8 @@ class Catalog:
 
 
 _LAST_ACCESS = Record._fields.index("last_access")
+_TIER, _OFFSET = Record._fields.index("tier"), Record._fields.index("offset")
+_COPY = Record._fields.index("nvme_copy")
 # Where earlier versions kept the records of memory tiers in LMDB; removed on open.
 _OLD_VOLATILE_INDEX = "index-volatile"
 
@@ -313,20 +315,16 @@ def durable(rec: Record) -> bool:
     return rec.tier == "nvme" or rec.nvme_copy is not None
 
 
-def on_disk(rec: Record) -> Record:
-    """What the durable index keeps of a record that names NVMe bytes: an entry
-    served from memory with an NVMe copy is kept as that copy, which is all a
-    restart could serve."""
-    if rec.tier == "nvme" or rec.nvme_copy is None:
-        return rec
-    return rec._replace(tier="nvme", offset=rec.nvme_copy, nvme_copy=None)
-
-
-def _unlike(a: Record, b: Record) -> bool:
-    """Do two rows differ in more than their access time (which reaches the index
-    with the entry's next change)?"""
+def _same_row(a: Record, b: Record) -> bool:
+    """Do two durable records have one ``on_disk`` row but for its access time
+    (which reaches the index with the entry's next change)? Compared in place:
+    no row is built."""
+    if (a[_OFFSET] if a[_TIER] == "nvme" else a[_COPY]) != \
+            (b[_OFFSET] if b[_TIER] == "nvme" else b[_COPY]):
+        return False
     at = _LAST_ACCESS
-    return a[:at] != b[:at] or a[at + 1:] != b[at + 1:]
+    return (a[_OFFSET + 1:at] == b[_OFFSET + 1:at] and a[at + 1:_COPY] == b[at + 1:_COPY]
+            and a[_COPY + 1:] == b[_COPY + 1:])
 
 
 def owned(rec: Record) -> list[Extent]:

@@ -312,10 +312,9 @@ class Store:
                 counts["rooms_expired"] += 1
                 done += 1
             for aid, lease in [(a, le) for a, le in holds.leases.items() if le.expires_at <= now]:
-                try:
-                    self._reads.end_lease(lease, drop=False)
-                except (StorageError, TierFullError):  # the index refused: reaped next tick
-                    continue
+                # (drop=False writes only idle entries' drops, and a refused one
+                # leaves them stored: the lease always ends here)
+                self._reads.end_lease(lease, drop=False)
                 holds.close_lease(aid)
                 holds.remember_expired(aid)
                 counts["leases_expired"] += 1

@@ -13,7 +13,7 @@ from kvstore.core.hashing import checksum
 from kvstore.store.bytes_io import ByteIO
 from kvstore.store.catalog import Catalog
 from kvstore.store.holds import Holds
-from kvstore.store.index import Record
+from kvstore.store.index import Record, on_disk
 from kvstore.store.order import GroupOrder
 from kvstore.store.policy import (
     Candidate,
@@ -212,8 +212,7 @@ class Placement:
         """Demote the entries that have an NVMe copy straight back to it (no write
         needed); returns the others. Done first, before room-making below could
         drop those very copies."""
-        back = [r._replace(tier="nvme", offset=r.nvme_copy, nvme_copy=None)
-                for r in recs if r.nvme_copy is not None]
+        back = [on_disk(r) for r in recs if r.nvme_copy is not None]
         self.catalog.apply(put=back)
         self.counts["demotions"] += len(back)
         return [r for r in recs if r.nvme_copy is None]
