@@ -320,6 +320,7 @@ class Store:
                 counts["leases_expired"] += 1
                 done += 1
             holds.reaped(now)
+            self.catalog.index.drop_strays()  # rows a full index could not delete
             try:
                 self.place.restore_watermarks()
             except (StorageError, TierFullError):  # demotion resumes when space does

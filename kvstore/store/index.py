@@ -134,6 +134,10 @@ class Index:
             raise ConfigError(f"cannot open index at {path}: {exc}") from exc
         self.path = str(path)
         self._packer = msgpack.Packer(use_bin_type=True)
+        # Rows the store does not hold that the index could not delete when it should
+        # have (its map or disk full: ``forget``); ``drop_strays`` tries again. A
+        # write of a record under one of these keys makes it a row like any other.
+        self.strays: set[bytes] = set()
 
     # -------------------------------------------------------------- reads
     def get(self, key: bytes) -> Record | None:
@@ -145,16 +149,19 @@ class Index:
         return self._env.stat()["entries"]
 
     def records(self) -> Iterator[Record]:
-        """Every record, in key order (a snapshot: one read transaction)."""
+        """Every record, in key order (a snapshot: one read transaction); ``strays``
+        left out."""
         with self._env.begin() as txn:
             items = list(txn.cursor())
         for key, value in items:
-            yield decode(key, value)
+            if key not in self.strays:
+                yield decode(key, value)
 
     # -------------------------------------------------------------- writes
     def apply(self, put: Iterable[Record] = (), delete: Iterable[bytes] = ()) -> None:
         """Write ``put`` and remove ``delete`` in one transaction (deletes first).
         All or nothing; a full map is ``TierFullError`` (grow store.index_map_bytes)."""
+        delete = list(delete)
         try:
             pack = self._packer.pack
             with self._env.begin(write=True) as txn:
@@ -167,6 +174,9 @@ class Index:
                     items.append((rec.key, pack((_FORMAT, *rec[1:]))))
                 if items:
                     txn.cursor().putmulti(items)  # one C loop for the batch
+            if self.strays:
+                self.strays.difference_update(delete)
+                self.strays.difference_update(key for key, _ in items)
         except lmdb.MapFullError as exc:
             raise TierFullError(f"index map is full ({self.path}): raise "
                                 f"store.index_map_bytes") from exc
@@ -180,28 +190,58 @@ class Index:
     def delete_many(self, keys: Iterable[bytes]) -> None:
         self.apply(delete=keys)
 
+    def forget(self, keys: Iterable[bytes], why: str) -> None:
+        """Delete rows the store will not hold (``why`` names them in the log). When
+        the index cannot (``TierFullError`` / ``StorageError``: a full map or disk),
+        they stay as ``strays``, ignored, for ``drop_strays`` to delete later: a full
+        index must not keep the store from starting."""
+        keys = list(keys)
+        if not keys:
+            return
+        try:
+            self.apply(delete=keys)
+        except (TierFullError, StorageError) as exc:
+            self.strays.update(keys)
+            log.warning("%d index rows (%s) left in place, to delete once the index "
+                        "has room: %s", len(keys), why, exc)
+
+    def drop_strays(self) -> int:
+        """Try again to delete the rows ``forget`` had to leave; how many are left."""
+        if self.strays:
+            try:
+                self.apply(delete=list(self.strays))
+            except (TierFullError, StorageError):
+                pass
+            else:
+                log.info("deleted the index rows left in place earlier")
+        return len(self.strays)
+
     def clear(self) -> None:
         try:
             with self._env.begin(write=True) as txn:
                 txn.drop(self._env.open_db(txn=txn), delete=False)
+            self.strays.clear()
         except lmdb.Error as exc:
             raise StorageError(f"cannot write the index at {self.path}: {_reason(exc)}; "
                                f"nothing was changed") from exc
 
     def load(self, persistent_tiers: set[str]) -> LoadResult:
         """Start-up pass: keep committed records of ``persistent_tiers``, delete the
-        rest (volatile tiers lost their bytes with the process) in one transaction.
-        A volatile-tier record with an NVMe copy falls back to that copy."""
+        rest (volatile tiers lost their bytes with the process) in one transaction
+        (``forget``: left as strays when the index cannot take it). A volatile-tier
+        record with an NVMe copy falls back to that copy."""
         try:
-            return self._load(persistent_tiers)
+            result, doomed = self._load(persistent_tiers)
         except lmdb.Error as exc:
             raise ConfigError(f"cannot load the index at {self.path}: {_reason(exc)}") from exc
+        self.forget(doomed, "undecodable, uncommitted, or of a tier without its bytes")
+        return result
 
-    def _load(self, persistent_tiers: set[str]) -> LoadResult:
+    def _load(self, persistent_tiers: set[str]) -> tuple[LoadResult, list[bytes]]:
         kept: list[Record] = []
         fallen_back: list[Record] = []
         doomed: list[bytes] = []
-        with self._env.begin(write=True) as txn:
+        with self._env.begin() as txn:
             for key, value in txn.cursor():
                 try:
                     rec = decode(key, value)
@@ -217,11 +257,9 @@ class Index:
                     fallen_back.append(on_disk(rec))
                 else:
                     doomed.append(bytes(key))
-            for key in doomed:
-                txn.delete(key)
             # (fallen_back rows stay as they are, which means the same: on_disk.
             # Rewriting them could make a full map refuse the start.)
-        return LoadResult(kept + fallen_back, len(doomed))
+        return LoadResult(kept + fallen_back, len(doomed)), doomed
 
     def sync(self) -> None:
         self._env.sync(True)

@@ -179,7 +179,8 @@ def recover(index: Index, tiers: dict[str, Tier]) -> Recovered:
     drop_select could end at that prompt's end any more: each of its pending
     consumers may end at any kept block (``ends = pending``), else the survivors would
     be read and never taken. If the index cannot take that change (its map or disk
-    full), they stay as stored and the store starts all the same.
+    full), they stay as stored and the store starts all the same; rows it cannot
+    delete then stay in place as ``Index.strays`` (ignored; deleted once it can).
     """
     persistent = {name for name, tier in tiers.items() if not tier.volatile}
     loaded = index.load(persistent)
@@ -197,8 +198,7 @@ def recover(index: Index, tiers: dict[str, Tier]) -> Recovered:
             reopened.append(rec)
             rec = rec._replace(ends=rec.pending)
         kept.append(rec)
-    if bad:
-        index.delete_many(bad)
+    index.forget(bad, "extents that cannot be claimed")
     if reopened:
         try:
             index.put_many([rec._replace(ends=rec.pending) for rec in reopened])

@@ -134,3 +134,42 @@ def test_corrupted_index_never_crashes_or_serves_wrong_bytes(server_factory, cli
             assert srv.stop() == 0
         survived += 1
     fault_log("16 bytes overwritten in index/data.mdb (server start)", tries, survived, lost)
+
+
+def test_a_start_whose_full_index_cannot_delete_rows_still_serves(tmp_path, server_factory,
+                                                                  client_factory, fault_log):
+    """A start deletes the index rows it will not serve: here every NVMe row, since
+    the server comes back without its NVMe tier. With the index map full LMDB refuses
+    that delete; before, the start ended with exit 2 ("MDB_MAP_FULL"). Now it leaves
+    the rows in place (ignored), starts and serves; a start with a larger map
+    deletes them. (The data dir is filled by a store in this process, as in
+    tests/unit/test_store_index_split.py: rows with 1000-byte metas until the map
+    refuses, which leaves LMDB no page to delete with.)"""
+    from kvstore.store.facade import Store
+    from kvstore.store.index import Index
+    from tests.unit.conftest import fill_index_map, store_config
+
+    data_dir = tmp_path / "data"
+    with Store(store_config(data_dir, dram=64, nvme=256, index_map_bytes=32 << 10)) as store:
+        rows = len(fill_index_map(store))
+    small_map = {"KVSTORE_STORE_INDEX_MAP_BYTES": "32KiB"}
+    srv = server_factory(data_dir=data_dir, dram="4MiB", nvme="0", env=small_map)
+    out = srv.log()[srv._log_start:]
+    assert f"{rows} index rows" in out and "left in place" in out, out
+    client = client_factory(srv)
+    assert client.ls() == []  # nothing of the old NVMe tier is served
+    client.insert(prompt_tokens(500, N), prompt_kv(500, N))
+    got = client.get(prompt_tokens(500, N))
+    assert got.matched_tokens == N and np.array_equal(got.kv.numpy(), prompt_kv(500, N))
+    assert srv.stop() == 0
+    assert "Traceback" not in srv.log()
+    roomy = server_factory(data_dir=data_dir, dram="4MiB", nvme="0",
+                           env={"KVSTORE_STORE_INDEX_MAP_BYTES": "1MiB"})
+    assert "left in place" not in roomy.log()[roomy._log_start:]
+    assert roomy.stop() == 0
+    idx = Index(data_dir / "index", map_size=1 << 20)
+    try:
+        assert len(idx) == 0  # deleted by the roomier start
+    finally:
+        idx.close()
+    fault_log("start with the index map full and rows to delete (served)", 1, 1, 0)

@@ -151,3 +151,75 @@ def test_a_lease_expiring_while_the_map_is_full_ends_and_leaves_its_idle_entries
         store.check_integrity()
     finally:
         store.close()
+
+
+def test_a_start_that_cannot_delete_index_rows_leaves_them_and_deletes_them_later(
+        tmp_path, caplog):
+    """A start deletes the rows it will not serve: here every NVMe row, since the
+    store comes back without its NVMe tier. With the map full the index refuses that
+    delete; the store starts all the same, leaves the rows in place (ignored), and
+    deletes them once the index takes it (the operator grew the map here; a later
+    reap retries). Before, such a start ended with ``ConfigError``."""
+    import logging
+
+    data_dir = tmp_path / "d"
+    full = store_config(data_dir, dram=64, nvme=256, index_map_bytes=32 << 10)
+    with Store(full) as store:
+        on_nvme = fill_index_map(store)
+    assert set(on_nvme) <= durable_keys(data_dir)
+    without_nvme = store_config(data_dir, dram=64, nvme=0, index_map_bytes=32 << 10)
+    with caplog.at_level(logging.WARNING), Store(without_nvme) as store:
+        assert "left in place, to delete once the index has room" in caplog.text
+        assert where(store) == {}
+        assert store.catalog.index.strays == {key(i) for i in on_nvme}
+        store.check_integrity()  # the strays are not records: index and memory agree
+        put(store, [on_nvme[0]])  # a new DRAM entry under a stray's key: served from DRAM
+        acq = store.acquire([key(on_nvme[0])], [toks(on_nvme[0])])
+        assert store.read(acq.id, 0) == data(on_nvme[0])
+        store.release(acq.id)
+        assert store.reap() == 0 and store.catalog.index.strays  # still full: kept
+        store.check_integrity()
+    assert set(on_nvme) <= durable_keys(data_dir)  # left in place
+    with Store(without_nvme) as store:  # the same again; then room appears
+        assert store.catalog.index.strays == {key(i) for i in on_nvme}
+        store.catalog.index._env.set_mapsize(1 << 20)  # (what a restart with more does)
+        store.reap()
+        assert store.catalog.index.strays == set()
+        store.check_integrity()
+    assert durable_keys(data_dir) == set()
+    with Store(full) as store:  # and the store holds them no more
+        assert where(store) == {}
+
+
+def test_a_start_with_more_map_deletes_the_rows_at_once(tmp_path):
+    data_dir = tmp_path / "d"
+    with Store(store_config(data_dir, dram=64, nvme=256, index_map_bytes=32 << 10)) as store:
+        on_nvme = fill_index_map(store)
+    assert set(on_nvme) <= durable_keys(data_dir)
+    with Store(store_config(data_dir, dram=64, nvme=0, index_map_bytes=1 << 20)) as store:
+        assert store.catalog.index.strays == set()
+        store.check_integrity()
+    assert durable_keys(data_dir) == set()
+
+
+def test_a_write_under_a_stray_key_keeps_its_row(tmp_path):
+    """A row written under a stray's key (``Index.forget`` refused by a full map) is
+    a record again, not deleted with the strays; ``drop_strays`` deletes the rest."""
+    idx = Index(tmp_path / "index", map_size=64 << 20)
+    try:
+        store = Store(store_config(tmp_path / "d", dram=4, nvme=8))
+        try:
+            put(store, [1, 2])
+            store.demote([key(1), key(2)])
+            recs = {r.key: r for r in store.catalog.index.records()}
+        finally:
+            store.close()
+        idx.put_many(recs.values())
+        idx.strays.update(recs)  # as if forget had been refused
+        assert list(idx.records()) == []
+        idx.put_many([recs[key(2)]])  # written again: a row like any other
+        assert idx.strays == {key(1)}
+        assert idx.drop_strays() == 0
+        assert [r.key for r in idx.records()] == [key(2)]
+    finally:
+        idx.close()
