@@ -46,6 +46,10 @@ def test_transfer_quick_writes_json_rows_and_plots(tmp_path, monkeypatch):
         assert r["tokens"] == 64 and r["GB/s"] > 0 and r["max ms"] >= r["p50 ms"] > 0
         assert r["p99 ms"] is None  # a handful of runs: no honest p99, only the max
         assert r["runs"] == 3  # every pattern ran every prompt (quick: 3, cluster_run.reps)
+    # kvstore's gets say where their time went: the acquire's round trip, the move
+    get = next(r for r in prompts if r["system"] == "kvstore" and r["op"] == "get")
+    assert 0 < get["acquire ms"] <= get["max ms"] and 0 < get["move ms"] <= get["max ms"]
+    assert not any("acquire ms" in r for r in prompts if r is not get)
     # each pattern moved the prompt as it says (the bytes were checked by the consumer)
     assert {r["system"]: r["TE transfers"] for r in prompts if r["op"] == "get"
             and r["system"] in raw} == {f"rawte-{p}": n for p, n in PATTERNS.items()}

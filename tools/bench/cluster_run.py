@@ -102,14 +102,18 @@ class Samples:
         self.cpu: dict[tuple, float] = {}
         self.nbytes: dict[tuple, int] = {}
         self.transfers: dict[tuple, int] = {}  # TE entries per operation (raw TE's gets)
+        # kvstore's gets: seconds of each part of each run (cluster_worker.KVStoreSide)
+        self.split: dict[tuple, dict[str, list[float]]] = {}
 
     def add(self, key: tuple, seconds: float, nbytes: int, cpu: float,
-            transfers: int | None = None) -> None:
+            transfers: int | None = None, split: dict[str, float] | None = None) -> None:
         self.s.setdefault(key, []).append(seconds)
         self.cpu[key] = self.cpu.get(key, 0.0) + cpu
         self.nbytes[key] = self.nbytes.get(key, 0) + nbytes
         if transfers is not None:
             self.transfers[key] = transfers
+        for part, value in (split or {}).items():
+            self.split.setdefault(key, {}).setdefault(part, []).append(value)
 
     def row(self, key: tuple, nbytes: int, blocks: int) -> Row:
         """GB/s and blocks/s of the median run. ``p99 ms`` only from ``P99_MIN_RUNS``
@@ -123,6 +127,8 @@ class Samples:
                "CPU s/GB": self.cpu[key] / (self.nbytes[key] / 1e9), "runs": len(s)}
         if key in self.transfers:
             row["TE transfers"] = self.transfers[key]
+        for part, values in self.split.get(key, {}).items():  # "acquire ms", "move ms"
+            row[f"{part} ms"] = float(np.median(values)) * 1e3
         return row
 
 
@@ -141,7 +147,7 @@ def one_prompt(systems: dict[str, SystemProcs], samples: Samples, key: tuple, la
                                             **s.get_options})
         samples.add((*key, name, "put"), put["s"], put["nbytes"], put_cpu)
         samples.add((*key, name, "get"), get["s"], get["nbytes"], get_cpu,
-                    get.get("transfers"))
+                    get.get("transfers"), get.get("split"))
         samples.add((*key, name, "put+get"), put["s"] + get["s"], put["nbytes"],
                     put_cpu + get_cpu)
 

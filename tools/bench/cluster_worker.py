@@ -115,6 +115,16 @@ class KVStoreSide:
         # + a page: room for the hidden-state entry drop_select may bring along
         self.out = np.empty(cfg["max_bytes"] + 4096, np.uint8) if cfg["role"] == "consumer" \
             else None
+        # Where a get's time goes (``last_split``): the acquire's round trip (with the
+        # bytes in its reply when they come inline) and the data move (TE read, or the
+        # copy out of the reply; each with its checksums), timed around the client's
+        # own calls; the rest of a get is its keys and book-keeping.
+        self.last_split: dict[str, float] = {}
+        if cfg["role"] == "consumer":
+            for client in self.clients.values():
+                _time_calls(client, "_acquire", "acquire", self.last_split)
+                for name in ("read", "take_inline"):
+                    _time_calls(client._data, name, "move", self.last_split)
 
     def put(self, name: str, pid: int, ntokens: int, data: np.ndarray) -> None:
         res = self.clients[name].insert(prompt_tokens(pid, ntokens), data)
@@ -124,6 +134,7 @@ class KVStoreSide:
     def get(self, name: str, pid: int, ntokens: int) -> Any:
         # Into one reused buffer, as Mooncake's get_into and raw TE do (see the docs
         # for what a fresh output buffer per call costs).
+        self.last_split.update(acquire=0.0, move=0.0)
         res = self.clients[name].drop_select(prompt_tokens(pid, ntokens), into=self.out)
         if res.matched_tokens != ntokens:
             raise RuntimeError(f"drop_select matched {res.matched_tokens}/{ntokens} tokens")
@@ -133,6 +144,21 @@ class KVStoreSide:
     def close(self) -> None:
         for c in self.clients.values():
             c.close()
+
+
+def _time_calls(obj: Any, name: str, part: str, sink: dict[str, float]) -> None:
+    """Shadow ``obj.name`` (on the instance) with a wrapper adding each call's
+    seconds to ``sink[part]``."""
+    func = getattr(obj, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return func(*args, **kwargs)
+        finally:
+            sink[part] = sink.get(part, 0.0) + time.perf_counter() - start
+
+    setattr(obj, name, timed)
 
 
 def make_side(cfg: dict):
@@ -186,6 +212,8 @@ class Worker:
                                               else out.numel())}
         if hasattr(self.side, "last_transfers"):
             reply["transfers"] = self.side.last_transfers
+        if getattr(self.side, "last_split", None):
+            reply["split"] = dict(self.side.last_split)
         return reply
 
     def fill(self, cmd: dict) -> dict:
