@@ -57,12 +57,15 @@ def _blocks(ps: list[list[int]], block: int) -> int:
     return sum(math.ceil((len(p) - 1) / block) for p in ps)
 
 
-def _settle(stats, want: int, timeout: float = 30.0) -> dict:
-    """The server's stats once it holds ``want`` entries (saves land in the background)."""
+def _settle(stats, want: int | None, timeout: float = 30.0) -> dict:
+    """The server's stats once it holds ``want`` entries (saves land in the background);
+    ``want`` None: once no read lease is open (a load's drop_select ends with a one-way
+    release, which this connection's stats request may overtake)."""
     deadline = time.monotonic() + timeout
     while True:
         now = stats()
-        if now["entries"] >= want or time.monotonic() > deadline:
+        done = now["leases"] == 0 if want is None else now["entries"] >= want
+        if done or time.monotonic() > deadline:
             return now
         time.sleep(0.1)
 
@@ -119,7 +122,7 @@ class Trio:
             if g.num_cached_tokens != len(p) - 1:
                 problems.append(f"{len(p)}-token prompt: {g.num_cached_tokens} tokens from "
                                 f"the store, want {len(p) - 1}")
-        left = _settle(self.stats, 0)["entries"]  # waits nothing: drops are synchronous
+        left = _settle(self.stats, None)["entries"]  # the decode's releases applied
         if left != before:
             problems.append(f"{left - before} entries left after the decode took them")
         return problems

@@ -174,6 +174,7 @@ def test_registered_server_serves_both_modes_and_leaves_on_stop(etcd, server_fac
         # The explicit-address mode finds what the cluster client placed, and vice versa.
         got = direct.drop_select(tokens)
         assert got.matched_tokens == 10 and bytes(got.kv.numpy()) == kv.tobytes()
+        direct.stats()  # its release was one-way: its next reply comes after it is applied
         assert cluster.get(tokens).matched_tokens == 0
     with connect(etcd.url, LAYOUT, prefix=prefix) as by_etcd, \
             connect(server.address, LAYOUT) as by_address:
@@ -426,6 +427,10 @@ def test_prompts_sharing_a_template_spread_and_every_read_is_exact(etcd, server_
             again = cluster.drop_select(prompt[:-1]).matched_tokens
             # (one taken before: at most the template, read, which later prompts own)
             assert again <= len(template) if taken else again == len(prompt) - 1, i
+        # Each node's last drop_select ended with a one-way release: a reply to the same
+        # node client comes after it is applied (another connection's may come before).
+        for _, node_client in cluster._clients.values():
+            node_client.stats()
         for srv in servers:
             with KVStoreClient(srv.address) as admin:
                 assert admin.stats()["entries"] == 0
