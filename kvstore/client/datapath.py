@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
+from kvstore.client.checks import LandedChecks, use_background
 from kvstore.client.shm import copy_in, copy_out
 from kvstore.core.config import MIN_TE_PIECE_BYTES, TE_WAITS
 from kvstore.core.errors import ChecksumError, ConfigError, InvalidRequestError
@@ -356,11 +357,24 @@ class DataPath:
                     if checksum(out[start:start + e[_NBYTES]]) != e[_CHECKSUM]:
                         raise _corrupt(e, entries)
 
-            landed = check if verify else None
-            with self._lock, self._timed("te_read"):
-                if into is None or not self._te_read_direct(seg.name, out, remote, landed):
-                    for group in self._groups([e[_NBYTES] for _, e in remote]):
-                        self._te_read(seg.name, out, [remote[i] for i in group], landed)
+            # Large entries: hashed on a low-priority thread as they land (checks.py).
+            background = LandedChecks(out) if verify and \
+                use_background([e[_NBYTES] for _, e in remote]) else None
+            landed = background.landed if background is not None else \
+                check if verify else None
+            try:
+                with self._lock, self._timed("te_read"):
+                    if into is None or not self._te_read_direct(seg.name, out, remote, landed):
+                        for group in self._groups([e[_NBYTES] for _, e in remote]):
+                            self._te_read(seg.name, out, [remote[i] for i in group], landed)
+            except BaseException:
+                if background is not None:
+                    background.cancel()
+                raise
+            if background is not None:
+                corrupt = background.finish()
+                if corrupt is not None:
+                    raise _corrupt(corrupt[1], entries)
         return out
 
     def take_inline(self, acq: dict[str, Any], skip: int, into: Any = None) -> np.ndarray:

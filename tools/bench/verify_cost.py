@@ -1,6 +1,7 @@
-"""What a reader's checksum pass costs a TE read (one node, loopback).
+"""What a reader's checksum pass costs a TE read.
 
     python -m tools.bench.verify_cost [--layout small] [--tokens 8192] [--reps 21]
+                                      [--nodes loopback|netns]
 
 Every drop_select and get verifies each entry it reads against the checksum it was
 stored with (xxh3_64; a streamed TE read hashes each entry as soon as all of it has
@@ -12,42 +13,111 @@ reused buffer, nothing inline), and round by round, the order alternating:
 * ``verified``: ``KVStoreClient.get`` as shipped;
 * ``unverified``: the same call with ``DataPath.read``'s ``verify`` forced off, for
   this measurement only (the client has no such setting: a reader always verifies);
+* ``verified after``: the same call with the read unverified and every entry hashed
+  and checked once all have landed (what a read did before it was streamed);
+* ``low priority``: the same call with each landed entry handed to a hashing thread
+  at nice 19 instead (``LowPriorityChecks``: it hashes while a core is idle, and
+  what it has not reached when the move ends, the reader hashes itself). Measured
+  as a lever, not shipped (docs/benchmarks.md, "What verifying costs a TE read");
 * ``hash alone``: the same entries' xxh3_64, one call per entry, over the bytes the
   reads left in the buffer (no transfer).
 
-Prints the median ms of each and what verifying adds. Both ends on this machine.
+``--nodes loopback`` (the default): server and reader in this process's network, TE
+over loopback. ``--nodes netns``: the server on node A and the reader on node B of
+``tools.netns`` (TCP over veth, as the transfer benchmark runs; both ends still share
+this machine's cores). Prints the median ms of each and what verifying adds.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import queue
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tests.integration.conftest import ServerFactory
+from tests.integration.conftest import ServerFactory, server_argv
 from tools.bench.cluster_worker import LAYOUTS, entry_sizes
 
 MiB = 1 << 20
-VARIANTS = ("verified", "unverified")
+ROOT = Path(__file__).resolve().parents[2]
+VARIANTS = ("verified", "unverified", "verified after", "low priority")
 
 
-def run(layout_name: str, ntokens: int, reps: int) -> dict[str, list[float]]:
-    """{variant or "hash alone": [ms of each rep]}."""
+class LowPriorityChecks:
+    """One read's landed entries, hashed by whoever claims them first: the hashing
+    thread (``hasher``, nice 19) while the rest is on the wire, the reader once the
+    move has ended (``finish``)."""
+
+    def __init__(self, out: np.ndarray) -> None:
+        self.out, self.items, self.next, self.running = out, [], 0, 0
+        self.cond = threading.Condition()
+        self.bad = False
+
+    def landed(self, items: list, jobs: queue.SimpleQueue) -> None:
+        with self.cond:
+            self.items.extend(items)
+        jobs.put(self)
+
+    def work(self) -> None:
+        from kvstore.core.hashing import checksum
+
+        while True:
+            with self.cond:
+                if self.next >= len(self.items) or self.bad:
+                    return
+                start, e = self.items[self.next]
+                self.next += 1
+                self.running += 1
+            ok = checksum(self.out[start:start + e[2]]) == e[4]  # size, checksum
+            with self.cond:
+                self.running -= 1
+                self.bad = self.bad or not ok
+                self.cond.notify_all()
+
+    def finish(self) -> bool:
+        """Hash what is left, wait for the thread's entry in hand; True if all match."""
+        self.work()
+        with self.cond:
+            while self.running:
+                self.cond.wait()
+            return not self.bad
+
+
+def hasher(jobs: queue.SimpleQueue) -> threading.Thread:
+    def run() -> None:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        while True:
+            jobs.get().work()
+
+    thread = threading.Thread(target=run, name="verify-cost-hasher", daemon=True)
+    thread.start()
+    return thread
+
+
+def rounds(address: str, layout_name: str, ntokens: int, reps: int,
+           te_host: str = "127.0.0.1") -> dict[str, list[float]]:
+    """The reader's side against the server at ``address``: {variant or "hash
+    alone": [ms of each rep]}."""
     from kvstore.client import datapath
     from kvstore.client.client import KVStoreClient
+    from kvstore.client.datapath import flat_buffer
     from kvstore.core.config import ClientConfig
     from kvstore.core.hashing import checksum
 
     layout = LAYOUTS[layout_name]
     nbytes = layout.nbytes(ntokens)
-    base = Path(tempfile.mkdtemp(prefix="bench-verify-"))
-    servers = ServerFactory(base)
+    sizes = entry_sizes(layout, ntokens)
     times: dict[str, list[float]] = {v: [] for v in (*VARIANTS, "hash alone")}
     shipped = datapath.DataPath.read
 
@@ -55,45 +125,112 @@ def run(layout_name: str, ntokens: int, reps: int) -> dict[str, list[float]]:
                    verify: bool = False) -> np.ndarray:
         return shipped(self, seg, entries, into, False)
 
-    clients: list = []
-    try:
-        srv = servers(dram=str(2 * nbytes + 64 * MiB), nvme="0",
-                      block_tokens=layout.block_tokens, reservation_lease=60, read_lease=60)
-        writer = KVStoreClient(srv.address, layout=layout, timeout_s=60)
-        clients.append(writer)
-        reader = KVStoreClient(srv.address, layout=layout, timeout_s=60, same_node=False,
-                               staging_bytes=nbytes + 64 * MiB,
-                               config=ClientConfig(inline_max_bytes=0))
-        clients.append(reader)
+    def verified_after(self: Any, seg: Any, entries: list, into: Any = None,
+                       verify: bool = False) -> np.ndarray:
+        out = shipped(self, seg, entries, into, False)
+        at = 0
+        for e in entries:  # (wire layout: field 2 the size, 4 the checksum)
+            if verify and checksum(out[at:at + e[2]]) != e[4]:
+                raise RuntimeError("verified after: an entry arrived corrupt")
+            at += e[2]
+        return out
+
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+    hasher(jobs)
+
+    def low_priority(self: Any, seg: Any, entries: list, into: Any = None,
+                     verify: bool = False) -> np.ndarray:
+        sizes = [e[2] for e in entries]
+        out = flat_buffer(into)[:sum(sizes)]
+        checks = LowPriorityChecks(out)
+        items = list(zip(np.cumsum([0, *sizes[:-1]]).tolist(), entries))
+        with self._lock:  # (into a reused buffer: TE straight into it)
+            if not self._te_read_direct(seg.name, out, items,
+                                        lambda done: checks.landed(done, jobs)):
+                raise RuntimeError("low priority: not a direct read")
+        if not checks.finish():
+            raise RuntimeError("low priority: an entry arrived corrupt")
+        return out
+
+    reads = {"verified": shipped, "unverified": unverified, "verified after": verified_after,
+             "low priority": low_priority}
+    config = ClientConfig(inline_max_bytes=0, te_host=te_host)
+    with KVStoreClient(address, layout=layout, timeout_s=60, same_node=False,
+                       te_host=te_host, config=config) as writer, \
+            KVStoreClient(address, layout=layout, timeout_s=60, same_node=False,
+                          te_host=te_host, staging_bytes=nbytes + 64 * MiB,
+                          config=config) as reader:
         kv = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
         tokens = np.arange(ntokens) % 50_000
         writer.insert(tokens, kv=kv)
         out = np.empty(nbytes + MiB, np.uint8)
-        sizes = entry_sizes(layout, ntokens)
         starts = np.cumsum([0, *sizes[:-1]]).tolist()
         reader.get(tokens, into=out)  # connects TE
-        for rep in range(reps):
-            for name in (VARIANTS if rep % 2 == 0 else VARIANTS[::-1]):
-                datapath.DataPath.read = shipped if name == "verified" else unverified
-                try:
-                    t0 = time.perf_counter()
-                    got = reader.get(tokens, into=out)
-                    times[name].append(time.perf_counter() - t0)
-                finally:
-                    datapath.DataPath.read = shipped
-                if got.matched_tokens != ntokens or not np.array_equal(out[:nbytes], kv):
-                    raise RuntimeError(f"{name}: the prompt did not come back whole")
-            t0 = time.perf_counter()
-            for start, size in zip(starts, sizes):
-                checksum(out[start:start + size])
-            times["hash alone"].append(time.perf_counter() - t0)
-    finally:
-        datapath.DataPath.read = shipped
-        for c in clients:
-            c.close()
-        servers.stop_all()
-        shutil.rmtree(base, ignore_errors=True)
+        try:
+            for rep in range(reps):
+                for name in (VARIANTS if rep % 2 == 0 else VARIANTS[::-1]):
+                    datapath.DataPath.read = reads[name]  # type: ignore[method-assign]
+                    try:
+                        t0 = time.perf_counter()
+                        got = reader.get(tokens, into=out)
+                        times[name].append(time.perf_counter() - t0)
+                    finally:
+                        datapath.DataPath.read = shipped  # type: ignore[method-assign]
+                    if got.matched_tokens != ntokens or not np.array_equal(out[:nbytes], kv):
+                        raise RuntimeError(f"{name}: the prompt did not come back whole")
+                t0 = time.perf_counter()
+                for start, size in zip(starts, sizes):
+                    checksum(out[start:start + size])
+                times["hash alone"].append(time.perf_counter() - t0)
+        finally:
+            datapath.DataPath.read = shipped  # type: ignore[method-assign]
     return {k: [x * 1e3 for x in v] for k, v in times.items()}
+
+
+def run(layout_name: str, ntokens: int, reps: int, nodes: str = "loopback"
+        ) -> dict[str, list[float]]:
+    """{variant or "hash alone": [ms of each rep]}."""
+    nbytes = LAYOUTS[layout_name].nbytes(ntokens)
+    dram = str(2 * nbytes + 64 * MiB)
+    base = Path(tempfile.mkdtemp(prefix="bench-verify-"))
+    try:
+        if nodes == "loopback":
+            servers = ServerFactory(base)
+            try:
+                srv = servers(dram=dram, nvme="0", block_tokens=LAYOUTS[layout_name].block_tokens,
+                              reservation_lease=60, read_lease=60)
+                return rounds(srv.address, layout_name, ntokens, reps)
+            finally:
+                servers.stop_all()
+        return _run_netns(base, dram, layout_name, ntokens, reps)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _run_netns(base: Path, dram: str, layout_name: str, ntokens: int, reps: int
+               ) -> dict[str, list[float]]:
+    from tools.netns import make_cluster
+
+    # The cluster (and the server in it) ends first, then the log.
+    with open(base / "server.log", "wb") as log, make_cluster(2) as cluster:
+        if cluster.kind != "netns":
+            raise SystemExit("--nodes netns: network namespaces are not available here "
+                             "(needs root and `ip netns`)")
+        a, b = cluster.nodes
+        port = a.free_port()
+        server = a.popen(server_argv(port, base, host=a.host, dram=dram, nvme="0",
+                                     block_tokens=LAYOUTS[layout_name].block_tokens,
+                                     reservation_lease=60, read_lease=60),
+                         cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT)
+        a.wait_port(a.host, port, timeout=60, proc=server)
+        code = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); "
+                f"from tools.bench.verify_cost import rounds; "
+                f"print(json.dumps(rounds('tcp://{a.host}:{port}', {layout_name!r}, "
+                f"{ntokens}, {reps}, {b.host!r})))")
+        res = b.run([sys.executable, "-c", code], timeout=1800)
+        if res.returncode:
+            raise SystemExit(f"reader failed ({res.returncode}): {res.stderr[-2000:]}")
+        return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,17 +238,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layout", choices=sorted(LAYOUTS), default="small")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=21)
+    ap.add_argument("--nodes", choices=("loopback", "netns"), default="loopback")
     args = ap.parse_args(argv)
-    res = run(args.layout, args.tokens, args.reps)
+    res = run(args.layout, args.tokens, args.reps, args.nodes)
     med = {k: statistics.median(v) for k, v in res.items()}
     nbytes = LAYOUTS[args.layout].nbytes(args.tokens)
     print(f"{args.layout} layout, {args.tokens} tokens ({nbytes / MiB:.0f} MiB, "
           f"{len(entry_sizes(LAYOUTS[args.layout], args.tokens))} entries), TE over "
-          f"loopback, median of {args.reps}:")
-    print(f"  get verified {med['verified']:8.2f} ms   unverified {med['unverified']:8.2f} ms"
-          f"   verifying adds {med['verified'] - med['unverified']:6.2f} ms "
-          f"({med['verified'] / med['unverified'] - 1:+.0%})   hash alone "
-          f"{med['hash alone']:6.2f} ms")
+          f"{args.nodes}, median of {args.reps}:")
+    base = med["unverified"]
+    print(f"  get unverified {base:8.2f} ms   verified {med['verified']:8.2f} ms "
+          f"({med['verified'] / base - 1:+.0%})   verified after {med['verified after']:8.2f} "
+          f"ms ({med['verified after'] / base - 1:+.0%})   low priority "
+          f"{med['low priority']:8.2f} ms ({med['low priority'] / base - 1:+.0%})   "
+          f"hash alone {med['hash alone']:6.2f} ms")
     return 0
 
 

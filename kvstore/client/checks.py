@@ -1,0 +1,142 @@
+"""Verifying a TE read's large entries on a low-priority thread while the rest of the
+read is on the wire.
+
+A reader hashes every entry it receives (xxh3_64) against the checksum it was stored
+with. Hashing each entry as soon as all of it has landed, on the thread that waits
+for the read, overlaps the hash with the transfer where a core is free for it; where
+none is (a TE transfer over TCP keeps the kernel's copies and TE's threads busy on
+both ends), the hash takes CPU from the transfer it waits for, and the read comes
+out later by more than the hash took: on this project's two-core benchmark machine
+a TE get of 128 MiB - 256 MiB of 2 MiB entries took 26 - 33 % longer verified than
+unverified (``python -m tools.bench.verify_cost --nodes netns``; docs/benchmarks.md,
+"What verifying costs a TE read").
+
+``LandedChecks`` hands each landed entry to one hashing thread per process that runs
+at the lowest CPU priority (nice 19): it hashes while a core is idle and yields to
+TE's threads and the kernel when none is. What it has not reached when the read
+ends, the reader hashes itself, at its own priority (``finish``), so a busy machine
+delays the check by at most the hashing left, never indefinitely. Only for entries
+of ``BACKGROUND_MIN_ENTRY_BYTES`` or more: the xxhash binding lets go of the GIL for
+those, while for smaller ones it holds it, and a thread at nice 19 preempted with
+the GIL held would stall the reader's thread (kvstore.client.shm has the same rule
+for its copy threads).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+
+import numpy as np
+
+from kvstore.core.hashing import checksum
+
+log = logging.getLogger(__name__)
+
+# Entries this large on average are hashed by the background thread (module doc).
+BACKGROUND_MIN_ENTRY_BYTES = 256 << 10
+HASHER_NICE = 19
+
+# Wire layout of entries (kvstore.server.handlers): tier, offset, nbytes, address, checksum.
+_NBYTES, _CHECKSUM = 2, 4
+
+_jobs: queue.SimpleQueue | None = None
+_start_lock = threading.Lock()
+
+
+def _hasher_queue() -> queue.SimpleQueue:
+    """The hashing thread's queue; the thread is started on first use."""
+    global _jobs
+    with _start_lock:
+        if _jobs is None:
+            jobs: queue.SimpleQueue = queue.SimpleQueue()
+            threading.Thread(target=_hasher, args=(jobs,), name="kvstore-verify",
+                             daemon=True).start()
+            _jobs = jobs
+        return _jobs
+
+
+def _hasher(jobs: queue.SimpleQueue) -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), HASHER_NICE)
+    except (OSError, AttributeError):  # then it runs at the process's priority
+        pass
+    while True:
+        job = jobs.get()
+        try:
+            job.work()
+        except Exception:  # noqa: BLE001 - the thread must live on (work never raises)
+            log.exception("background checksum thread: a check failed")
+
+
+def _forget_hasher() -> None:
+    """In a forked child the parent's thread does not exist: start afresh."""
+    global _jobs, _start_lock
+    _jobs, _start_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_hasher)
+
+
+def use_background(sizes: list[int]) -> bool:
+    """Whether a read of entries of ``sizes`` is checked by ``LandedChecks``."""
+    return bool(sizes) and sum(sizes) >= BACKGROUND_MIN_ENTRY_BYTES * len(sizes)
+
+
+class LandedChecks:
+    """The checks of one read into ``out``: ``landed(items)`` as entries arrive
+    (``(start in out, entry)`` pairs), then ``finish()`` once the read has ended, or
+    ``cancel()`` if it failed. Each entry is hashed once, by whoever claims it first."""
+
+    def __init__(self, out: np.ndarray) -> None:
+        self._out = out
+        self._items: list[tuple[int, list]] = []
+        self._next = 0  # the first item nobody has claimed
+        self._running = 0  # claimed by the thread and not done
+        self._bad: tuple[int, list] | None = None  # the first item found corrupt
+        self._stopped = False
+        self._cond = threading.Condition()
+
+    def landed(self, items: list[tuple[int, list]]) -> None:
+        with self._cond:
+            self._items.extend(items)
+        _hasher_queue().put(self)
+
+    def work(self) -> None:
+        """Hash unclaimed items until none is left (or one is bad, or cancelled)."""
+        while True:
+            with self._cond:
+                if self._stopped or self._bad is not None or self._next >= len(self._items):
+                    return
+                item = self._items[self._next]
+                self._next += 1
+                self._running += 1
+            start, entry = item
+            try:
+                ok = checksum(self._out[start:start + entry[_NBYTES]]) == entry[_CHECKSUM]
+            except Exception:  # noqa: BLE001 - counted as a mismatch, never lost
+                ok = False
+            with self._cond:
+                self._running -= 1
+                if not ok and self._bad is None:
+                    self._bad = item
+                self._cond.notify_all()
+
+    def finish(self) -> tuple[int, list] | None:
+        """Hash what the thread has not reached, wait for the entry it holds; the
+        first item found corrupt (None: every entry matched)."""
+        self.work()
+        with self._cond:
+            while self._running:
+                self._cond.wait()
+            return self._bad
+
+    def cancel(self) -> None:
+        """The read failed: claim nothing more, and return once the thread's entry in
+        hand is done (nothing reads ``out`` after)."""
+        with self._cond:
+            self._stopped = True
+            while self._running:
+                self._cond.wait()
