@@ -217,15 +217,13 @@ class Store:
     def dram_bytes(self, entries: Sequence[EntryInfo]) -> bytes | None:
         """The bytes of acquired entries back to back, one copy (a server sends a
         small drop_select's bytes in the acquire's reply); None unless all are in
-        DRAM. Their lease keeps them where they are while this runs, so the copy
-        runs without the lock (up to ``server.inline_max_bytes``: the writeback,
-        scrub and staging threads go on meanwhile); the arena outlives the records."""
+        DRAM. Their lease keeps them where they are while this runs."""
         with self._lock:
             dram = self.place.tiers.get("dram")
             if dram is None or any(e.tier != "dram" for e in entries):
                 return None
             views = dram.views([Extent("dram", e.offset, e.nbytes) for e in entries])
-        return None if None in views else b"".join(cast(list[memoryview], views))
+            return None if None in views else b"".join(cast(list[memoryview], views))
 
     def read(self, acquisition_id: int, index: int) -> bytes:
         """The bytes of one acquired entry (local readers)."""
