@@ -358,7 +358,7 @@ class DataPath:
                         raise _corrupt(e, entries)
 
             # Large entries: hashed on a low-priority thread as they land (checks.py).
-            background = LandedChecks(out) if verify and \
+            background = LandedChecks(out, lambda e: _corrupt(e, entries)) if verify and \
                 use_background([e[_NBYTES] for _, e in remote]) else None
             landed = background.landed if background is not None else \
                 check if verify else None

@@ -1,53 +1,99 @@
-"""kvstore.client.checks: landed entries hashed by a nice-19 thread or by the reader,
-each once; the first corrupt one reported; a cancelled read claims nothing more."""
+"""kvstore.client.checks: large landed entries hashed by a nice-19 thread or by the
+reader, small ones by the reader at once; the first corrupt one reported; the reader
+never waits for the thread; a finished or cancelled read lets its memory go."""
 
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
+import pytest
 
 from kvstore.client import checks
 from kvstore.client.checks import LandedChecks, use_background
+from kvstore.core.errors import ChecksumError
 from kvstore.core.hashing import checksum
 
-ENTRY = 256 << 10
+ENTRY = checks.BACKGROUND_MIN_ENTRY_BYTES
 
 
-def _entries(out: np.ndarray, n: int, bad: set[int] = frozenset()) -> list[tuple[int, list]]:
-    items = []
-    for i in range(n):
-        start = i * ENTRY
-        good = checksum(out[start:start + ENTRY])
-        items.append((start, ["dram", start, ENTRY, None, good + 1 if i in bad else good]))
+def _entries(out: np.ndarray, sizes: list[int], bad: set[int] = frozenset()
+             ) -> list[tuple[int, list]]:
+    items, start = [], 0
+    for i, n in enumerate(sizes):
+        good = checksum(out[start:start + n])
+        items.append((start, ["dram", start, n, None, good + 1 if i in bad else good]))
+        start += n
     return items
 
 
-def test_every_entry_is_hashed_once_and_all_match():
-    out = np.random.default_rng(0).integers(0, 256, 8 * ENTRY, dtype=np.uint8)
-    items = _entries(out, 8)
-    job = LandedChecks(out)
+def _corrupt(entry: list) -> ChecksumError:
+    return ChecksumError(f"entry at {entry[1]} arrived corrupt")
+
+
+def _data(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def test_every_entry_matches():
+    out = _data(8 * ENTRY)
+    items = _entries(out, [ENTRY] * 8)
+    job = LandedChecks(out, _corrupt)
     job.landed(items[:3])
     job.landed(items[3:])
     assert job.finish() is None
 
 
-def test_a_corrupt_entry_is_found_whoever_hashes_it():
-    out = np.random.default_rng(1).integers(0, 256, 8 * ENTRY, dtype=np.uint8)
-    items = _entries(out, 8, bad={5})
-    job = LandedChecks(out)
+def test_a_corrupt_large_entry_is_found_whoever_hashes_it():
+    out = _data(8 * ENTRY, 1)
+    items = _entries(out, [ENTRY] * 8, bad={5})
+    job = LandedChecks(out, _corrupt)
     job.landed(items)
     assert job.finish() == items[5]
-    job = LandedChecks(out)  # the reader alone (nothing handed to the thread)
+    job = LandedChecks(out, _corrupt)  # the reader alone (nothing handed to the thread)
     job._items.extend(items)
     assert job.finish() == items[5]
 
 
+def test_the_reader_hashes_an_entry_the_thread_holds_instead_of_waiting():
+    out = _data(2 * ENTRY, 2)
+    items = _entries(out, [ENTRY, ENTRY], bad={1})
+    job = LandedChecks(out, _corrupt)
+    job._items.extend(items)
+    job._next, job._held = 2, {0, 1}  # as if the (starved) thread held both
+    assert job.finish() == items[1]  # returns without the thread
+
+
+def test_small_entries_are_checked_by_the_reader_as_they_land():
+    small = 64 << 10
+    out = _data(ENTRY + 2 * small, 3)
+    items = _entries(out, [ENTRY, small, small], bad={2})
+    job = LandedChecks(out, _corrupt)
+    job.landed(items[:2])  # the small one hashed here, the large one handed on
+    with pytest.raises(ChecksumError, match=f"at {items[2][0]}"):
+        job.landed(items[2:])
+    assert job._items == [items[0]]
+
+
+def test_a_finished_or_cancelled_read_lets_go_and_takes_no_more():
+    out = _data(4 * ENTRY, 4)
+    items = _entries(out, [ENTRY] * 4)
+    job = LandedChecks(out, _corrupt)
+    job.landed(items[:2])
+    assert job.finish() is None and job._out is None and job._items == []
+    with pytest.raises(RuntimeError, match="after their read was finished"):
+        job.landed(items[2:])
+    job = LandedChecks(out, _corrupt)
+    job._items.extend(items)
+    job.cancel()
+    job.work()  # claims nothing after a cancel
+    assert job._next == 0 and job._out is None
+
+
 def test_the_thread_runs_at_the_lowest_priority():
     out = np.zeros(ENTRY, np.uint8)
-    job = LandedChecks(out)
-    job.landed(_entries(out, 1))
+    job = LandedChecks(out, _corrupt)
+    job.landed(_entries(out, [ENTRY]))
     assert job.finish() is None
     thread = next(t for t in threading.enumerate() if t.name == "kvstore-verify")
     stat = open(f"/proc/self/task/{thread.native_id}/stat").read()
@@ -55,17 +101,7 @@ def test_the_thread_runs_at_the_lowest_priority():
     assert nice == checks.HASHER_NICE
 
 
-def test_a_cancelled_read_claims_nothing_more():
-    out = np.random.default_rng(2).integers(0, 256, 64 * ENTRY, dtype=np.uint8)
-    job = LandedChecks(out)
-    job._items.extend(_entries(out, 64))
-    job.cancel()
-    start = time.perf_counter()
-    job.work()  # returns at once: nothing is claimed after a cancel
-    assert job._next == 0 and time.perf_counter() - start < 0.5
-
-
-def test_only_large_entries_go_to_the_thread():
-    assert use_background([ENTRY, ENTRY])
+def test_only_reads_with_large_entries_use_it():
+    assert use_background([ENTRY, 4096])
     assert not use_background([64 << 10] * 4)
     assert not use_background([])
