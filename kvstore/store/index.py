@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -107,6 +108,12 @@ def decode(key: bytes, value: bytes) -> Record:
         raise IntegrityError(f"undecodable index record {key.hex()}: {exc}") from exc
 
 
+# Rows ``Index.drop_strays`` deletes in one transaction, and how long it waits after
+# the index refused before it tries again.
+STRAY_CHUNK = 4096
+STRAY_RETRY_S = 10.0
+
+
 class LoadResult(NamedTuple):
     kept: list[Record]
     dropped: int  # volatile-tier, uncommitted or undecodable records removed
@@ -138,6 +145,9 @@ class Index:
         # have (its map or disk full: ``forget``); ``drop_strays`` tries again. A
         # write of a record under one of these keys makes it a row like any other.
         self.strays: set[bytes] = set()
+        self.stray_retry_s = STRAY_RETRY_S
+        self._stray_retry_at = 0.0
+        self._stray_error: Exception | None = None
 
     # -------------------------------------------------------------- reads
     def get(self, key: bytes) -> Record | None:
@@ -191,29 +201,37 @@ class Index:
         self.apply(delete=keys)
 
     def forget(self, keys: Iterable[bytes], why: str) -> None:
-        """Delete rows the store will not hold (``why`` names them in the log). When
-        the index cannot (``TierFullError`` / ``StorageError``: a full map or disk),
-        they stay as ``strays``, ignored, for ``drop_strays`` to delete later: a full
-        index must not keep the store from starting."""
+        """Delete rows the store will not hold (``why`` names them in the log). Those
+        the index cannot delete (``TierFullError`` / ``StorageError``: a full map or
+        disk) stay as ``strays``, ignored, for ``drop_strays`` to delete later: a
+        full index must not keep the store from starting."""
         keys = list(keys)
         if not keys:
             return
-        try:
-            self.apply(delete=keys)
-        except (TierFullError, StorageError) as exc:
-            self.strays.update(keys)
+        self.strays.update(keys)
+        self._stray_retry_at = 0.0
+        left = self.drop_strays()
+        if left:
             log.warning("%d index rows (%s) left in place, to delete once the index "
-                        "has room: %s", len(keys), why, exc)
+                        "has room: %s", left, why, self._stray_error)
 
     def drop_strays(self) -> int:
-        """Try again to delete the rows ``forget`` had to leave; how many are left."""
-        if self.strays:
+        """Delete ``strays``, ``STRAY_CHUNK`` to a transaction (each one that commits
+        frees pages for the next); after a refusal, not again for ``stray_retry_s``
+        (the reaper calls this every tick). How many are left."""
+        if not self.strays or time.monotonic() < self._stray_retry_at:
+            return len(self.strays)
+        had = len(self.strays)
+        pending = sorted(self.strays)
+        for at in range(0, len(pending), STRAY_CHUNK):
             try:
-                self.apply(delete=list(self.strays))
-            except (TierFullError, StorageError):
-                pass
-            else:
-                log.info("deleted the index rows left in place earlier")
+                self.apply(delete=pending[at:at + STRAY_CHUNK])
+            except (TierFullError, StorageError) as exc:
+                self._stray_error = exc
+                self._stray_retry_at = time.monotonic() + self.stray_retry_s
+                break
+        if had and not self.strays and self._stray_error is not None:
+            log.info("deleted the %d index rows left in place earlier", had)
         return len(self.strays)
 
     def clear(self) -> None:
