@@ -143,6 +143,6 @@ def test_verify_cost_times_both_reads_and_the_hash():
     from tools.bench import verify_cost
 
     res = verify_cost.run("small", 256, reps=2)
-    assert set(res) == {"verified", "unverified", "verified after", "low priority",
-                        "hash alone"}
+    assert set(res) == {"verified", "as landed", "unverified", "verified after",
+                        "low priority", "hash alone"}
     assert all(len(v) == 2 and all(ms > 0 for ms in v) for v in res.values()), res

@@ -10,15 +10,19 @@ moves the same bytes and hashes nothing. This tool measures the difference insid
 kvstore's own read: one kvstore-server, one TE reader (``same_node=False``, into a
 reused buffer, nothing inline), and round by round, the order alternating:
 
-* ``verified``: ``KVStoreClient.get`` as shipped;
+* ``verified``: ``KVStoreClient.get`` as shipped (entries of 256 KiB or more hashed
+  on the nice-19 thread of kvstore/client/checks.py, smaller ones as they land);
+* ``as landed``: the same call with every entry hashed on the reader's thread as
+  soon as it has landed (``checks.use_background`` forced off: the path before);
 * ``unverified``: the same call with ``DataPath.read``'s ``verify`` forced off, for
   this measurement only (the client has no such setting: a reader always verifies);
 * ``verified after``: the same call with the read unverified and every entry hashed
   and checked once all have landed (what a read did before it was streamed);
-* ``low priority``: the same call with each landed entry handed to a hashing thread
-  at nice 19 instead (``LowPriorityChecks``: it hashes while a core is idle, and
-  what it has not reached when the move ends, the reader hashes itself). Measured
-  as a lever, not shipped (docs/benchmarks.md, "What verifying costs a TE read");
+* ``low priority``: the same call with each landed entry, of any size, handed to a
+  hashing thread at nice 19 (``LowPriorityChecks``, this tool's own: it hashes while
+  a core is idle, and what it has not reached when the move ends, the reader hashes
+  itself). Shipped for large entries only (``verified``); for small ones it holds
+  the GIL (docs/benchmarks.md, "What verifying costs a TE read");
 * ``hash alone``: the same entries' xxh3_64, one call per entry, over the bytes the
   reads left in the buffer (no transfer).
 
@@ -51,7 +55,7 @@ from tools.bench.cluster_worker import LAYOUTS, entry_sizes
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[2]
-VARIANTS = ("verified", "unverified", "verified after", "low priority")
+VARIANTS = ("verified", "as landed", "unverified", "verified after", "low priority")
 
 
 class LowPriorityChecks:
@@ -152,8 +156,17 @@ def rounds(address: str, layout_name: str, ntokens: int, reps: int,
             raise RuntimeError("low priority: an entry arrived corrupt")
         return out
 
-    reads = {"verified": shipped, "unverified": unverified, "verified after": verified_after,
-             "low priority": low_priority}
+    def as_landed(self: Any, seg: Any, entries: list, into: Any = None,
+                  verify: bool = False) -> np.ndarray:
+        used = datapath.use_background
+        datapath.use_background = lambda sizes: False  # type: ignore[assignment]
+        try:
+            return shipped(self, seg, entries, into, verify)
+        finally:
+            datapath.use_background = used
+
+    reads = {"verified": shipped, "as landed": as_landed, "unverified": unverified,
+             "verified after": verified_after, "low priority": low_priority}
     config = ClientConfig(inline_max_bytes=0, te_host=te_host)
     with KVStoreClient(address, layout=layout, timeout_s=60, same_node=False,
                        te_host=te_host, config=config) as writer, \
@@ -248,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.nodes}, median of {args.reps}:")
     base = med["unverified"]
     print(f"  get unverified {base:8.2f} ms   verified {med['verified']:8.2f} ms "
-          f"({med['verified'] / base - 1:+.0%})   verified after {med['verified after']:8.2f} "
+          f"({med['verified'] / base - 1:+.0%})   as landed {med['as landed']:8.2f} ms "
+          f"({med['as landed'] / base - 1:+.0%})   verified after {med['verified after']:8.2f} "
           f"ms ({med['verified after'] / base - 1:+.0%})   low priority "
           f"{med['low priority']:8.2f} ms ({med['low priority'] / base - 1:+.0%})   "
           f"hash alone {med['hash alone']:6.2f} ms")
