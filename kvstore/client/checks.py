@@ -37,7 +37,7 @@ from kvstore.core.hashing import checksum
 
 log = logging.getLogger(__name__)
 
-# Entries this large on average are hashed by the background thread (module doc).
+# Entries this large are hashed by the background thread (module doc).
 BACKGROUND_MIN_ENTRY_BYTES = 256 << 10
 HASHER_NICE = 19
 

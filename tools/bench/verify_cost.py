@@ -13,16 +13,17 @@ reused buffer, nothing inline), and round by round, the order alternating:
 * ``verified``: ``KVStoreClient.get`` as shipped (entries of 256 KiB or more hashed
   on the nice-19 thread of kvstore/client/checks.py, smaller ones as they land);
 * ``as landed``: the same call with every entry hashed on the reader's thread as
-  soon as it has landed (``checks.use_background`` forced off: the path before);
+  soon as it has landed (``checks.BACKGROUND_MIN_ENTRY_BYTES`` out of reach: the
+  path before);
 * ``unverified``: the same call with ``DataPath.read``'s ``verify`` forced off, for
   this measurement only (the client has no such setting: a reader always verifies);
 * ``verified after``: the same call with the read unverified and every entry hashed
   and checked once all have landed (what a read did before it was streamed);
-* ``low priority``: the same call with each landed entry, of any size, handed to a
-  hashing thread at nice 19 (``LowPriorityChecks``, this tool's own: it hashes while
-  a core is idle, and what it has not reached when the move ends, the reader hashes
-  itself). Shipped for large entries only (``verified``); for small ones it holds
-  the GIL (docs/benchmarks.md, "What verifying costs a TE read");
+* ``low priority``: the same call with each landed entry, of any size, handed to the
+  nice-19 hashing thread (``checks.BACKGROUND_MIN_ENTRY_BYTES`` set to 0: it hashes
+  while a core is idle, and what it has not reached when the move ends, the reader
+  hashes itself). Shipped for large entries only (``verified``); for small ones it
+  holds the GIL (docs/benchmarks.md, "What verifying costs a TE read");
 * ``hash alone``: the same entries' xxh3_64, one call per entry, over the bytes the
   reads left in the buffer (no transfer).
 
@@ -36,15 +37,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import queue
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,64 +57,12 @@ ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = ("verified", "as landed", "unverified", "verified after", "low priority")
 
 
-class LowPriorityChecks:
-    """One read's landed entries, hashed by whoever claims them first: the hashing
-    thread (``hasher``, nice 19) while the rest is on the wire, the reader once the
-    move has ended (``finish``)."""
-
-    def __init__(self, out: np.ndarray) -> None:
-        self.out, self.items, self.next, self.running = out, [], 0, 0
-        self.cond = threading.Condition()
-        self.bad = False
-
-    def landed(self, items: list, jobs: queue.SimpleQueue) -> None:
-        with self.cond:
-            self.items.extend(items)
-        jobs.put(self)
-
-    def work(self) -> None:
-        from kvstore.core.hashing import checksum
-
-        while True:
-            with self.cond:
-                if self.next >= len(self.items) or self.bad:
-                    return
-                start, e = self.items[self.next]
-                self.next += 1
-                self.running += 1
-            ok = checksum(self.out[start:start + e[2]]) == e[4]  # size, checksum
-            with self.cond:
-                self.running -= 1
-                self.bad = self.bad or not ok
-                self.cond.notify_all()
-
-    def finish(self) -> bool:
-        """Hash what is left, wait for the thread's entry in hand; True if all match."""
-        self.work()
-        with self.cond:
-            while self.running:
-                self.cond.wait()
-            return not self.bad
-
-
-def hasher(jobs: queue.SimpleQueue) -> threading.Thread:
-    def run() -> None:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        while True:
-            jobs.get().work()
-
-    thread = threading.Thread(target=run, name="verify-cost-hasher", daemon=True)
-    thread.start()
-    return thread
-
-
 def rounds(address: str, layout_name: str, ntokens: int, reps: int,
            te_host: str = "127.0.0.1") -> dict[str, list[float]]:
     """The reader's side against the server at ``address``: {variant or "hash
     alone": [ms of each rep]}."""
-    from kvstore.client import datapath
+    from kvstore.client import checks, datapath
     from kvstore.client.client import KVStoreClient
-    from kvstore.client.datapath import flat_buffer
     from kvstore.core.config import ClientConfig
     from kvstore.core.hashing import checksum
 
@@ -139,31 +86,20 @@ def rounds(address: str, layout_name: str, ntokens: int, reps: int,
             at += e[2]
         return out
 
-    jobs: queue.SimpleQueue = queue.SimpleQueue()
-    hasher(jobs)
+    def threshold(nbytes: int) -> Callable:
+        """The shipped read with entries of ``nbytes`` or more hashed on the nice-19
+        thread (``checks.BACKGROUND_MIN_ENTRY_BYTES``, for this call only)."""
+        def read(self: Any, seg: Any, entries: list, into: Any = None,
+                 verify: bool = False) -> np.ndarray:
+            shipped_min = checks.BACKGROUND_MIN_ENTRY_BYTES
+            checks.BACKGROUND_MIN_ENTRY_BYTES = nbytes
+            try:
+                return shipped(self, seg, entries, into, verify)
+            finally:
+                checks.BACKGROUND_MIN_ENTRY_BYTES = shipped_min
+        return read
 
-    def low_priority(self: Any, seg: Any, entries: list, into: Any = None,
-                     verify: bool = False) -> np.ndarray:
-        sizes = [e[2] for e in entries]
-        out = flat_buffer(into)[:sum(sizes)]
-        checks = LowPriorityChecks(out)
-        items = list(zip(np.cumsum([0, *sizes[:-1]]).tolist(), entries))
-        with self._lock:  # (into a reused buffer: TE straight into it)
-            if not self._te_read_direct(seg.name, out, items,
-                                        lambda done: checks.landed(done, jobs)):
-                raise RuntimeError("low priority: not a direct read")
-        if not checks.finish():
-            raise RuntimeError("low priority: an entry arrived corrupt")
-        return out
-
-    def as_landed(self: Any, seg: Any, entries: list, into: Any = None,
-                  verify: bool = False) -> np.ndarray:
-        used = datapath.use_background
-        datapath.use_background = lambda sizes: False  # type: ignore[assignment]
-        try:
-            return shipped(self, seg, entries, into, verify)
-        finally:
-            datapath.use_background = used
+    as_landed, low_priority = threshold(1 << 62), threshold(0)
 
     reads = {"verified": shipped, "as landed": as_landed, "unverified": unverified,
              "verified after": verified_after, "low priority": low_priority}
