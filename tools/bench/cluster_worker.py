@@ -122,9 +122,9 @@ class KVStoreSide:
         self.last_split: dict[str, float] = {}
         if cfg["role"] == "consumer":
             for client in self.clients.values():
-                _time_calls(client, "_acquire", "acquire", self.last_split)
+                time_calls(client, "_acquire", "acquire", self.last_split)
                 for name in ("read", "take_inline"):
-                    _time_calls(client._data, name, "move", self.last_split)
+                    time_calls(client._data, name, "move", self.last_split)
 
     def put(self, name: str, pid: int, ntokens: int, data: np.ndarray) -> None:
         res = self.clients[name].insert(prompt_tokens(pid, ntokens), data)
@@ -146,9 +146,9 @@ class KVStoreSide:
             c.close()
 
 
-def _time_calls(obj: Any, name: str, part: str, sink: dict[str, float]) -> None:
+def time_calls(obj: Any, name: str, part: str, sink: dict[str, float]) -> None:
     """Shadow ``obj.name`` (on the instance) with a wrapper adding each call's
-    seconds to ``sink[part]``."""
+    seconds to ``sink[part]`` (also tools.bench.parts')."""
     func = getattr(obj, name)
 
     def timed(*args: Any, **kwargs: Any) -> Any:

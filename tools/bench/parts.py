@@ -27,7 +27,6 @@ import tempfile
 import time
 import urllib.request
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.conftest import ServerFactory, free_port
-from tools.bench.cluster_worker import LAYOUTS
+from tools.bench.cluster_worker import LAYOUTS, time_calls
 
 MiB = 1 << 20
 # The ops whose replies each call waits for (a drop_select's last release is
@@ -47,20 +46,6 @@ WAITED_OPS = {"insert": frozenset({"reserve", "commit", "put", "abort"}),
 # Between reading /metrics and the call: the server's HTTP thread is done with the
 # scrape before the call starts, so the call never waits for it.
 SETTLE_S = 0.002
-
-
-def _timed(obj: Any, name: str, label: str, sink: dict[str, float]) -> None:
-    """Wrap ``obj.name`` so each call adds its seconds to ``sink[label]``."""
-    func: Callable = getattr(obj, name)
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return func(*args, **kwargs)
-        finally:
-            sink[label] += time.perf_counter() - start
-
-    setattr(obj, name, wrapper)
 
 
 def server_opts(layout: Any, nbytes: int) -> dict[str, Any]:
@@ -100,11 +85,11 @@ def run(layout_name: str, ntokens: int, path: str, reps: int) -> dict[str, dict[
                                config=ClientConfig(inline_max_bytes=0) if path == "te"
                                else ClientConfig())
         sink: dict[str, float] = defaultdict(float)
-        _timed(client._data, "write", "move", sink)
-        _timed(client._data, "read", "move", sink)
-        _timed(client._data, "take_inline", "move", sink)
-        _timed(client, "_prompt", "keys", sink)
-        _timed(client, "_call", "round trips", sink)
+        time_calls(client._data, "write", "move", sink)
+        time_calls(client._data, "read", "move", sink)
+        time_calls(client._data, "take_inline", "move", sink)
+        time_calls(client, "_prompt", "keys", sink)
+        time_calls(client, "_call", "round trips", sink)
         kv = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
         out = np.empty(nbytes + MiB, np.uint8)
         for rep in range(reps + 1):
