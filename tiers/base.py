@@ -118,6 +118,11 @@ class Tier(ABC):
         """``view`` of each extent (a tier may do the checks in one pass)."""
         return [self.view(e) for e in extents]
 
+    def span(self, extents: list[Extent]) -> memoryview | None:
+        """One zero-copy view over live ``extents`` that lie back to back, in order,
+        for memory tiers; else None (block tiers: always)."""
+        return None
+
     def address(self, extent: Extent) -> int | None:
         """Virtual address of the extent for TE, or None when not memory-mapped."""
         return None

@@ -188,6 +188,17 @@ class DramTier(ArenaTier):
             out.append(arena[ext.offset:ext.offset + ext.nbytes].data)
         return out
 
+    def span(self, extents: list[Extent]) -> memoryview | None:
+        """One view over ``extents`` when each is live and each starts where the one
+        before ends (a prompt's entries, reserved back to back); else None."""
+        arena, live = self._arena(), self._alloc.is_live
+        end = extents[0].offset if extents else 0
+        for ext in extents:
+            if ext.tier != self.name or ext.offset != end or not live(ext.offset, ext.nbytes):
+                return None
+            end = ext.offset + ext.nbytes
+        return arena[extents[0].offset:end].data if extents else None
+
     def address(self, extent: Extent) -> int:
         self._own(extent)
         return self._base + extent.offset

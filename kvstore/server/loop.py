@@ -115,12 +115,11 @@ class Server:
         self.counters = {"requests": 0, "errors": 0, "busy": 0, "local_requests": 0,
                          "inline_replies": 0, "inline_bytes": 0}
         # Acquires answered with their bytes (``Acquire.inline``): at most this many
-        # bytes per reply, and INLINE_BACKLOG replies' worth handed to ZeroMQ and not
-        # sent yet (each one's tracker, bytes); past that, replies name TE addresses.
+        # bytes per reply, and INLINE_BACKLOG replies handed to ZeroMQ and not sent
+        # yet (``_Slot``); past that, replies name TE addresses.
         self._inline_max = config.server.inline_max_bytes
-        self._inline_sent: collections.deque[tuple[zmq.MessageTracker, int]] = \
-            collections.deque()
-        self._inline_pending = 0
+        self._inline_slots: list[_Slot] = []
+        self._reap_every = _reap_interval(config)
         self._counters_lock = threading.Lock()
         # Whoever holds _sock_lock may use the ROUTER socket: the serving thread while
         # it receives and sends, the watchdog while the serving thread works.
@@ -220,7 +219,7 @@ class Server:
         stager.start()
         watchdog.start()
         poller = self._poller(staged)
-        reap_every = _reap_interval(self.config)
+        reap_every = self._reap_every
         next_reap = time.monotonic() + reap_every
         try:
             while not self._stop:
@@ -343,10 +342,13 @@ class Server:
         if is_local(frames[0]):
             if self._local is not None:
                 self._local.send(frames[0], frames[-1])
-        elif type(frames[-1]) is memoryview:  # an acquire's bytes (``_inline``)
-            tracker = self._sock.send_multipart(frames, copy=False, track=True)
-            self._inline_sent.append((tracker, len(frames[-1])))
-            self._inline_pending += len(frames[-1])
+        elif type(frames[-1]) is _Slot:  # an acquire's bytes (``_inline``)
+            slot = cast(_Slot, frames[-1])
+            try:  # zero-copy: the slot is busy until ZeroMQ is done with the bytes
+                slot.tracker = self._sock.send_multipart([*frames[:-1], slot.data],
+                                                         copy=False, track=True)
+            finally:
+                slot.handed = False
         else:
             self._sock.send_multipart(frames)
 
@@ -465,11 +467,11 @@ class Server:
         reply = self.handle(body, defer, later, inline=not (envelope and is_local(envelope[0])))
         if reply is None:
             return None
-        data = getattr(reply, "data", None)
-        if data is None:
+        slot = getattr(reply, "data", None)
+        if slot is None:
             return [*envelope, reply]
-        # A memoryview marks the frame ``_send`` tracks (the bytes are not copied again).
-        return [*envelope, reply, cast(bytes, memoryview(data))]
+        # The slot itself is the last frame: ``_send`` sends its bytes and tracks them.
+        return [*envelope, reply, cast(bytes, slot)]
 
     def _stage(self) -> None:
         """The staging thread: acquires whose NVMe entries must be read, in order.
@@ -555,16 +557,17 @@ class Server:
         """``run()``'s result as the reply to ``req`` (None: no reply now, it was
         handed on), or the error it raised; counted, and told to ``on_result``."""
         op, ok, result = req.OP, False, {}
+        slot: _Slot | None = None
         try:
             answer = run()
             if answer is None:
                 return None
             result = answer
-            data = result.pop(_DATA, None)
+            slot = result.pop(_DATA, None)
             reply = p.encode_ok(rid, result)
-            if data is not None:
+            if slot is not None:
                 reply = Inline(reply)
-                reply.data = data
+                reply.data, slot = slot, None
             ok = True
         except KVStoreError as exc:
             log.debug("%s failed: %s", op, exc)
@@ -572,6 +575,8 @@ class Server:
         except Exception as exc:  # noqa: BLE001 - a bug must not take the node down
             log.exception("internal error handling %s", op)
             reply = p.encode_error(rid, KVStoreError(f"internal error in {op}: {exc}"))
+        if slot is not None:  # its reply failed: the slot was never handed to ZeroMQ
+            slot.handed = False
         self._count(op, time.perf_counter() - start, ok)
         if ok and self.on_result is not None:
             try:
@@ -581,28 +586,26 @@ class Server:
         return reply
 
     def _inline(self, cap: int, acq: Acquisition, result: dict) -> None:
-        """Put ``acq``'s bytes in ``result`` (under ``_DATA``; ``"inline"``: their
-        length) when they fit ``cap`` and this server's limit, are all in DRAM, and
-        the replies still unsent leave room (``INLINE_BACKLOG``)."""
+        """Put ``acq``'s bytes in ``result`` (under ``_DATA``, in a ``_Slot``;
+        ``"inline"``: their length) when they fit ``cap`` and this server's limit, are
+        all in DRAM, and a slot is free: at most ``INLINE_BACKLOG`` replies' bytes are
+        handed to ZeroMQ and not sent yet."""
         nbytes = sum(e.nbytes for e in acq.entries)
         if not acq.entries or nbytes > min(cap, self._inline_max):
             return
-        with self._sock_lock:  # _send appends to the backlog under it
-            while self._inline_sent and self._inline_sent[0][0].done:  # (keeps it short)
-                self._inline_pending -= self._inline_sent.popleft()[1]
-            if self._inline_pending + nbytes > INLINE_BACKLOG * self._inline_max:
-                # Every reply sent since leaves (not only those in front: one peer's
-                # stuck reply must not count the others' against the backlog).
-                self._inline_sent = collections.deque(
-                    (t, n) for t, n in self._inline_sent if not t.done)
-                self._inline_pending = sum(n for _, n in self._inline_sent)
-            if self._inline_pending + nbytes > INLINE_BACKLOG * self._inline_max:
+        # (The slots are the serving thread's alone: it fills, sends and reaps them.)
+        slot = next((s for s in self._inline_slots if not s.busy()), None)
+        if slot is None:
+            if len(self._inline_slots) >= INLINE_BACKLOG:
                 return
+            slot = _Slot()
+            self._inline_slots.append(slot)
         data = self.store.dram_bytes(acq.entries)
         if data is None:
             return
+        slot.take(data, acq.id)
         result["inline"] = nbytes
-        result[_DATA] = data
+        result[_DATA] = slot
         with self._counters_lock:
             self.counters["inline_replies"] += 1
             self.counters["inline_bytes"] += nbytes
@@ -662,7 +665,14 @@ class Server:
                 "uptime_s": time.time() - self._started}
 
     def _reap(self) -> None:
+        # A lease whose bytes ZeroMQ still holds, unsent, to send from the arena
+        # (``_Slot``) must not run out before they go: its entries could be
+        # overwritten under the send. Kept past this reap and the next one's time.
+        until = time.time() + 2 * self._reap_every
         try:
+            for slot in self._inline_slots:
+                if slot.holds_arena():
+                    self.store.keep_lease(slot.aid, until)
             self.store.reap()
         except Exception:  # noqa: BLE001 - reaping again next tick is the remedy
             log.exception("store.reap failed")
@@ -670,6 +680,8 @@ class Server:
     # ---------------------------------------------------------------- teardown
     def close(self) -> None:
         """Close store (LMDB), TE and sockets, in that order; idempotent."""
+        for slot in getattr(self, "_inline_slots", ()):
+            slot.busy()  # a sent reply's view of the arena goes before the arena does
         for name, closer in (("store", self.store.close), ("transport", self.transport.close)):
             try:
                 closer()
@@ -694,7 +706,43 @@ class Server:
 class Inline(bytes):
     """A reply frame with the acquired bytes that follow it as the next frame."""
 
-    data: bytes
+    data: _Slot
+
+
+class _Slot:
+    """One of the ``INLINE_BACKLOG`` inline replies a server may have handed to
+    ZeroMQ and not sent yet: its bytes (``data``: a view of the DRAM arena when the
+    entries lie back to back there, sent without a copy; else one copy of them) and
+    the lease that keeps those entries in place (``aid``). Taken (``handed``) in
+    ``_inline`` until ``_send`` hands the bytes to ZeroMQ, then busy until that
+    send's tracker is done. While ZeroMQ holds a view unsent (a peer that does not
+    read), ``Server._reap`` keeps its lease open: one that ran out would let the
+    arena under the view be written before it went. The view instead of a copy
+    took an acquire of 2 MiB from 0.55 to 0.07 ms of the server's time (the copy's
+    source, written by a TE transfer, was no longer in any cache)."""
+
+    __slots__ = ("data", "aid", "handed", "tracker")
+
+    def __init__(self) -> None:
+        self.data: memoryview | bytes | None = None
+        self.aid = 0
+        self.handed = False
+        self.tracker: zmq.MessageTracker | None = None
+
+    def take(self, data: memoryview | bytes, aid: int) -> None:
+        self.data, self.aid, self.handed, self.tracker = data, aid, True, None
+
+    def busy(self) -> bool:
+        """Whether the reply is not yet out of ZeroMQ's hands; a slot found idle
+        lets go of its bytes (a view of the arena must not outlive its lease)."""
+        if self.handed or (self.tracker is not None and not self.tracker.done):
+            return True
+        self.data = None
+        return False
+
+    def holds_arena(self) -> bool:
+        """Whether ZeroMQ may still read the arena for this reply."""
+        return type(self.data) is memoryview and self.busy()
 
 
 def _reap_interval(config: KVStoreConfig) -> float:

@@ -214,16 +214,27 @@ class Store:
         return self._reads.begin_acquire(keys, tokens, lease_s, claim, optional_tail,
                                          spend_rest)
 
-    def dram_bytes(self, entries: Sequence[EntryInfo]) -> bytes | None:
-        """The bytes of acquired entries back to back, one copy (a server sends a
-        small drop_select's bytes in the acquire's reply); None unless all are in
-        DRAM. Their lease keeps them where they are while this runs."""
+    def dram_bytes(self, entries: Sequence[EntryInfo]) -> memoryview | bytes | None:
+        """The bytes of acquired entries back to back (a server sends a small
+        drop_select's bytes in the acquire's reply): a view of the DRAM arena when
+        they lie back to back in it (a prompt's entries, reserved together), else
+        one copy; None unless all are in DRAM. Their lease keeps them where they are
+        (and a view's bytes as they are) until it ends."""
         with self._lock:
             dram = self.place.tiers.get("dram")
             if dram is None or any(e.tier != "dram" for e in entries):
                 return None
-            views = dram.views([Extent("dram", e.offset, e.nbytes) for e in entries])
-            return None if None in views else b"".join(cast(list[memoryview], views))
+            extents = [Extent("dram", e.offset, e.nbytes) for e in entries]
+            span = dram.span(extents)
+            return span if span is not None else b"".join(cast(list[memoryview],
+                                                                dram.views(extents)))
+
+    def keep_lease(self, acquisition_id: int, until: float) -> None:
+        """Keep a read lease, if it is still open, from running out before ``until``
+        (``time.time()``): a server's reply that is to carry its entries' bytes,
+        zero-copy, is not sent yet."""
+        with self._lock:
+            self.holds.keep_lease(acquisition_id, until)
 
     def read(self, acquisition_id: int, index: int) -> bytes:
         """The bytes of one acquired entry (local readers)."""

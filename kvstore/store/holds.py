@@ -183,6 +183,13 @@ class Holds:
         if lease.end is not None:
             uncount(self.end_claims, [lease.end])
 
+    def keep_lease(self, aid: int, until: float) -> None:
+        """Make open lease ``aid`` run out no sooner than ``until`` (nothing if it
+        is gone)."""
+        lease = self.leases.get(aid)
+        if lease is not None and lease.expires_at < until:
+            self.leases[aid] = lease._replace(expires_at=until)
+
     def close_lease(self, aid: int) -> None:
         """Forget open lease ``aid`` once ``end_lease`` has given its holds back."""
         del self.leases[aid]

@@ -19,11 +19,14 @@ from kvstore.client.local import LocalChannel
 from kvstore.client.rpc import Channel
 from kvstore.core import protocol as p
 from kvstore.core.config import ClientConfig
-from kvstore.core.errors import ChecksumError
+from kvstore.core.errors import ChecksumError, TierFullError
+from kvstore.core.layout import KVLayout
 from kvstore.server.loop import INLINE_BACKLOG
 from tests.integration.conftest import LAYOUT, damage_at_rest, make_kv
 
 pytestmark = pytest.mark.timeout(120)
+# Entries of one page each: a prompt's lie back to back in the arena (LAYOUT's do not).
+PAGED = KVLayout(num_layers=2, kv_heads=2, head_dim=64, dtype="float16", block_tokens=4)
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -168,6 +171,18 @@ def test_only_the_zeromq_port_sends_bytes_and_they_are_exactly_the_entries(clean
     assert producer.lookup(prompt(20, 3)).matched_tokens == 20
 
 
+def _stuck_peer(address: str) -> tuple[zmq.Context, zmq.Socket]:
+    """A peer whose libzmq takes one message at a time and whose socket buffers are
+    small: what it has not read stays with the server (a stopped process, a slow link)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.setsockopt(zmq.RCVBUF, 64 << 10)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return ctx, sock
+
+
 def test_replies_a_peer_leaves_unread_are_bounded(server_factory, client_factory):
     """A peer that asks and never reads cannot make the server hold more than
     INLINE_BACKLOG replies' worth of bytes: past that, replies name TE addresses."""
@@ -180,14 +195,7 @@ def test_replies_a_peer_leaves_unread_are_bounded(server_factory, client_factory
     req = _acquire(producer, prompt(n, 6), inline=cap)
     asks = 100  # 100 MiB if nothing bounded it; the sockets' buffers take a few
     ch = Channel(srv.address, timeout_s=30.0)
-    # A peer whose libzmq takes one message at a time and whose socket buffers are
-    # small: what it has not read stays with the server (a stopped process, a slow link).
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.RCVHWM, 1)
-    sock.setsockopt(zmq.RCVBUF, 64 << 10)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(srv.address)
+    ctx, sock = _stuck_peer(srv.address)
     try:
         for i in range(asks):
             sock.send(p.encode_request(i + 1, req))
@@ -215,6 +223,51 @@ def test_replies_a_peer_leaves_unread_are_bounded(server_factory, client_factory
         assert time.monotonic() < deadline, "the releases were never applied"
         time.sleep(0.05)
     assert producer.lookup(prompt(n, 6)).matched_tokens == n
+
+
+def test_an_unsent_reply_keeps_its_lease_and_so_its_bytes(server_factory, client_factory):
+    """A prompt's entries back to back in the arena go out without a copy: ZeroMQ
+    sends from the arena itself. A reply a peer leaves unread keeps its lease open
+    past ``read_lease_s`` for as long as ZeroMQ holds it, so its entries can be
+    neither evicted nor written over under the send: when the peer reads at last,
+    every reply that came with bytes carries the stored ones, though the room they
+    take was asked for in between (and refused)."""
+    cap = 1 << 20
+    n = 1024  # 1 MiB of KV in 256 entries of a page: the tier has room for one such prompt
+    srv = server_factory(dram=str(cap + (cap >> 1)), nvme="0", read_lease=1.0,
+                         block_tokens=PAGED.block_tokens,
+                         env={"KVSTORE_SERVER_INLINE_MAX_BYTES": str(cap)})
+    producer = client_factory(srv, layout=PAGED)
+    assert PAGED.nbytes(n) == cap
+    producer.insert(prompt(n, 7), make_kv(n, 7, PAGED))
+    req = _acquire(producer, prompt(n, 7), inline=cap)
+    asks = 20
+    ch = Channel(srv.address, timeout_s=30.0)
+    ctx, sock = _stuck_peer(srv.address)
+    try:
+        for i in range(asks):
+            sock.send(p.encode_request(i + 1, req))
+        time.sleep(3.0)  # three times the lease, a dozen reaps
+        # Replies naming TE addresses lost their leases; those ZeroMQ still holds did not.
+        assert 0 < producer.stats()["leases"] <= INLINE_BACKLOG
+        assert producer.evict(everything=True)["count"] == 0  # all still leased
+        with pytest.raises(TierFullError):  # no room but the leased entries'
+            producer.insert(prompt(n, 8), make_kv(n, 8, PAGED))
+        got = []
+        while len(got) < asks:
+            assert sock.poll(10_000), f"only {len(got)} of {asks} replies"
+            got.append(sock.recv_multipart())
+    finally:
+        sock.close(0)
+        ctx.term()
+    with_bytes = [frames for frames in got if len(frames) == 2]
+    assert with_bytes
+    for frames in with_bytes:
+        assert frames[1] == make_kv(n, 7, PAGED).tobytes()
+    for frames in got:
+        ch.send(p.Release(aid=p.decode_reply(frames[0], 1 << 30)[1]["aid"], drop=False))
+    ch.close()
+    assert producer.lookup(prompt(n, 7)).matched_tokens == n
 
 
 def test_a_curve_client_reads_over_te(server_factory, client_factory, tmp_path):

@@ -154,6 +154,28 @@ def test_dram_view_is_zero_copy():
         t.close()
 
 
+def test_dram_span_is_one_view_over_neighbouring_live_extents():
+    t = DramTier(CAP)
+    try:
+        a, b, c = t.allocate_many([4096, 8192, 4096])  # one batch: back to back
+        for i, ext in enumerate((a, b, c)):
+            t.view(ext)[:] = bytes([i + 1]) * ext.nbytes
+        span = t.span([a, b, c])
+        assert span is not None and span.nbytes == 16384
+        assert bytes(span) == b"\x01" * 4096 + b"\x02" * 8192 + b"\x03" * 4096
+        t.view(b)[:1] = b"\x09"
+        assert span[4096] == 9  # a view, not a copy
+        assert t.span([a, c]) is None  # a gap between them
+        assert t.span([b, a]) is None  # out of order
+        odd = t.allocate_many([100, 100])  # each rounded up to a page: not back to back
+        assert t.span(odd) is None
+        t.free(c)
+        assert t.span([a, b, c]) is None  # c is no longer live
+        assert t.span([]) is None
+    finally:
+        t.close()
+
+
 _CLIENT = """
 import sys
 from kvstore.client.shm import map_shared
