@@ -197,9 +197,6 @@ class Index:
     def put_many(self, records: Iterable[Record]) -> None:
         self.apply(put=records)
 
-    def delete_many(self, keys: Iterable[bytes]) -> None:
-        self.apply(delete=keys)
-
     def forget(self, keys: Iterable[bytes], why: str) -> None:
         """Delete rows the store will not hold (``why`` names them in the log). Those
         the index cannot delete (``TierFullError`` / ``StorageError``: a full map or
