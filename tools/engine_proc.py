@@ -64,6 +64,10 @@ to stderr, which goes to ``log_path``.
 
 The driver leads its own process group (vLLM's engine-core process is in it too), so
 stopping it stops everything it started; it also gets SIGTERM if its parent dies.
+vLLM leaves its tensor-parallel group's shared-memory files (``/dev/shm/vllm_dist_*``,
+4 MiB each, two a group) behind when its engine exits, even cleanly: the parent
+remembers those its engine's processes mapped and removes them once the group is gone
+(``shm_left()`` names any that are still there).
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 240.0  # several engines starting at once on 2 cores
 GENERATE_TIMEOUT_S = 180.0  # tiny models answer in seconds: past this the engine is stuck
 STOP_TIMEOUT_S = 30.0
+SHM_PREFIX = "/dev/shm/vllm_dist_"
 CONNECTOR = "KVStoreConnectorV1"
 CONNECTOR_MODULE = "kvstore.connector.vllm_v1"
 
@@ -181,6 +186,7 @@ class EngineProc:
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._ready = False
         self._seq = 0  # id of the last request; the driver echoes it in its answer
+        self._shm: set[str] = set()  # vLLM's /dev/shm files its processes mapped
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> EngineProc:
@@ -214,12 +220,14 @@ class EngineProc:
                 raise EngineError(f"{self.name} failed to start: {msg.get('error')}\n"
                                   f"{self.log_tail()}")
             self._ready = True
+            self._note_shm()
         return self
 
     def shutdown(self, timeout: float = STOP_TIMEOUT_S) -> int | None:
         """Ask the driver to stop its engine, then stop what is left of its process group."""
         if self.proc is None:
             return None
+        self._note_shm()
         if self.proc.poll() is None and self._ready:
             try:
                 self._send({"cmd": "shutdown"})
@@ -229,9 +237,11 @@ class EngineProc:
         return self.kill()
 
     def kill(self, timeout: float = 10.0) -> int | None:
-        """TERM, then KILL, the driver's process group (only what this engine started)."""
+        """TERM, then KILL, the driver's process group (only what this engine started);
+        then remove the shared-memory files it mapped (``SHM_PREFIX``)."""
         if self.proc is None:
             return None
+        self._note_shm()
         for sig in (signal.SIGTERM, signal.SIGKILL):
             if not self.leftover_pids() and self.proc.poll() is not None:
                 break
@@ -247,7 +257,20 @@ class EngineProc:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             pass
+        if not self.leftover_pids():  # nobody of this engine maps them any more
+            for path in self.shm_left():
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
         return self.proc.returncode
+
+    def _note_shm(self) -> None:
+        self._shm |= shm_files(self.leftover_pids())
+
+    def shm_left(self) -> list[str]:
+        """vLLM's shared-memory files this engine's processes mapped that still exist."""
+        return sorted(p for p in self._shm if os.path.exists(p))
 
     def leftover_pids(self) -> list[int]:
         """Live (non-zombie) processes still in this engine's process group."""
@@ -357,6 +380,21 @@ def stop_all(engines: Sequence[EngineProc], timeout: float = STOP_TIMEOUT_S) -> 
         t.start()
     for t in threads:
         t.join()
+
+
+def shm_files(pids: Sequence[int]) -> set[str]:
+    """The ``SHM_PREFIX`` files ``pids`` have mapped (from ``/proc/<pid>/maps``)."""
+    found: set[str] = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    fields = line.split(None, 5)
+                    if len(fields) == 6 and fields[5].startswith(SHM_PREFIX):
+                        found.add(fields[5].rstrip("\n").removesuffix(" (deleted)"))
+        except OSError:  # gone meanwhile
+            continue
+    return found
 
 
 def _group_members(pgid: int) -> list[int]:

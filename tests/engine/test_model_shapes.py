@@ -182,3 +182,8 @@ def test_tensor_parallel_two_ranks_decode_exactly(trio_factory):
     assert trio.check(_prompts(13, (1, 33, 300, 1000)), entries_per_block=2) == []
     # No params: the scheduler's lookup finds both ranks' entries, the load is same-step.
     assert trio.check(_prompts(14, (37, 300)), with_params=False, entries_per_block=2) == []
+    # Each TP engine's ranks share buffers in /dev/shm that vLLM leaves at exit; the
+    # harness removes those its engines mapped once they are gone.
+    assert all(e.shm_left() for e in trio.engines())
+    stop_all(trio.engines())
+    assert not [path for e in trio.engines() for path in e.shm_left()]
