@@ -65,9 +65,10 @@ HELP = {
     "server.inline_max_bytes": "An acquire's bytes, up to this many, go in its reply (a "
         "frame after it) instead of over TE when the client asks for them "
         "(`client.inline_max_bytes`), all are in DRAM and the request came over the "
-        "ZeroMQ port: one round trip for a small drop_select. The server copies them "
-        "into the reply (on its serving thread, so keep it small) and holds at most "
-        "8 replies' worth unsent; past that, replies name TE addresses. 0: always TE "
+        "ZeroMQ port: one round trip for a small drop_select. ZeroMQ sends them from "
+        "the arena itself when they lie back to back there, else the serving thread "
+        "copies them (keep it small); at most 8 such replies wait unsent, their entries "
+        "held in place until they go; past that, replies name TE addresses. 0: always TE "
         "(docs/benchmarks.md, \"Small drop_selects in one round trip\"). At most 64MiB.",
     "server.local_socket": "A Unix socket beside the shared DRAM arena (`<arena>.sock` under `/dev/shm`, mode 0600) that clients on this node send their requests to instead of the ZeroMQ port: a round trip 1.4 - 2.1x faster (docs/benchmarks.md, \"The same-node door\"). Only the server's own user and root get in, CURVE or not. Needs `tiers.dram_shared`.",
     "policy.background_writeback": "A background thread writes NVMe copies of the least-recently-used entries of the tier above NVMe, one demotion ahead, so demotion under pressure is an index change (no NVMe write on the request path).",

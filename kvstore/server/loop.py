@@ -119,7 +119,6 @@ class Server:
         # yet (``_Slot``); past that, replies name TE addresses.
         self._inline_max = config.server.inline_max_bytes
         self._inline_slots: list[_Slot] = []
-        self._reap_every = _reap_interval(config)
         self._counters_lock = threading.Lock()
         # Whoever holds _sock_lock may use the ROUTER socket: the serving thread while
         # it receives and sends, the watchdog while the serving thread works.
@@ -219,7 +218,7 @@ class Server:
         stager.start()
         watchdog.start()
         poller = self._poller(staged)
-        reap_every = self._reap_every
+        reap_every = _reap_interval(self.config)
         next_reap = time.monotonic() + reap_every
         try:
             while not self._stop:
@@ -516,7 +515,10 @@ class Server:
             self.counters["requests"] += 1
             self.counters["errors"] += not ok
         if self.observer is not None:
-            self.observer(op, seconds, ok)
+            try:
+                self.observer(op, seconds, ok)
+            except Exception:  # noqa: BLE001 - metrics must not fail a request
+                log.exception("observer failed for %s", op)
 
     def handle(self, frame: bytes,
                defer: Callable[[int, p.Acquire, Staging], None] | None = None,
@@ -593,8 +595,10 @@ class Server:
         nbytes = sum(e.nbytes for e in acq.entries)
         if not acq.entries or nbytes > min(cap, self._inline_max):
             return
-        # (The slots are the serving thread's alone: it fills, sends and reaps them.)
-        slot = next((s for s in self._inline_slots if not s.busy()), None)
+        # (The slots are the serving thread's alone: it fills, sends and settles them.)
+        self._settle_slots()
+        now = time.monotonic()
+        slot = next((s for s in self._inline_slots if not s.held and s.done(now)), None)
         if slot is None:
             if len(self._inline_slots) >= INLINE_BACKLOG:
                 return
@@ -603,12 +607,27 @@ class Server:
         data = self.store.dram_bytes(acq.entries)
         if data is None:
             return
-        slot.take(data, acq.id)
+        if type(data) is memoryview:  # the arena itself: its entries stay until it is out
+            self.store.hold_send(acq.id)
+        slot.take(data, acq.id, held=type(data) is memoryview)
         result["inline"] = nbytes
         result[_DATA] = slot
         with self._counters_lock:
             self.counters["inline_replies"] += 1
             self.counters["inline_bytes"] += nbytes
+
+    def _settle_slots(self) -> None:
+        """Give back the holds of inline replies whose bytes are out of ZeroMQ's hands
+        (and of any that was taken and never handed to it: a bug, logged)."""
+        now = time.monotonic()
+        for slot in self._inline_slots:
+            if slot.held and slot.done(now):
+                slot.held = False
+                try:
+                    self.store.end_send(slot.aid)
+                except Exception:  # noqa: BLE001 - a bug must not take the node down
+                    log.exception("giving back an inline reply's hold failed")
+                slot.data = None
 
     def _acquired(self, acq: Acquisition) -> dict:
         # Addresses are only meaningful in this segment; a client holding an
@@ -665,14 +684,8 @@ class Server:
                 "uptime_s": time.time() - self._started}
 
     def _reap(self) -> None:
-        # A lease whose bytes ZeroMQ still holds, unsent, to send from the arena
-        # (``_Slot``) must not run out before they go: its entries could be
-        # overwritten under the send. Kept past this reap and the next one's time.
-        until = time.time() + 2 * self._reap_every
+        self._settle_slots()
         try:
-            for slot in self._inline_slots:
-                if slot.holds_arena():
-                    self.store.keep_lease(slot.aid, until)
             self.store.reap()
         except Exception:  # noqa: BLE001 - reaping again next tick is the remedy
             log.exception("store.reap failed")
@@ -681,7 +694,7 @@ class Server:
     def close(self) -> None:
         """Close store (LMDB), TE and sockets, in that order; idempotent."""
         for slot in getattr(self, "_inline_slots", ()):
-            slot.busy()  # a sent reply's view of the arena goes before the arena does
+            slot.data = None  # a view of the arena goes before the arena does
         for name, closer in (("store", self.store.close), ("transport", self.transport.close)):
             try:
                 closer()
@@ -713,36 +726,42 @@ class _Slot:
     """One of the ``INLINE_BACKLOG`` inline replies a server may have handed to
     ZeroMQ and not sent yet: its bytes (``data``: a view of the DRAM arena when the
     entries lie back to back there, sent without a copy; else one copy of them) and
-    the lease that keeps those entries in place (``aid``). Taken (``handed``) in
-    ``_inline`` until ``_send`` hands the bytes to ZeroMQ, then busy until that
-    send's tracker is done. While ZeroMQ holds a view unsent (a peer that does not
-    read), ``Server._reap`` keeps its lease open: one that ran out would let the
-    arena under the view be written before it went. The view instead of a copy
-    took an acquire of 2 MiB from 0.55 to 0.07 ms of the server's time (the copy's
-    source, written by a TE transfer, was no longer in any cache)."""
+    its acquisition (``aid``). Taken (``handed``) in ``_inline`` until ``_send`` hands
+    the bytes to ZeroMQ, then busy until that send's tracker is done. While a view
+    may still be read, the store holds its entries (``held``: ``Store.hold_send``,
+    given back by ``Server._settle_slots``), so they neither move nor go, nor is
+    their space written, whenever the lease ends; the lease itself ends on time, so
+    a peer that stops reading keeps no claim, only those entries in place (at most
+    ``INLINE_BACKLOG`` replies of ``server.inline_max_bytes``). The view instead of
+    a copy took ``Server._inline`` of a 2 MiB reply from 0.55 to 0.07 ms (the copy's
+    source, written by a TE transfer, was in no cache)."""
 
-    __slots__ = ("data", "aid", "handed", "tracker")
+    __slots__ = ("data", "aid", "handed", "held", "tracker", "taken_at")
+
+    # Handed this long and never given to ZeroMQ: taken by a reply that failed on a
+    # path that did not say so (a bug); its hold goes.
+    LOST_S = 60.0
 
     def __init__(self) -> None:
         self.data: memoryview | bytes | None = None
         self.aid = 0
         self.handed = False
+        self.held = False
         self.tracker: zmq.MessageTracker | None = None
+        self.taken_at = 0.0
 
-    def take(self, data: memoryview | bytes, aid: int) -> None:
-        self.data, self.aid, self.handed, self.tracker = data, aid, True, None
+    def take(self, data: memoryview | bytes, aid: int, held: bool) -> None:
+        self.data, self.aid, self.held, self.tracker = data, aid, held, None
+        self.handed, self.taken_at = True, time.monotonic()
 
-    def busy(self) -> bool:
-        """Whether the reply is not yet out of ZeroMQ's hands; a slot found idle
-        lets go of its bytes (a view of the arena must not outlive its lease)."""
-        if self.handed or (self.tracker is not None and not self.tracker.done):
-            return True
-        self.data = None
-        return False
-
-    def holds_arena(self) -> bool:
-        """Whether ZeroMQ may still read the arena for this reply."""
-        return type(self.data) is memoryview and self.busy()
+    def done(self, now: float) -> bool:
+        """Whether ZeroMQ is done with the bytes (or they were never handed to it)."""
+        if self.handed:
+            if now - self.taken_at < self.LOST_S:
+                return False
+            log.error("an inline reply was never sent; giving back its slot")
+            self.handed = False
+        return self.tracker is None or self.tracker.done
 
 
 def _reap_interval(config: KVStoreConfig) -> float:

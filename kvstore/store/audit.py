@@ -91,6 +91,8 @@ class Audit(Operations):
         holds: collections.Counter[bytes] = collections.Counter()
         for lease in self.holds.leases.values():
             holds.update(lease.keys)
+        for keys in self.holds.sends.values():
+            holds.update(keys)
         inflight = {}
         for op in self.holds.reservations.values():
             holds.update(op.held)

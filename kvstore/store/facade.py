@@ -219,7 +219,7 @@ class Store:
         drop_select's bytes in the acquire's reply): a view of the DRAM arena when
         they lie back to back in it (a prompt's entries, reserved together), else
         one copy; None unless all are in DRAM. Their lease keeps them where they are
-        (and a view's bytes as they are) until it ends."""
+        while this runs; a caller that keeps a view longer holds them (``hold_send``)."""
         with self._lock:
             dram = self.place.tiers.get("dram")
             if dram is None or any(e.tier != "dram" for e in entries):
@@ -229,12 +229,19 @@ class Store:
             return span if span is not None else b"".join(cast(list[memoryview],
                                                                 dram.views(extents)))
 
-    def keep_lease(self, acquisition_id: int, until: float) -> None:
-        """Keep a read lease, if it is still open, from running out before ``until``
-        (``time.time()``): a server's reply that is to carry its entries' bytes,
-        zero-copy, is not sent yet."""
+    def hold_send(self, acquisition_id: int) -> None:
+        """Hold the entries of open lease ``acquisition_id`` until ``end_send``: a
+        server sends their bytes from a view of the arena (``dram_bytes``), and they
+        must neither move nor go, nor their space be written, before the bytes are
+        out, however soon the lease ends (released, expired)."""
         with self._lock:
-            self.holds.keep_lease(acquisition_id, until)
+            self.holds.hold_send(acquisition_id)
+
+    def end_send(self, acquisition_id: int) -> int:
+        """The bytes of ``hold_send(acquisition_id)`` are out: the hold goes, and with
+        it entries nothing else needs any more (how many)."""
+        with self._lock:
+            return self.catalog.drop_idle(self.holds.end_send(acquisition_id))
 
     def read(self, acquisition_id: int, index: int) -> bytes:
         """The bytes of one acquired entry (local readers)."""

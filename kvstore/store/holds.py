@@ -64,8 +64,8 @@ class Holds:
 
     Invariants kept here (``check_integrity`` checks them):
     * ``leased[key]`` is the number of holds on ``key``: one per open lease that lists
-      it, one per open reservation that dedups onto it. A held entry never moves and
-      never goes;
+      it, one per open reservation that dedups onto it, one per reply being sent from
+      the arena that carries it (``sends``). A held entry never moves and never goes;
     * a key is in ``inflight`` exactly while one open reservation holds an extent for
       it, so two writers never store the same key twice;
     * every count is positive: a key whose count reaches zero leaves its map.
@@ -82,6 +82,9 @@ class Holds:
         self.leased: dict[bytes, int] = {}
         self.claims: dict[bytes, int] = {}
         self.end_claims: dict[bytes, int] = {}
+        # Replies a server sends from the arena itself, by acquisition id: the keys
+        # each holds until its bytes are out (``hold_send`` / ``end_send``).
+        self.sends: dict[int, list[bytes]] = {}
         self.next_reap = float("inf")
         self._expired: collections.OrderedDict[int, None] = collections.OrderedDict()
 
@@ -183,12 +186,17 @@ class Holds:
         if lease.end is not None:
             uncount(self.end_claims, [lease.end])
 
-    def keep_lease(self, aid: int, until: float) -> None:
-        """Make open lease ``aid`` run out no sooner than ``until`` (nothing if it
-        is gone)."""
-        lease = self.leases.get(aid)
-        if lease is not None and lease.expires_at < until:
-            self.leases[aid] = lease._replace(expires_at=until)
+    def hold_send(self, aid: int) -> None:
+        """Hold the keys of open lease ``aid`` once more, for as long as its reply's
+        bytes are being sent from the arena (whatever becomes of the lease)."""
+        keys = list(self.leases[aid].keys)
+        self.hold(keys)
+        self.sends[aid] = keys
+
+    def end_send(self, aid: int) -> list[bytes]:
+        """The reply of ``hold_send(aid)`` is out: its holds go; the keys now due to be
+        freed (as ``unhold``)."""
+        return self.unhold(self.sends.pop(aid))
 
     def close_lease(self, aid: int) -> None:
         """Forget open lease ``aid`` once ``end_lease`` has given its holds back."""

@@ -7,6 +7,7 @@ ZeroMQ port. Everything else reads over TE, as before. The client verifies every
 entry as it copies it out of the reply.
 """
 
+import dataclasses
 import time
 
 import numpy as np
@@ -225,33 +226,37 @@ def test_replies_a_peer_leaves_unread_are_bounded(server_factory, client_factory
     assert producer.lookup(prompt(n, 6)).matched_tokens == n
 
 
-def test_an_unsent_reply_keeps_its_lease_and_so_its_bytes(server_factory, client_factory):
+def test_an_unsent_reply_holds_its_entries_but_not_its_lease(server_factory, client_factory):
     """A prompt's entries back to back in the arena go out without a copy: ZeroMQ
-    sends from the arena itself. A reply a peer leaves unread keeps its lease open
-    past ``read_lease_s`` for as long as ZeroMQ holds it, so its entries can be
-    neither evicted nor written over under the send: when the peer reads at last,
-    every reply that came with bytes carries the stored ones, though the room they
-    take was asked for in between (and refused)."""
+    sends from the arena itself. Until a reply's bytes are out, the store holds its
+    entries: they can be neither evicted nor dropped, nor their room written, however
+    soon the lease ends (here a client's 0.2 s lease, then a drop_select that takes
+    the prompt). The lease itself ends on time, so the reader that stopped keeps no
+    claim from the consumers behind it. When the peer reads at last, every reply that
+    came with bytes carries the stored ones; once they are out the entries go."""
     cap = 1 << 20
     n = 1024  # 1 MiB of KV in 256 entries of a page: the tier has room for one such prompt
-    srv = server_factory(dram=str(cap + (cap >> 1)), nvme="0", read_lease=1.0,
+    srv = server_factory(dram=str(cap + (cap >> 1)), nvme="0",
                          block_tokens=PAGED.block_tokens,
                          env={"KVSTORE_SERVER_INLINE_MAX_BYTES": str(cap)})
     producer = client_factory(srv, layout=PAGED)
     assert PAGED.nbytes(n) == cap
     producer.insert(prompt(n, 7), make_kv(n, 7, PAGED))
-    req = _acquire(producer, prompt(n, 7), inline=cap)
-    asks = 20
-    ch = Channel(srv.address, timeout_s=30.0)
+    short = dataclasses.replace(_acquire(producer, prompt(n, 7), inline=cap), lease_s=0.2)
+    asks = 20  # the first claims the prompt's consumer, as a drop_select does
     ctx, sock = _stuck_peer(srv.address)
     try:
         for i in range(asks):
-            sock.send(p.encode_request(i + 1, req))
-        time.sleep(3.0)  # three times the lease, a dozen reaps
-        # Replies naming TE addresses lost their leases; those ZeroMQ still holds did not.
-        assert 0 < producer.stats()["leases"] <= INLINE_BACKLOG
-        assert producer.evict(everything=True)["count"] == 0  # all still leased
-        with pytest.raises(TierFullError):  # no room but the leased entries'
+            sock.send(p.encode_request(i + 1, dataclasses.replace(short, claim=i == 0)))
+        time.sleep(1.5)  # the leases ran out long ago
+        assert producer.stats()["leases"] == 0
+        # Its claim went back: another consumer takes the prompt, exactly.
+        consumer = reader(client_factory, srv, cap=cap, layout=PAGED)
+        res = consumer.drop_select(prompt(n, 7))
+        assert res.matched_tokens == n and res.kv.numpy().tobytes() == make_kv(n, 7, PAGED).tobytes()
+        # Taken, and held while replies still hold views of them.
+        assert producer.evict(everything=True)["count"] == 0
+        with pytest.raises(TierFullError):  # no room but the held entries'
             producer.insert(prompt(n, 8), make_kv(n, 8, PAGED))
         got = []
         while len(got) < asks:
@@ -264,10 +269,34 @@ def test_an_unsent_reply_keeps_its_lease_and_so_its_bytes(server_factory, client
     assert with_bytes
     for frames in with_bytes:
         assert frames[1] == make_kv(n, 7, PAGED).tobytes()
-    for frames in got:
-        ch.send(p.Release(aid=p.decode_reply(frames[0], 1 << 30)[1]["aid"], drop=False))
-    ch.close()
-    assert producer.lookup(prompt(n, 7)).matched_tokens == n
+    # All out: the holds go at the next reap, and the taken prompt with them.
+    deadline = time.monotonic() + 10
+    while producer.lookup(prompt(n, 7)).matched_tokens:
+        assert time.monotonic() < deadline, "the entries outlived the replies"
+        time.sleep(0.05)
+    producer.insert(prompt(n, 8), make_kv(n, 8, PAGED))
+    assert producer.health(deep=True)["status"] == "ok"
+
+
+def test_replies_from_the_arena_reuse_their_slots(server_factory, client_factory):
+    """More drop_selects than there are slots, each sent from the arena itself: every
+    one comes inline and exact, and no hold or lease is left behind."""
+    n = 256  # 256 KiB in 64 entries of a page
+    srv = server_factory(dram="8MiB", nvme="0", block_tokens=PAGED.block_tokens)
+    producer = client_factory(srv, layout=PAGED)
+    consumer = reader(client_factory, srv, layout=PAGED)
+    rounds = 3 * INLINE_BACKLOG
+    for i in range(rounds):
+        kv = make_kv(n, 100 + i, PAGED)
+        producer.insert(prompt(n, 100 + i), kv)
+        res = consumer.drop_select(prompt(n, 100 + i))
+        assert res.matched_tokens == n and res.kv.numpy().tobytes() == kv.tobytes()
+    assert consumer.ops.count("inline_read") == rounds and "te_read" not in consumer.ops
+    deadline = time.monotonic() + 10
+    while producer.stats()["entries"] or producer.stats()["leases"]:
+        assert time.monotonic() < deadline, producer.stats()
+        time.sleep(0.05)
+    assert producer.health(deep=True)["status"] == "ok"
 
 
 def test_a_curve_client_reads_over_te(server_factory, client_factory, tmp_path):

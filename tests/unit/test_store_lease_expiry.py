@@ -27,3 +27,24 @@ def test_an_expired_claiming_lease_keeps_the_entry_pending(make_store):
     assert store.release(second.id, drop=True) == 1  # delivered once, then freed
     assert list(store.entries()) == []
     store.check_integrity()
+
+
+def test_a_send_hold_outlives_its_lease_and_keeps_the_entries(make_store):
+    """Entries whose bytes a server is still sending from the arena (hold_send) stay
+    where they are however the lease ends, taken or expired: the claim goes back on
+    time, the entries go only once the send is over (end_send)."""
+    store = make_store(dram=4)
+    put(store, [1, 2])
+    acq = store.acquire([key(1), key(2)], [toks(1), toks(2)], lease_s=0.05, claim=True)
+    store.hold_send(acq.id)
+    time.sleep(0.08)
+    assert store.reap() == 1  # the lease ended on time, its claim with it
+    store.check_integrity()  # the send's holds are counted
+    again = store.acquire([key(1), key(2)], [toks(1), toks(2)], claim=True)
+    assert len(again.entries) == 2
+    assert store.release(again.id, drop=True) == 0  # taken, but held: nothing goes yet
+    assert store.evict(everything=True).nbytes == 0
+    assert sorted(r.pending for r in store.entries()) == [0, 0]
+    assert store.end_send(acq.id) == 2  # the send is over: the taken entries go
+    assert list(store.entries()) == []
+    store.check_integrity()
