@@ -87,6 +87,8 @@ _INPROC = itertools.count()
 # server.inline_max_bytes: what a client that stops reading can make the server hold.
 INLINE_BACKLOG = 8
 _DATA = object()  # the key of an inline reply's bytes in a result map (never encoded)
+# A release waits at most this long for its inline reply's tracker (_settle_slots).
+RELEASE_WAIT_S = 0.05
 Observer = Callable[[str, float, bool], None]
 
 
@@ -540,6 +542,8 @@ class Server:
             log.debug("invalid request: %s", exc)
             self._count("invalid", time.perf_counter() - start, False)
             return p.encode_error(p.peek_id(frame, self.max_bytes), exc)
+        if isinstance(req, p.Release) and self._inline_slots:
+            self._settle_slots(req.aid)
         if defer is not None and isinstance(req, p.Acquire):
             def begin() -> dict | None:
                 step = handlers.begin_acquire(self.store, req)
@@ -616,11 +620,20 @@ class Server:
             self.counters["inline_replies"] += 1
             self.counters["inline_bytes"] += nbytes
 
-    def _settle_slots(self) -> None:
+    def _settle_slots(self, released: int = 0) -> None:
         """Give back the holds of inline replies whose bytes are out of ZeroMQ's hands
-        (and of any that was taken and never handed to it: a bug, logged)."""
+        (and of any that was taken and never handed to it: a bug, logged). A release
+        of acquisition ``released`` waits a little for its reply's tracker: the peer
+        has every byte, but the tracker learns so from pyzmq's collector thread, and
+        a drop must find the entries unheld to free them then, not at the next reap."""
         now = time.monotonic()
         for slot in self._inline_slots:
+            if slot.held and released and slot.aid == released and not slot.handed \
+                    and slot.tracker is not None:
+                try:
+                    slot.tracker.wait(RELEASE_WAIT_S)
+                except zmq.NotDone:
+                    pass
             if slot.held and slot.done(now):
                 slot.held = False
                 try:
