@@ -70,6 +70,12 @@ HELP = {
         "copies them (keep it small); at most 8 such replies wait unsent, their entries "
         "held in place until they go; past that, replies name TE addresses. 0: always TE "
         "(docs/benchmarks.md, \"Small drop_selects in one round trip\"). At most 64MiB.",
+    "server.peer_timeout_s": "The server sends every client connection a ZeroMQ "
+        "heartbeat and closes one that answers none for this long, dropping what was "
+        "queued for it: a stopped or vanished client then holds nothing, such as the "
+        "entries of inline replies it never read (docs/architecture.md, \"Small "
+        "drop_selects in one round trip\"). Clients' libzmq answers by itself, whatever "
+        "their Python code is doing. 0: never.",
     "server.local_socket": "A Unix socket beside the shared DRAM arena (`<arena>.sock` under `/dev/shm`, mode 0600) that clients on this node send their requests to instead of the ZeroMQ port: a round trip 1.4 - 2.1x faster (docs/benchmarks.md, \"The same-node door\"). Only the server's own user and root get in, CURVE or not. Needs `tiers.dram_shared`.",
     "policy.background_writeback": "A background thread writes NVMe copies of the least-recently-used entries of the tier above NVMe, one demotion ahead, so demotion under pressure is an index change (no NVMe write on the request path).",
     "policy.writeback_batch_bytes": "Most bytes one background writeback round copies to NVMe (the store's lock is not held while they are written).",

@@ -162,6 +162,7 @@ def _inline(section: Any) -> None:
 
 
 MAX_GC_YOUNG = 10**8  # what gc.set_threshold takes is a C int; far above any request
+MAX_PEER_TIMEOUT_S = 86_400.0  # a day: longer is "never", which is 0
 
 
 @dataclass(frozen=True)
@@ -186,11 +187,19 @@ class ServerConfig:
     # An acquire's bytes, up to this many, go in its reply when the client asks
     # (client.inline_max_bytes) and they are all in DRAM; 0: always over TE.
     inline_max_bytes: Size = 4 << 20
+    # A client connection that answers no ZeroMQ heartbeat for this long is closed
+    # (and what was queued for it dropped); 0: never.
+    peer_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         _sizes(self, "max_message_bytes", "inline_max_bytes")
         _inline(self)
         _positive(self, "busy_after_s")
+        if isinstance(self.peer_timeout_s, bool) \
+                or not isinstance(self.peer_timeout_s, (int, float)) \
+                or not 0 <= self.peer_timeout_s <= MAX_PEER_TIMEOUT_S:
+            raise ConfigError(f"ServerConfig.peer_timeout_s must be a number in "
+                              f"0..{MAX_PEER_TIMEOUT_S:g}, got {self.peer_timeout_s!r}")
         if isinstance(self.gc_young, bool) or not isinstance(self.gc_young, int) \
                 or not 0 <= self.gc_young <= MAX_GC_YOUNG:
             raise ConfigError(f"ServerConfig.gc_young must be an int in 0..{MAX_GC_YOUNG}")

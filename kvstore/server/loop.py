@@ -34,10 +34,12 @@ ROUTER, its requests join the same queue and its replies go back on the connecti
 they came from (``_send``); it skips libzmq's I/O threads: a round trip 1.4 - 2.1x
 faster here.
 
-Bytes never cross these sockets. reserve/acquire replies carry the TE segment name
-and per-entry addresses inside the registered tier arenas; the client moves the
-bytes one-sided with its own TE engine (or memcpy into the shared DRAM arena when
-it runs on this node) and then commits or releases.
+Bulk bytes cross these sockets only in a small acquire's reply (``_inline``).
+Otherwise reserve/acquire replies carry the TE segment name and per-entry addresses
+inside the registered tier arenas; the client moves the bytes one-sided with its own
+TE engine (or memcpy into the shared DRAM arena when it runs on this node) and then
+commits or releases. A client connection that answers no ZeroMQ heartbeat for
+``server.peer_timeout_s`` is closed, and what was queued for it dropped.
 
 Security: with ``server.curve_secret_key`` set the socket is a CURVE server and
 only clients whose public key is in ``server.curve_authorized_keys`` get through
@@ -87,8 +89,8 @@ _INPROC = itertools.count()
 # server.inline_max_bytes: what a client that stops reading can make the server hold.
 INLINE_BACKLOG = 8
 _DATA = object()  # the key of an inline reply's bytes in a result map (never encoded)
-# A release waits at most this long for its inline reply's tracker (_settle_slots).
-RELEASE_WAIT_S = 0.05
+# A release waits at most this long for its inline reply's tracker (_await_sent).
+RELEASE_WAIT_S = 0.2
 Observer = Callable[[str, float, bool], None]
 
 
@@ -115,7 +117,7 @@ class Server:
         self._stop = False
         self._started = time.time()
         self.counters = {"requests": 0, "errors": 0, "busy": 0, "local_requests": 0,
-                         "inline_replies": 0, "inline_bytes": 0}
+                         "inline_replies": 0, "inline_bytes": 0, "inline_views": 0}
         # Acquires answered with their bytes (``Acquire.inline``): at most this many
         # bytes per reply, and INLINE_BACKLOG replies handed to ZeroMQ and not sent
         # yet (``_Slot``); past that, replies name TE addresses.
@@ -164,6 +166,10 @@ class Server:
         # Frames between max_message_bytes and this hard cap get a typed error reply;
         # beyond it libzmq drops the connection before we ever see the frame.
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_bytes + 4096)
+        if srv.peer_timeout_s > 0:  # a peer that answers no heartbeat is let go
+            timeout_ms = max(1, int(srv.peer_timeout_s * 1000))
+            sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, min(timeout_ms // 3, 10_000)))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
         if srv.curve_secret_key:
             self._setup_curve(sock)
         try:
@@ -280,6 +286,7 @@ class Server:
             if waited > self._busy_after and not self._never_busy(frames):
                 reply = self._busy(frames, waited)
             else:
+                self._await_sent(frames)
                 after: list[Callable[[], None]] = []
                 with self.store.lock:
                     reply = self._respond(frames, arrived, after.append)
@@ -543,7 +550,7 @@ class Server:
             self._count("invalid", time.perf_counter() - start, False)
             return p.encode_error(p.peek_id(frame, self.max_bytes), exc)
         if isinstance(req, p.Release) and self._inline_slots:
-            self._settle_slots(req.aid)
+            self._settle_slots()  # (``_await_sent`` gave its reply's tracker time)
         if defer is not None and isinstance(req, p.Acquire):
             def begin() -> dict | None:
                 step = handlers.begin_acquire(self.store, req)
@@ -619,28 +626,44 @@ class Server:
         with self._counters_lock:
             self.counters["inline_replies"] += 1
             self.counters["inline_bytes"] += nbytes
+            self.counters["inline_views"] += type(data) is memoryview
 
-    def _settle_slots(self, released: int = 0) -> None:
+    def _settle_slots(self) -> None:
         """Give back the holds of inline replies whose bytes are out of ZeroMQ's hands
-        (and of any that was taken and never handed to it: a bug, logged). A release
-        of acquisition ``released`` waits a little for its reply's tracker: the peer
-        has every byte, but the tracker learns so from pyzmq's collector thread, and
-        a drop must find the entries unheld to free them then, not at the next reap."""
+        (and of any that was taken and never handed to it: a bug, logged), and let go
+        of the bytes of every reply that is out."""
         now = time.monotonic()
         for slot in self._inline_slots:
-            if slot.held and released and slot.aid == released and not slot.handed \
-                    and slot.tracker is not None:
-                try:
-                    slot.tracker.wait(RELEASE_WAIT_S)
-                except zmq.NotDone:
-                    pass
-            if slot.held and slot.done(now):
+            if slot.data is None or not slot.done(now):
+                continue
+            slot.data = None
+            if slot.held:
                 slot.held = False
                 try:
                     self.store.end_send(slot.aid)
                 except Exception:  # noqa: BLE001 - a bug must not take the node down
                     log.exception("giving back an inline reply's hold failed")
-                slot.data = None
+
+    def _await_sent(self, frames: list[bytes]) -> None:
+        """Before a release of an acquisition whose reply was sent from the arena
+        (held), without the store's lock: wait up to ``RELEASE_WAIT_S`` for that
+        reply's tracker. The peer has every byte by then, but the tracker learns so
+        from pyzmq's collector thread, and the release's drop must find the entries
+        unheld (``_settle_slots``) to free them at once, not at the next reap."""
+        unsent = [s for s in self._inline_slots
+                  if s.held and not s.handed and s.tracker is not None and not s.tracker.done]
+        if not unsent or p.peek_op(frames[-1], self.max_bytes) != "release":
+            return
+        try:
+            _, req = p.decode_request(frames[-1], self.max_bytes)
+        except Exception:  # noqa: BLE001 - handle() answers a bad frame
+            return
+        for slot in unsent:
+            if slot.aid == getattr(req, "aid", None):
+                try:
+                    cast(zmq.MessageTracker, slot.tracker).wait(RELEASE_WAIT_S)
+                except zmq.NotDone:
+                    pass
 
     def _acquired(self, acq: Acquisition) -> dict:
         # Addresses are only meaningful in this segment; a client holding an

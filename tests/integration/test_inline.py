@@ -8,6 +8,8 @@ entry as it copies it out of the reply.
 """
 
 import dataclasses
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -44,6 +46,11 @@ def reader(client_factory, server, cap: int = 4 << 20, **opts):
     return client
 
 
+def inline_views(client) -> int:
+    """Inline replies the server sent from its arena itself (no copy)."""
+    return client.stats()["inline_views"]
+
+
 def inline_stats(client) -> tuple[int, int]:
     stats = client.stats()
     return stats["inline_replies"], stats["inline_bytes"]
@@ -54,6 +61,7 @@ def test_a_small_drop_select_comes_in_its_acquires_reply(clean_server, client_fa
     consumer = reader(client_factory, clean_server)
     assert consumer.hello()["inline_max"] == 4 << 20
     before = inline_stats(producer)
+    views = inline_views(producer)
     g = torch.Generator().manual_seed(5)
     hidden = torch.randn(13, 16, generator=g).bfloat16()
     for seed, n in enumerate([13, 4, 37]):  # sub-page entries: the arena has gaps
@@ -69,6 +77,9 @@ def test_a_small_drop_select_comes_in_its_acquires_reply(clean_server, client_fa
     assert replies - before[0] == 3
     assert nbytes - before[1] >= LAYOUT.nbytes(13 + 4 + 37) + hidden_bytes
     assert "inline_read" in consumer.ops and "te_read" not in consumer.ops
+    # The one-entry prompt went from the arena itself, the others as copies (their
+    # sub-page entries have gaps between them in the arena).
+    assert inline_views(producer) == views + 1
     # Asked by the consumer: served after its own one-way release (another client's
     # request, over another door, may be served before it).
     stats = consumer.stats()
@@ -296,7 +307,61 @@ def test_replies_from_the_arena_reuse_their_slots(server_factory, client_factory
         stats = consumer.stats()
         assert stats["entries"] == 0 and stats["leases"] == 0, stats
     assert consumer.ops.count("inline_read") == rounds and "te_read" not in consumer.ops
+    assert inline_views(producer) == rounds  # every one from the arena itself
     assert producer.health(deep=True)["status"] == "ok"
+
+
+_STOPPED_PEER = """
+import os, signal, sys, zmq
+sock = zmq.Context().socket(zmq.DEALER)
+sock.setsockopt(zmq.RCVHWM, 1)
+sock.setsockopt(zmq.RCVBUF, 64 << 10)
+sock.connect(sys.argv[1])
+for i in range(int(sys.argv[3])):
+    sock.send(bytes.fromhex(sys.argv[2]))
+print("sent", flush=True)
+sys.stdin.readline()  # the test has seen the replies held
+os.kill(os.getpid(), signal.SIGSTOP)  # its libzmq stops too: no heartbeat answered
+"""
+
+
+@pytest.mark.parametrize("peer_timeout", [1.5, 0])
+def test_a_stopped_peer_is_let_go_and_its_replies_with_it(server_factory, client_factory,
+                                                          peer_timeout):
+    """A client that stops for good (SIGSTOP here; a hung host alike) with replies
+    it never read: its connection answers no heartbeat, so after
+    ``server.peer_timeout_s`` the server closes it, ZeroMQ drops the replies, and the
+    entries they held can go again. With the timeout off they stay held."""
+    cap = 1 << 20
+    n = 1024
+    srv = server_factory(dram=str(cap + (cap >> 1)), nvme="0",
+                         block_tokens=PAGED.block_tokens,
+                         env={"KVSTORE_SERVER_INLINE_MAX_BYTES": str(cap),
+                              "KVSTORE_SERVER_PEER_TIMEOUT_S": str(peer_timeout)})
+    producer = client_factory(srv, layout=PAGED)
+    producer.insert(prompt(n, 9), make_kv(n, 9, PAGED))
+    req = dataclasses.replace(_acquire(producer, prompt(n, 9), inline=cap), lease_s=0.2)
+    peer = subprocess.Popen([sys.executable, "-c", _STOPPED_PEER, srv.address,
+                             p.encode_request(1, req).hex(), "20"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert peer.stdout.readline().strip() == "sent"
+        deadline = time.monotonic() + 10
+        while inline_views(producer) < 2:  # (more than the kernel's buffers took)
+            assert time.monotonic() < deadline, "no reply was sent from the arena"
+            time.sleep(0.05)
+        time.sleep(0.5)  # the leases (0.2 s) ran out: only the replies hold the entries
+        assert producer.evict(everything=True)["count"] == 0
+        peer.stdin.write("\n")
+        peer.stdin.flush()
+        time.sleep(peer_timeout + 2.0)  # the timeout, then a reap to settle the slots
+        evicted = producer.evict(everything=True)["count"]
+        assert evicted == (n // PAGED.block_tokens if peer_timeout else 0), evicted
+    finally:
+        peer.kill()
+        peer.wait(10)
+        peer.stdin.close()
+        peer.stdout.close()
 
 
 def test_a_curve_client_reads_over_te(server_factory, client_factory, tmp_path):

@@ -112,6 +112,8 @@ def test_replace_returns_a_new_tree():
     ("[server]\ngc_young = true\n", "gc_young"),
     ("[server]\ngc_young = 1099511627776\n", "gc_young"),  # past a C int: refused here
     ("[server]\ninline_max_bytes = \"65MiB\"\n", "inline_max_bytes"),
+    ("[server]\npeer_timeout_s = -1\n", "peer_timeout_s"),
+    ("[server]\npeer_timeout_s = \"soon\"\n", "peer_timeout_s"),
     ("[client]\ninline_max_bytes = -1\n", "inline_max_bytes"),
     ("[cluster]\nttl_s = \"x\"\n", "cluster.ttl_s"),
     ("[policy]\nhigh_watermark = \"high\"\n", "policy.high_watermark"),
