@@ -68,9 +68,14 @@ class Catalog:
         # (store.verify_commits = "background"): key -> the checksum the writer gave.
         # Store.scrub_step checks them off the request path; a dropped record leaves.
         self.unchecked: dict[bytes, int] = {}
-        # Of those, the ones the scrub found bad while someone held them: key -> the
-        # record's ``created``. Every read verifies them; dropped once unheld.
+        # Entries known bad at rest while someone held them (the scrub found them, or
+        # a reader reported them): key -> the record's ``created``. Acquires stop
+        # before them (a miss), every read verifies them; dropped once unheld
+        # (``Writes.drop_condemned``, at each scrub step and reap).
         self.condemned: dict[bytes, float] = {}
+        # Of those, the ones a reader reported (counted in ``checksum_failures`` then,
+        # not again in ``commit_checksum_failures`` when they go).
+        self.reported: set[bytes] = set()
         self.orders = {name: GroupOrder(sort_key, self._member_of(name),
                                         self._members_of(name))
                        for name in tiers}
@@ -207,7 +212,7 @@ class Catalog:
     def _drop_records(self, drop: list[bytes]) -> None:
         self.keys.discard_many(drop)
         records, by_tier, copies = self.records, self.by_tier, self.copies
-        unchecked, condemned = self.unchecked, self.condemned
+        unchecked, condemned, reported = self.unchecked, self.condemned, self.reported
         # owned(rec) and free_by_tier, inlined: a release drops every entry it read.
         freed: dict[str, list[Extent]] = {}
         make = tuple.__new__
@@ -215,7 +220,8 @@ class Catalog:
             rec = records.pop(key)
             self.pinned -= rec.pins > 0
             unchecked.pop(key, None)
-            condemned.pop(key, None)
+            if condemned.pop(key, None) is not None:
+                reported.discard(key)
             del by_tier[rec.tier][key]
             copies.pop(key, None)
             ext = make(Extent, (rec.tier, rec.offset, rec.nbytes))

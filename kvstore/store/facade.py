@@ -339,6 +339,11 @@ class Store:
                 done += 1
             holds.reaped(now)
             self.catalog.index.drop_strays()  # rows a full index could not delete
+            if self.catalog.condemned:  # known bad, and maybe no longer held
+                gone = self._writes.drop_condemned()
+                if gone:
+                    log.warning("%d entries known bad at rest, held until now: dropped "
+                                "(first %s)", len(gone), gone[0].hex())
             try:
                 self.place.restore_watermarks()
             except (StorageError, TierFullError):  # demotion resumes when space does

@@ -294,8 +294,10 @@ class Reads(Operations):
         reader's checksum. Then every entry of the lease is re-checked here: one
         whose stored bytes are bad is counted in ``checksum_failures`` and dropped
         (it could never be served again); a reported one that is fine at rest was
-        damaged in transit (``transfer_checksum_failures``) and stays. The reader's
-        word alone drops nothing."""
+        damaged in transit (``transfer_checksum_failures``) and stays. A bad one
+        that another lease (or a reply being sent) still holds is condemned instead:
+        acquires stop before it, and it goes once nothing holds it
+        (``Writes.drop_condemned``). The reader's word alone drops nothing."""
         with self.lock:
             if acquisition_id == 0:
                 return 0  # the empty acquisition of a full miss
@@ -303,7 +305,13 @@ class Reads(Operations):
             bad = self._bad_at_rest(lease, corrupt)
             freed = self.end_lease(lease, drop)  # raises with nothing changed
             self.holds.close_lease(acquisition_id)
-            bad = [k for k in bad if k in self.catalog.records and not self.holds.leased.get(k)]
+            records, leased = self.catalog.records, self.holds.leased
+            bad = [k for k in bad if k in records]
+            for key in bad:
+                if leased.get(key):  # others hold it: never served again, gone when free
+                    self.catalog.condemned[key] = records[key].created
+                    self.catalog.reported.add(key)
+            bad = [k for k in bad if not leased.get(k)]
             self.catalog.apply(drop=bad)
             return freed + len(bad)
 
@@ -368,9 +376,10 @@ class Reads(Operations):
 
     def _walk(self, keys: list[bytes], tokens: list[bytes]) -> list[Record]:
         out = []
+        condemned = self.catalog.condemned  # known bad: a miss from there on
         for key, tok in zip(keys, tokens):
             rec = self.catalog.records.get(key)
-            if rec is None:
+            if rec is None or (condemned and key in condemned):
                 break
             if rec.tokens != tok:  # a hash collision: a miss, never someone else's KV
                 self.counts["collisions"] += 1

@@ -314,8 +314,8 @@ class Writes(Operations):
         return bad
 
     def drop_condemned(self) -> list[bytes]:
-        """Drop the condemned records no one holds any more (counted in
-        ``commit_checksum_failures``); the held ones wait for their holders. If the
+        """Drop the condemned records no one holds any more (those the scrub found
+        counted in ``commit_checksum_failures``); the held ones wait for their holders. If the
         index refuses the drop, they stay condemned and are tried again."""
         records, condemned = self.catalog.records, self.catalog.condemned
         due = []
@@ -323,15 +323,17 @@ class Writes(Operations):
             rec = records.get(key)
             if rec is None or rec.created != created:
                 del condemned[key]  # gone, or stored again since
+                self.catalog.reported.discard(key)
             elif not self.holds.leased.get(key):
                 due.append(key)
         if not due:
             return []
+        scrubbed = sum(key not in self.catalog.reported for key in due)
         try:
             self.catalog.apply(drop=due)  # leaves ``condemned`` with the records
         except StorageError:
             return []  # counted and logged by the catalog
-        self.counts["commit_checksum_failures"] += len(due)
+        self.counts["commit_checksum_failures"] += scrubbed
         return due
 
     def _commit_verified(self, op: Open, new: list[int], sums: list[int], pin: bool = False,

@@ -124,3 +124,27 @@ def test_a_reader_report_drops_every_entry_bad_at_rest(make_store):
     store.release(acq.id, drop=False, corrupt=[1])  # the reader stopped at the first
     assert store.stats()["checksum_failures"] == 2
     assert sorted(where(store)) == [1]
+
+
+def test_a_reported_entry_that_others_hold_is_a_miss_until_it_goes(make_store):
+    """A reader reports an entry bad at rest while another reader still holds it:
+    it cannot go yet, but no acquire is served it again (a miss from there on), and
+    it goes once the last holder lets go, counted once."""
+    store = make_store(dram=4)
+    put(store, [1, 2, 3])
+    rec = next(r for r in store.entries() if r.key == key(2))
+    store.place.tiers["dram"].view(store.place.io.extent(rec))[0] ^= 0xFF
+    keys, tokens = [key(1), key(2), key(3)], [toks(1), toks(2), toks(3)]
+    other = store.acquire(keys, tokens)  # still reading when the report comes
+    mine = store.acquire(keys, tokens)
+    assert store.release(mine.id, drop=False, corrupt=[1]) == 0  # held: not yet
+    assert sorted(where(store)) == [1, 2, 3]
+    again = store.acquire(keys, tokens)
+    assert [e.key for e in again.entries] == [key(1)]  # a miss at the bad one
+    store.release(again.id)
+    store.release(other.id)
+    assert store.reap() == 0  # (no lease ran out) but the bad entry is free to go now
+    assert sorted(where(store)) == [1, 3]
+    stats = store.stats()
+    assert stats["checksum_failures"] == 1 and stats["commit_checksum_failures"] == 0
+    store.check_integrity()
