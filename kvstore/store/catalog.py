@@ -158,6 +158,14 @@ class Catalog:
         self._counts["dropped"] += len(keys)
         return len(keys)
 
+    def condemn(self, rec: Record, reported: bool = False) -> None:
+        """``rec`` is known bad at rest but held: acquires stop before it and it goes
+        once unheld (``condemned``); ``reported``: a reader's report found it (already
+        counted in ``checksum_failures``)."""
+        self.condemned[rec.key] = rec.created
+        if reported:
+            self.reported.add(rec.key)
+
     def touch(self, recs: Sequence[Record], now: float) -> list[Record]:
         """Set the access time of ``recs`` (stored) in memory only: it is persisted
         with the entry's next change. Returns the current records. Their victim

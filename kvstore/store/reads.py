@@ -306,14 +306,14 @@ class Reads(Operations):
             freed = self.end_lease(lease, drop)  # raises with nothing changed
             self.holds.close_lease(acquisition_id)
             records, leased = self.catalog.records, self.holds.leased
-            bad = [k for k in bad if k in records]
-            for key in bad:
+            free = []
+            for key in (k for k in bad if k in records):
                 if leased.get(key):  # others hold it: never served again, gone when free
-                    self.catalog.condemned[key] = records[key].created
-                    self.catalog.reported.add(key)
-            bad = [k for k in bad if not leased.get(k)]
-            self.catalog.apply(drop=bad)
-            return freed + len(bad)
+                    self.catalog.condemn(records[key], reported=True)
+                else:
+                    free.append(key)
+            self.catalog.apply(drop=free)
+            return freed + len(free)
 
     def _bad_at_rest(self, lease: Lease, corrupt: Sequence[int]) -> list[bytes]:
         positions = sorted(set(corrupt))

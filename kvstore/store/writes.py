@@ -310,7 +310,7 @@ class Writes(Operations):
             del unchecked[rec.key]
             if got != rec.checksum and checksum(self.io.read_bytes(now)) != now.checksum:
                 bad.append(rec.key)
-                self.catalog.condemned[rec.key] = now.created
+                self.catalog.condemn(now)
         return bad
 
     def drop_condemned(self) -> list[bytes]:
