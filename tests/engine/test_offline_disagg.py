@@ -19,6 +19,7 @@ import pytest
 from tests.engine.conftest import (
     DECODE_TOKENS,
     Listener,
+    RefTokens,
     maps_arena_of,
     prompt_report,
     prompts,
@@ -147,14 +148,18 @@ def test_cache_salt_separates_and_matches(disagg, node_emulation):
     # loaded KV, the plain engine inside its full prefill; the two round differently,
     # and this phase's 300-token prompt (Llama bf16) reaches a near-tie at output 6.
     # The same-node and TE tests hold bf16 loads to the plain engine; here the judge
-    # of "same salt, same KV" is the same load without any salt: identical bytes
-    # through an identical path must give identical tokens.
+    # of "same salt, same KV" is the same load without any salt. Two bf16 decodes of
+    # the same bytes on this CPU engine are not always bit-identical either (CI saw
+    # them split at that output 6), so a split at a near-tie of the unsalted load's
+    # own logits is allowed, as prompt_report allows it against the plain engine.
     unsalted = disagg.producer.generate(ps, max_tokens=1)
     settle(disagg.stats_a, after["entries"] + stored_blocks(map(len, ps)))
     plain_load = disagg.consumer_a.generate(ps, DECODE_TOKENS,
-                                            [o.kv_transfer_params for o in unsalted])
+                                            [o.kv_transfer_params for o in unsalted],
+                                            logprobs=2)
     assert [o.num_cached_tokens for o in plain_load] == [len(p) - 1 for p in ps]
-    assert [o.token_ids for o in same] == [o.token_ids for o in plain_load]
+    judge = {tuple(p): RefTokens(o.token_ids, o.top_logprobs) for p, o in zip(ps, plain_load)}
+    assert not prompt_report(ps, same, judge), prompt_report(ps, same, judge)
     assert settle(disagg.stats_a)["entries"] == before["entries"]
 
 
