@@ -67,7 +67,9 @@ stopping it stops everything it started; it also gets SIGTERM if its parent dies
 vLLM leaves its tensor-parallel group's shared-memory files (``/dev/shm/vllm_dist_*``,
 4 MiB each, two a group) behind when its engine exits, even cleanly: the parent
 remembers those its engine's processes mapped and removes them once the group is gone
-(``shm_left()`` names any that are still there).
+(``shm_left()`` names any that are still there). Its ZeroMQ socket files, which vLLM
+also leaves, go in a dir of the engine's own (``rpc_dir``, unless ``env`` sets
+``VLLM_RPC_BASE_PATH``), removed with them.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -150,6 +153,23 @@ def engine_env(host_ip: str, extra: dict[str, str] | None = None) -> dict[str, s
     return env
 
 
+RPC_PREFIX = "kvs-rpc-"
+
+
+def rpc_dir() -> Path:
+    """A fresh dir for vLLM's ZeroMQ socket files (``VLLM_RPC_BASE_PATH``): vLLM leaves
+    them (0-byte files with uuid names) in /tmp even after a clean exit. Short enough
+    for their names (sun_path is 108 bytes). First removes those of earlier runs whose
+    process is gone (a SIGKILLed run cannot remove its own)."""
+    base = tempfile.gettempdir()
+    base = Path(base if len(base) <= 48 else "/tmp")
+    for old in base.glob(f"{RPC_PREFIX}*-*"):
+        pid = old.name[len(RPC_PREFIX):].split("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{RPC_PREFIX}{os.getpid()}-", dir=base))
+
+
 def _term_with_parent() -> None:
     from tools.netns import _term_with_parent as pdeathsig
 
@@ -187,6 +207,7 @@ class EngineProc:
         self._ready = False
         self._seq = 0  # id of the last request; the driver echoes it in its answer
         self._shm: set[str] = set()  # vLLM's /dev/shm files its processes mapped
+        self.rpc_dir: Path | None = None  # its socket files, unless env names a place
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> EngineProc:
@@ -195,6 +216,9 @@ class EngineProc:
             config = self.log_path.with_suffix(".logging.json")
             config.write_text(json.dumps(LOGGING))
             self.env["VLLM_LOGGING_CONFIG_PATH"] = str(config)
+        if "VLLM_RPC_BASE_PATH" not in self.env:
+            self.rpc_dir = rpc_dir()
+            self.env["VLLM_RPC_BASE_PATH"] = str(self.rpc_dir)
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(
@@ -238,7 +262,8 @@ class EngineProc:
 
     def kill(self, timeout: float = 10.0) -> int | None:
         """TERM, then KILL, the driver's process group (only what this engine started);
-        then remove the shared-memory files it mapped (``SHM_PREFIX``)."""
+        then remove the shared-memory files it mapped (``SHM_PREFIX``) and its
+        ``rpc_dir``."""
         if self.proc is None:
             return None
         self._note_shm()
@@ -263,6 +288,8 @@ class EngineProc:
                     os.unlink(path)
                 except FileNotFoundError:
                     pass
+            if self.rpc_dir is not None:
+                shutil.rmtree(self.rpc_dir, ignore_errors=True)
         return self.proc.returncode
 
     def _note_shm(self) -> None:

@@ -30,14 +30,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from tools.engine_proc import _group_members  # one /proc scan for both harnesses
+from tools.engine_proc import _group_members, rpc_dir  # shared by both harnesses
 from tools.netns import ClusterError, Node, make_cluster, namespaces
 
 log = logging.getLogger(__name__)
@@ -46,7 +45,6 @@ REPO = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 32  # CPU attention needs a multiple of 32
 START_TIMEOUT_S = 300.0  # three engines starting at once on 2 cores
 STOP_TIMEOUT_S = 15.0
-_RPC_PREFIX = "kvs-rpc-"
 SERVED_NAME = "tiny"  # the name clients put in "model"; also the connector's model_id
 CONNECTOR = {"kv_connector": "KVStoreConnectorV1",
              "kv_connector_module_path": "kvstore.connector.vllm_v1",
@@ -158,7 +156,7 @@ class PDCluster:
 
     def start(self) -> None:
         progress = self.progress
-        self.rpc_dir = _rpc_dir()
+        self.rpc_dir = rpc_dir()
         self.cluster.start()
         a, b, c = self.cluster.nodes
         self.node_a, self.node_b, self.node_c = a, b, c
@@ -315,17 +313,6 @@ class PDCluster:
         return {name: res["stats"][addr] for name, addr in addresses.items()}
 
 
-def _rpc_dir() -> Path:
-    """A fresh dir for vLLM's socket files, with room for their names (sun_path is 108
-    bytes); first removes those of earlier runs whose process is gone (a SIGKILLed run
-    cannot remove its own)."""
-    base = tempfile.gettempdir()
-    base = Path(base if len(base) <= 48 else "/tmp")
-    for old in base.glob(f"{_RPC_PREFIX}*-*"):
-        pid = old.name[len(_RPC_PREFIX):].split("-")[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(old, ignore_errors=True)
-    return Path(tempfile.mkdtemp(prefix=f"{_RPC_PREFIX}{os.getpid()}-", dir=base))
 
 
 def _stop_group(proc: subprocess.Popen, timeout: float = STOP_TIMEOUT_S) -> None:

@@ -183,7 +183,11 @@ def test_tensor_parallel_two_ranks_decode_exactly(trio_factory):
     # No params: the scheduler's lookup finds both ranks' entries, the load is same-step.
     assert trio.check(_prompts(14, (37, 300)), with_params=False, entries_per_block=2) == []
     # Each TP engine's ranks share buffers in /dev/shm that vLLM leaves at exit; the
-    # harness removes those its engines mapped once they are gone.
+    # harness removes those its engines mapped once they are gone, and the dir of the
+    # ZeroMQ socket files vLLM also leaves (in /tmp without it).
     assert all(e.shm_left() for e in trio.engines())
+    rpc = [e.rpc_dir for e in trio.engines()]
+    assert all(d is not None and any(d.iterdir()) for d in rpc), rpc
     stop_all(trio.engines())
     assert not [path for e in trio.engines() for path in e.shm_left()]
+    assert not [d for d in rpc if d.exists()]
