@@ -38,6 +38,7 @@ _FLAGS = {
     "dram_prefault": ("tiers", "dram_prefault"),
     "local_socket": ("server", "local_socket"), "gc_young": ("server", "gc_young"),
     "inline_max_bytes": ("server", "inline_max_bytes"),
+    "peer_timeout": ("server", "peer_timeout_s"), "busy_after": ("server", "busy_after_s"),
     "nvme": ("tiers", "nvme_bytes"), "nvme_path": ("tiers", "nvme_path"),
     "nvme_direct": ("tiers", "nvme_direct"), "nvme_fsync": ("tiers", "nvme_fsync"),
     "gpu": ("tiers", "gpu_bytes"), "gpu_device": ("tiers", "gpu_device"),
@@ -162,6 +163,11 @@ def _serve(cfg: KVStoreConfig) -> int:
               help="Young-generation GC threshold of this process; 0: Python's. [50000]")
 @click.option("--inline-max-bytes",
               help="Send a drop_select's bytes in its reply up to this size; 0: TE. [4MiB]")
+@click.option("--peer-timeout", type=float,
+              help="Close a client connection that answers no heartbeat this long (s); "
+                   "0: never. [30]")
+@click.option("--busy-after", type=float,
+              help="Answer busy at once a request that would wait longer than this (s). [2]")
 @click.option("--nvme", help="NVMe tier size; 0 disables. [4GiB]")
 @click.option("--nvme-path", help="NVMe slab file or block device. [<data-dir>/nvme.slab]")
 @click.option("--nvme-direct", type=click.Choice(["auto", "on", "off"]), help="O_DIRECT. [auto]")

@@ -331,13 +331,18 @@ def test_a_stopped_peer_is_let_go_and_its_replies_with_it(server_factory, client
     """A client that stops for good (SIGSTOP here; a hung host alike) with replies
     it never read: its connection answers no heartbeat, so after
     ``server.peer_timeout_s`` the server closes it, ZeroMQ drops the replies, and the
-    entries they held can go again. With the timeout off they stay held."""
+    entries they held can go again. With the timeout off they stay held. (The
+    timeout comes as a flag, 0 from the environment: both reach the server.)"""
     cap = 1 << 20
     n = 1024
+    env = {"KVSTORE_SERVER_INLINE_MAX_BYTES": str(cap)}
+    flags: tuple[str, ...] = ()
+    if peer_timeout:
+        flags = ("--peer-timeout", str(peer_timeout))
+    else:
+        env["KVSTORE_SERVER_PEER_TIMEOUT_S"] = "0"
     srv = server_factory(dram=str(cap + (cap >> 1)), nvme="0",
-                         block_tokens=PAGED.block_tokens,
-                         env={"KVSTORE_SERVER_INLINE_MAX_BYTES": str(cap),
-                              "KVSTORE_SERVER_PEER_TIMEOUT_S": str(peer_timeout)})
+                         block_tokens=PAGED.block_tokens, env=env, extra=flags)
     producer = client_factory(srv, layout=PAGED)
     producer.insert(prompt(n, 9), make_kv(n, 9, PAGED))
     req = dataclasses.replace(_acquire(producer, prompt(n, 9), inline=cap), lease_s=0.2)
