@@ -12,6 +12,7 @@ exactly the hashes vLLM's own prefix cache gives the same blocks.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import pytest
@@ -365,6 +366,7 @@ def test_real_openai_server_shows_stats_in_metrics_and_log_and_publishes_events(
     import zmq
     from vllm.distributed.kv_events import KVEventBatch
 
+    from tools.engine_proc import rpc_dir
     from tools.pd_cluster import SERVED_NAME, _env, _stop_group, engine_argv
     from tools.tiny_models import VOCAB, ModelSpec, build
 
@@ -389,10 +391,16 @@ def test_real_openai_server_shows_stats_in_metrics_and_log_and_publishes_events(
     argv += ["--kv-events-config", json.dumps({
         "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint})]
     log_path = tmp_path / "vllm.log"
+    # vLLM leaves its socket files and a vllm_dist_* file in its TMPDIR even after a
+    # clean exit: both go to dirs of this test's (as tools/pd_cluster.py does).
+    scratch, rpc = tmp_path / "tmp", rpc_dir()
+    scratch.mkdir()
     with open(log_path, "wb") as logf:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf,
                                 stderr=subprocess.STDOUT, start_new_session=True,
-                                env=_env("127.0.0.1", {"VLLM_LOG_STATS_INTERVAL": "1"}))
+                                env=_env("127.0.0.1", {"VLLM_LOG_STATS_INTERVAL": "1",
+                                                       "TMPDIR": str(scratch),
+                                                       "VLLM_RPC_BASE_PATH": str(rpc)}))
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -457,6 +465,7 @@ def test_real_openai_server_shows_stats_in_metrics_and_log_and_publishes_events(
         assert ours[0].token_ids == prompt[:96] and ours[0].block_size == block
     finally:
         _stop_group(proc)
+        shutil.rmtree(rpc, ignore_errors=True)
         sub.disable_monitor()
         monitor.close(linger=0)
         sub.close(linger=0)
