@@ -216,8 +216,8 @@ class EngineProc:
             config = self.log_path.with_suffix(".logging.json")
             config.write_text(json.dumps(LOGGING))
             self.env["VLLM_LOGGING_CONFIG_PATH"] = str(config)
-        if "VLLM_RPC_BASE_PATH" not in self.env:
-            self.rpc_dir = rpc_dir()
+        if self.rpc_dir is not None or "VLLM_RPC_BASE_PATH" not in self.env:
+            self.rpc_dir = rpc_dir()  # a fresh one each start: kill() removes it
             self.env["VLLM_RPC_BASE_PATH"] = str(self.rpc_dir)
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
