@@ -140,6 +140,14 @@ HELP = {
                              "fault per 4 KiB. A client that never copies (a "
                              "scheduler's lookups) never does. Off: pages fault on "
                              "first use.",
+    "client.stream_copies": "A client on the server's node copies an insert's entries "
+                            "into the shared arena with non-temporal stores, the GIL "
+                            "released (`kvstore.client._ntcopy`, a C extension built "
+                            "at install where a C compiler is found; without it, "
+                            "numpy's copy): the arena's lines are not first read into "
+                            "this process's cache. An 8 MiB insert's copy 12 - 14 % "
+                            "faster in `tools.bench.parts` (docs/benchmarks.md, \"Non-temporal stores\"). "
+                            "Off: numpy's copy.",
     "client.te_wait": "How the client waits for TE: `sleep` (default), the pieces in "
                       "flight together as async batches, each hashed as it lands, the "
                       "wait sleeping ~30 us between polls after the first 1 ms; "

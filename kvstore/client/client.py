@@ -153,7 +153,7 @@ class KVStoreClient:
                               protocol=te_protocol or cfg.te_protocol,
                               devices=cfg.te_devices if te_devices is None else te_devices,
                               piece_bytes=cfg.te_piece_bytes, wait=cfg.te_wait,
-                              prefault=cfg.prefault_arena)
+                              prefault=cfg.prefault_arena, stream=cfg.stream_copies)
         # The ROUTER, or the server's same-node socket once a hello names one
         # (kvstore/client/local.py).
         self._rpc = Control(Channel(self.server, self.timeout_s, curve=curve))

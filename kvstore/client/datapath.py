@@ -175,7 +175,7 @@ class DataPath:
                  timeout_s: float | None = None, engine: TeEngine | None = None,
                  protocol: str = "tcp", devices: str | Sequence[str] = "",
                  piece_bytes: int = WHOLE_RUNS, wait: str = "sleep",
-                 prefault: bool = True) -> None:
+                 prefault: bool = True, stream: bool = True) -> None:
         if same_node not in (True, False, "auto"):
             raise ConfigError(f"same_node must be True, False or 'auto', got {same_node!r}")
         self.same_node = same_node
@@ -183,6 +183,7 @@ class DataPath:
         # the first copy through it (tiers.prefault): a client that never copies (the
         # scheduler's, looking up) maps the arena but never pays for its page tables.
         self.prefault = prefault
+        self.stream = stream  # copy_in's: non-temporal stores into the arena
         self._prefault: Prefault | None = None  # the job of the arena mapped now
         self._prefault_lock = threading.Lock()
         self._arena_id: tuple[str, int, int, int] | None = None  # _file_id of segment.shm
@@ -304,7 +305,7 @@ class DataPath:
         if shm is not None and local:
             self.warm(shm)
             local_sums = copy_in(shm, [buffers[i] for i in local],
-                                 [placements[i] for i in local])
+                                 [placements[i] for i in local], stream=self.stream)
             for i, value in zip(local, local_sums):
                 sums[i] = value
         if remote:

@@ -236,6 +236,9 @@ class ClientConfig:
     te_piece_bytes: Size = 0  # 0: chosen by te_wait; N: N-byte pieces
     te_wait: str = "sleep"  # sleep / yield: streamed async pieces; spin: TE's sync calls
     prefault_arena: bool = True
+    # Same-node copies into the server's shared arena with non-temporal stores (the
+    # optional C extension kvstore.client._ntcopy; without it, numpy's copy).
+    stream_copies: bool = True
     curve_server_public_key: str = ""
     curve_secret_key: str = ""
     etcd: str = ""

@@ -269,3 +269,46 @@ def test_layer_writes_group_a_prompts_blocks_into_strided_runs():
              (4 * n + 512, 512, 1 << 30)]
     assert _strided_runs(mixed) == [(0, n, 0, 16384, 2), (3 * n, n, 32768, n, 1),
                                     (4 * n, 512, 49152, (1 << 30) - 49152, 2)]
+
+
+# ------------------------------------------------------------ non-temporal copies
+def test_the_streaming_copy_is_built_here():
+    """pyproject builds kvstore.client._ntcopy (optional: a machine without a C
+    compiler installs without it and copies with numpy). The Makefile installs gcc,
+    so where the tests run it must exist, or the copies below test numpy twice."""
+    assert shm_mod.STREAM is not None, "kvstore.client._ntcopy was not built"
+
+
+@given(lead=st.integers(0, 70), sizes=st.lists(st.integers(1, 3 * PIECE_BYTES // 2),
+                                               min_size=1, max_size=6),
+       gaps=st.lists(st.integers(0, 200), min_size=6, max_size=6))
+@settings(max_examples=60, deadline=None)
+def test_streamed_and_plain_copies_land_the_same_bytes_and_checksums(lead, sizes, gaps):
+    """Destinations at any alignment, sizes that leave a head before the first
+    16-byte boundary, a tail after the last whole 64-byte line, and entries cut in
+    pieces: the streamed copy writes exactly the plain one's bytes and nothing
+    beside them."""
+    rng = np.random.default_rng(sum(sizes) + lead)
+    bufs = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    offsets, at = [], lead
+    for n, gap in zip(sizes, gaps):
+        offsets.append(at)
+        at += n + gap
+    placements = [["dram", off, n, None] for off, n in zip(offsets, sizes)]
+    arenas = [np.full(at + 64, 0xA5, np.uint8) for _ in range(2)]
+    sums = [copy_in(arena, bufs, placements, stream=stream)
+            for arena, stream in zip(arenas, (True, False))]
+    assert sums[0] == sums[1] == [checksum(b) for b in bufs]
+    assert np.array_equal(arenas[0], arenas[1])
+
+
+def test_the_streaming_copy_refuses_what_it_cannot_do_safely():
+    copy = shm_mod.STREAM
+    if copy is None:
+        pytest.skip("kvstore.client._ntcopy not built")
+    with pytest.raises(ValueError, match="destination of 10 bytes, source of 11"):
+        copy(np.zeros(10, np.uint8), np.zeros(11, np.uint8))
+    with pytest.raises((TypeError, BufferError)):
+        copy(b"read-only!", np.zeros(10, np.uint8))
+    with pytest.raises((TypeError, BufferError, ValueError)):
+        copy(np.zeros(10, np.uint8), np.zeros(20, np.uint8)[::2])
