@@ -67,7 +67,9 @@ stopping it stops everything it started; it also gets SIGTERM if its parent dies
 vLLM leaves its tensor-parallel group's shared-memory files (``/dev/shm/vllm_dist_*``,
 4 MiB each, two a group) behind when its engine exits, even cleanly: the parent
 remembers those its engine's processes mapped and removes them once the group is gone
-(``shm_left()`` names any that are still there). Its ZeroMQ socket files, which vLLM
+(``shm_left()`` names any that are still there), and the Python SharedMemory files
+(``/dev/shm/psm_*``) a process killed before it could unlink them leaves. Its ZeroMQ
+socket files, which vLLM
 also leaves, go in a dir of the engine's own (``rpc_dir``, unless ``env`` sets
 ``VLLM_RPC_BASE_PATH``), removed with them.
 """
@@ -93,7 +95,11 @@ REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 240.0  # several engines starting at once on 2 cores
 GENERATE_TIMEOUT_S = 180.0  # tiny models answer in seconds: past this the engine is stuck
 STOP_TIMEOUT_S = 30.0
-SHM_PREFIX = "/dev/shm/vllm_dist_"
+# vLLM's shared-memory files: a TP group's buffers, and Python SharedMemory
+# (multiprocessing's "psm_" names: the message queues between an API server, its
+# engine core and workers, 240 MiB each), which a process killed before it unlinks
+# leaves behind.
+SHM_PREFIXES = ("/dev/shm/vllm_dist_", "/dev/shm/psm_")
 CONNECTOR = "KVStoreConnectorV1"
 CONNECTOR_MODULE = "kvstore.connector.vllm_v1"
 
@@ -262,7 +268,7 @@ class EngineProc:
 
     def kill(self, timeout: float = 10.0) -> int | None:
         """TERM, then KILL, the driver's process group (only what this engine started);
-        then remove the shared-memory files it mapped (``SHM_PREFIX``) and its
+        then remove the shared-memory files it mapped (``SHM_PREFIXES``) and its
         ``rpc_dir``."""
         if self.proc is None:
             return None
@@ -410,14 +416,14 @@ def stop_all(engines: Sequence[EngineProc], timeout: float = STOP_TIMEOUT_S) -> 
 
 
 def shm_files(pids: Sequence[int]) -> set[str]:
-    """The ``SHM_PREFIX`` files ``pids`` have mapped (from ``/proc/<pid>/maps``)."""
+    """The ``SHM_PREFIXES`` files ``pids`` have mapped (from ``/proc/<pid>/maps``)."""
     found: set[str] = set()
     for pid in pids:
         try:
             with open(f"/proc/{pid}/maps") as f:
                 for line in f:
                     fields = line.split(None, 5)
-                    if len(fields) == 6 and fields[5].startswith(SHM_PREFIX):
+                    if len(fields) == 6 and fields[5].startswith(SHM_PREFIXES):
                         found.add(fields[5].rstrip("\n").removesuffix(" (deleted)"))
         except OSError:  # gone meanwhile
             continue

@@ -36,7 +36,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from tools.engine_proc import _group_members, rpc_dir  # shared by both harnesses
+from tools.engine_proc import _group_members, rpc_dir, shm_files  # both harnesses'
 from tools.netns import ClusterError, Node, make_cluster, namespaces
 
 log = logging.getLogger(__name__)
@@ -136,6 +136,7 @@ class PDCluster:
         self.rpc_dir: Path | None = None  # made by start()
         self.services: list[Service] = []
         self._groups: list[int] = []
+        self._shm: set[str] = set()  # vLLM's /dev/shm files its processes mapped
         self._closed = False
 
     # ------------------------------------------------------------ lifecycle
@@ -182,6 +183,7 @@ class PDCluster:
         self.plain = self._engine(c, "plain", None)
         progress("starting 3 vLLM engines (prefill on A, decode on B, plain on C)")
         self._wait_healthy([self.prefill, self.decode, self.plain], START_TIMEOUT_S)
+        self._note_shm()
         self.proxy = self._start(c, "proxy", [
             sys.executable, "-m", "tools.pd_proxy", "--prefill", self.prefill.url,
             "--decode", self.decode.url, "--host", c.host, "--port", str(c.free_port())])
@@ -189,8 +191,9 @@ class PDCluster:
         progress(f"engines and proxy up: proxy {self.proxy.url}")
 
     def close(self) -> None:
-        """Stop every process group (proxy and engines first, stores last), then the
-        cluster (its namespaces). Idempotent; ignores Ctrl-C and SIGTERM meanwhile
+        """Stop every process group (proxy and engines first, stores last), remove the
+        vLLM shared-memory files they mapped (``shm_left``), then the cluster (its
+        namespaces). Idempotent; ignores Ctrl-C and SIGTERM meanwhile
         (in the main thread), so an impatient second signal cannot strand anything."""
         if self._closed:
             return
@@ -200,7 +203,15 @@ class PDCluster:
         previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in shielded}
         try:
             for service in reversed(self.services):
+                # (again before each: an engine still starting maps new ones meanwhile)
+                self._note_shm()
                 _stop_group(service.proc)
+            if not self.leftover_pids():  # nobody of this cluster maps them any more
+                for path in self.shm_left():
+                    try:
+                        os.unlink(path)
+                    except FileNotFoundError:
+                        pass
             self.cluster.close()
             shutil.rmtree(self.scratch, ignore_errors=True)
             if self.rpc_dir is not None:
@@ -217,6 +228,15 @@ class PDCluster:
         """This cluster's network namespaces that still exist (empty after close)."""
         own = {*getattr(self.cluster, "names", ()), getattr(self.cluster, "hub", None)}
         return [ns for ns in namespaces() if ns in own] if self.kind == "netns" else []
+
+    def _note_shm(self) -> None:
+        self._shm |= shm_files(self.leftover_pids())
+
+    def shm_left(self) -> list[str]:
+        """vLLM's shared-memory files this cluster's processes mapped that still exist
+        (vLLM leaves some when a process is killed before it unlinks them; ``close``
+        removes them once every process is gone)."""
+        return sorted(p for p in self._shm if os.path.exists(p))
 
     def leftover_pids(self) -> list[int]:
         """Live processes still in a group this cluster started (empty after close)."""

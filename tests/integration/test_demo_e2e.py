@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tools.engine_proc import SHM_PREFIXES
 from tools.netns import namespaces, netns_available
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,6 +85,13 @@ def started():
                     pass
 
 
+def _vllm_shm() -> set[str]:
+    """vLLM's files in /dev/shm (tools.engine_proc.SHM_PREFIXES): a process killed
+    before it unlinks its SharedMemory leaves 240 MiB there (once in a CI run)."""
+    return {str(p) for p in Path("/dev/shm").glob("*")
+            if str(p).startswith(SHM_PREFIXES)} if Path("/dev/shm").is_dir() else set()
+
+
 def _demo(tmp_path: Path, *args: str, **kwargs) -> subprocess.Popen:
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     return subprocess.Popen([sys.executable, "-m", "tools.demo", *args], cwd=REPO, env=env,
@@ -92,6 +100,7 @@ def _demo(tmp_path: Path, *args: str, **kwargs) -> subprocess.Popen:
 
 @pytest.mark.timeout(400)
 def test_make_run_decodes_identically_and_cleans_up(tmp_path, started):
+    shm_before = _vllm_shm()
     demo = _demo(tmp_path)  # exactly what `make run` runs
     try:
         out, err = demo.communicate(timeout=360)
@@ -113,6 +122,7 @@ def test_make_run_decodes_identically_and_cleans_up(tmp_path, started):
     assert started() == []
     assert _own_namespaces(demo.pid) == []
     assert os.listdir(tmp_path) == []
+    assert _vllm_shm() - shm_before == set()
 
 
 @pytest.mark.timeout(240)
@@ -122,6 +132,7 @@ def test_interrupt_while_engines_start_leaves_nothing(tmp_path, started, sig, de
     """Ctrl-C once vLLM's API servers have spawned an engine core (the deepest process
     tree), SIGTERM right after the engines were launched: exit 130, every process gone,
     namespaces and files removed."""
+    shm_before = _vllm_shm()
     demo = _demo(tmp_path)
     try:
         progress = ""
@@ -146,3 +157,4 @@ def test_interrupt_while_engines_start_leaves_nothing(tmp_path, started, sig, de
     assert started() == []
     assert _own_namespaces(demo.pid) == []
     assert os.listdir(tmp_path) == []
+    assert _vllm_shm() - shm_before == set()

@@ -1,0 +1,48 @@
+"""The engine harnesses (tools/engine_proc.py, tools/pd_cluster.py) find the vLLM
+shared-memory files their processes mapped, to remove them once those are gone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tools.engine_proc import shm_files
+
+# What vLLM's message queues do: a SharedMemory ("psm_" name) its creator keeps from
+# the resource tracker, so nobody unlinks it when the process is killed.
+_HOLDER = """
+import sys, time
+from multiprocessing import resource_tracker, shared_memory
+shm = shared_memory.SharedMemory(create=True, size=1 << 20)
+resource_tracker.unregister(shm._name, "shared_memory")
+print(shm.name, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
+def test_a_killed_process_s_shared_memory_is_found_by_its_mapping():
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER], stdout=subprocess.PIPE, text=True)
+    path = None
+    try:
+        name = proc.stdout.readline().strip()
+        path = f"/dev/shm/{name.lstrip('/')}"
+        assert name.lstrip("/").startswith("psm_") and os.path.exists(path)
+        assert path in shm_files([proc.pid])
+        assert shm_files([os.getpid()]) & {path} == set()  # only the mapping's owner
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert os.path.exists(path)  # left behind: the harness must remove it
+        assert shm_files([proc.pid]) == set()  # gone: nothing more to learn from it
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        proc.stdout.close()
+        if path is not None and os.path.exists(path):
+            os.unlink(path)
