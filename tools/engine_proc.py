@@ -289,11 +289,7 @@ class EngineProc:
         except subprocess.TimeoutExpired:
             pass
         if not self.leftover_pids():  # nobody of this engine maps them any more
-            for path in self.shm_left():
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
+            unlink_all(self.shm_left())
             if self.rpc_dir is not None:
                 shutil.rmtree(self.rpc_dir, ignore_errors=True)
         return self.proc.returncode
@@ -413,6 +409,15 @@ def stop_all(engines: Sequence[EngineProc], timeout: float = STOP_TIMEOUT_S) -> 
         t.start()
     for t in threads:
         t.join()
+
+
+def unlink_all(paths: Sequence[str]) -> None:
+    """Remove these files; one already gone is no error."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def shm_files(pids: Sequence[int]) -> set[str]:

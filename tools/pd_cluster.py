@@ -36,7 +36,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from tools.engine_proc import _group_members, rpc_dir, shm_files  # both harnesses'
+from tools.engine_proc import _group_members, rpc_dir, shm_files, unlink_all
 from tools.netns import ClusterError, Node, make_cluster, namespaces
 
 log = logging.getLogger(__name__)
@@ -207,11 +207,7 @@ class PDCluster:
                 self._note_shm()
                 _stop_group(service.proc)
             if not self.leftover_pids():  # nobody of this cluster maps them any more
-                for path in self.shm_left():
-                    try:
-                        os.unlink(path)
-                    except FileNotFoundError:
-                        pass
+                unlink_all(self.shm_left())
             self.cluster.close()
             shutil.rmtree(self.scratch, ignore_errors=True)
             if self.rpc_dir is not None:
