@@ -183,7 +183,6 @@ class PDCluster:
         self.plain = self._engine(c, "plain", None)
         progress("starting 3 vLLM engines (prefill on A, decode on B, plain on C)")
         self._wait_healthy([self.prefill, self.decode, self.plain], START_TIMEOUT_S)
-        self._note_shm()
         self.proxy = self._start(c, "proxy", [
             sys.executable, "-m", "tools.pd_proxy", "--prefill", self.prefill.url,
             "--decode", self.decode.url, "--host", c.host, "--port", str(c.free_port())])
@@ -203,8 +202,9 @@ class PDCluster:
         previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in shielded}
         try:
             for service in reversed(self.services):
-                # (again before each: an engine still starting maps new ones meanwhile)
-                self._note_shm()
+                # Each group's files just before it stops: an engine still starting
+                # maps new ones while the groups before it stop.
+                self._shm |= shm_files(_group_members(service.proc.pid))
                 _stop_group(service.proc)
             if not self.leftover_pids():  # nobody of this cluster maps them any more
                 unlink_all(self.shm_left())
@@ -224,9 +224,6 @@ class PDCluster:
         """This cluster's network namespaces that still exist (empty after close)."""
         own = {*getattr(self.cluster, "names", ()), getattr(self.cluster, "hub", None)}
         return [ns for ns in namespaces() if ns in own] if self.kind == "netns" else []
-
-    def _note_shm(self) -> None:
-        self._shm |= shm_files(self.leftover_pids())
 
     def shm_left(self) -> list[str]:
         """vLLM's shared-memory files this cluster's processes mapped that still exist
