@@ -3,7 +3,9 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.kvstore-installed
-SYS_PACKAGES := libibverbs1 librdmacm1 etcd-server iproute2 gcc
+# gcc and libxxhash-dev (xxhash.h) build the client's optional C extension
+# (kvstore/client/_ntcopy.c): without xxhash.h it only streams, without gcc it is not built.
+SYS_PACKAGES := libibverbs1 librdmacm1 etcd-server iproute2 gcc libxxhash-dev
 PYTEST_ARGS ?=
 # make bench BENCH_ARGS="--quick --only dram,nvme" (python -m tools.bench --help); results go to
 # bench-results/, the committed plots in docs/img only with BENCH_ARGS="--plots docs/img"

@@ -1,48 +1,46 @@
-/* kvstore.client._ntcopy: copy bytes into memory this process will not read again
- * (the server's shared DRAM arena) with non-temporal stores, the GIL released.
+/* kvstore.client._ntcopy: the client's same-node copies, with their checksums, in C
+ * and without the GIL.
  *
- * A plain copy (numpy, glibc's memcpy) pulls every destination line into the cache
- * before writing it (read-for-ownership): for a copy into the arena that doubles the
- * memory traffic and evicts what the caller works on. glibc only streams copies larger
- * than its non-temporal threshold (3/4 of the shared cache), which an entry (64 KiB -
- * 2 MiB) never is. On x86-64 this streams whole 64-byte lines from the first
- * 16-byte-aligned byte of the destination; elsewhere it is a memcpy.
- * (docs/benchmarks.md, "Non-temporal stores".) */
+ * copy(dst, src): copy bytes into memory this process will not read again (the
+ * server's shared DRAM arena) with non-temporal stores. A plain copy (numpy, glibc's
+ * memcpy) pulls every destination line into the cache before writing it
+ * (read-for-ownership): for a copy into the arena that doubles the memory traffic and
+ * evicts what the caller works on. glibc only streams copies larger than its
+ * non-temporal threshold (3/4 of the shared cache), which an entry (64 KiB - 2 MiB)
+ * never is. On x86-64 this streams whole 64-byte lines from the first 16-byte-aligned
+ * byte of the destination; elsewhere it is a memcpy. (docs/benchmarks.md,
+ * "Non-temporal stores".)
+ *
+ * scatter / gather (only where xxhash.h was found at build time: the Makefile installs
+ * libxxhash-dev): many entries in one call, each copied and hashed (xxh3_64, the
+ * digest of kvstore.core.hashing.checksum) 16 KiB at a time, so each chunk is
+ * hashed while it is still in the core's first-level cache and no Python runs between
+ * entries. The xxhash binding keeps the GIL while it hashes an entry below ~256 KiB;
+ * here nothing does. (docs/benchmarks.md, "Copying and hashing in one pass".) */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
-#include <string.h>
-#if defined(__SSE2__)
-#include <emmintrin.h>
+#if defined(__has_include)
+#if __has_include(<xxhash.h>)
+#define KVS_HASH 1
+#endif
+#endif
+#define KVS_STATIC static
+#define COPY_HASHED copy_hashed_base
+#include "_copyhash.h"
+
+#if defined(KVS_HASH) && defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define KVS_AVX2 1
+uint64_t kvs_copy_hashed_avx2(char *dst, const char *src, size_t n, int stream,
+                              int hash_dst);
 #endif
 
-static void stream_copy(char *dst, const char *src, size_t n)
+/* The streamed lines reach memory before anything this thread stores or sends after
+ * the copy (the request that tells the server they are there). */
+static void stream_done(void)
 {
 #if defined(__SSE2__)
-    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
-    if (head > n)
-        head = n;
-    memcpy(dst, src, head);
-    dst += head;
-    src += head;
-    n -= head;
-    size_t i = 0;
-    for (; i + 64 <= n; i += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
-        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
-        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
-        _mm_stream_si128((__m128i *)(dst + i), a);
-        _mm_stream_si128((__m128i *)(dst + i + 16), b);
-        _mm_stream_si128((__m128i *)(dst + i + 32), c);
-        _mm_stream_si128((__m128i *)(dst + i + 48), d);
-    }
-    memcpy(dst + i, src + i, n - i);
-    /* The streamed lines reach memory before anything this thread stores or sends
-     * after the copy (the request that tells the server they are there). */
     _mm_sfence();
-#else
-    memcpy(dst, src, n);
 #endif
 }
 
@@ -61,16 +59,225 @@ static PyObject *ntcopy_copy(PyObject *self, PyObject *args)
     }
     Py_BEGIN_ALLOW_THREADS
     stream_copy((char *)dst.buf, (const char *)src.buf, (size_t)dst.len);
+    stream_done();
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
     Py_RETURN_NONE;
 }
 
+#ifdef KVS_HASH
+typedef uint64_t (*copy_hashed_fn)(char *, const char *, size_t, int, int);
+/* Chosen at import: the AVX2 build of the loop where the CPU has AVX2 (use_isa). */
+static copy_hashed_fn copy_hashed = copy_hashed_base;
+static const char *copy_hashed_isa = "baseline";
+
+static int has_avx2(void)
+{
+#ifdef KVS_AVX2
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2");
+#else
+    return 0;
+#endif
+}
+
+static PyObject *ntcopy_use_isa(PyObject *self, PyObject *args)
+{
+    const char *name;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "s:use_isa", &name))
+        return NULL;
+    const char *was = copy_hashed_isa;
+    if (strcmp(name, "baseline") == 0) {
+        copy_hashed = copy_hashed_base;
+        copy_hashed_isa = "baseline";
+    }
+#ifdef KVS_AVX2
+    else if (strcmp(name, "avx2") == 0 && has_avx2()) {
+        copy_hashed = kvs_copy_hashed_avx2;
+        copy_hashed_isa = "avx2";
+    }
+#endif
+    else {
+        PyErr_Format(PyExc_ValueError, "use_isa: %s is not built or not on this CPU "
+                     "(built and here: %s)", name, has_avx2() ? "baseline, avx2" : "baseline");
+        return NULL;
+    }
+    return PyUnicode_FromString(was);
+}
+
+/* Non-negative Py_ssize_t items of a sequence, into a new array (NULL, error set). */
+static Py_ssize_t *sizes_of(PyObject *seq, Py_ssize_t n, const char *what)
+{
+    PyObject *fast = PySequence_Fast(seq, what);
+    if (fast == NULL)
+        return NULL;
+    if (PySequence_Fast_GET_SIZE(fast) != n) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd items for %zd entries", what,
+                     PySequence_Fast_GET_SIZE(fast), n);
+        Py_DECREF(fast);
+        return NULL;
+    }
+    Py_ssize_t *out = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(n ? n : 1));
+    if (out == NULL) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t v = PyNumber_AsSsize_t(PySequence_Fast_GET_ITEM(fast, i), PyExc_OverflowError);
+        if (v == -1 && PyErr_Occurred()) {
+            PyMem_Free(out);
+            Py_DECREF(fast);
+            return NULL;
+        }
+        if (v < 0) {
+            PyErr_Format(PyExc_ValueError, "%s: item %zd is negative (%zd)", what, i, v);
+            PyMem_Free(out);
+            Py_DECREF(fast);
+            return NULL;
+        }
+        out[i] = v;
+    }
+    Py_DECREF(fast);
+    return out;
+}
+
+static PyObject *sums_list(const uint64_t *sums, Py_ssize_t n)
+{
+    PyObject *out = PyList_New(n);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(sums[i]);
+        if (v == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
+static PyObject *ntcopy_scatter(PyObject *self, PyObject *args)
+{
+    Py_buffer dst;
+    PyObject *offsets_obj, *srcs_obj, *result = NULL;
+    int stream;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "w*OOp:scatter", &dst, &offsets_obj, &srcs_obj, &stream))
+        return NULL;
+    PyObject *srcs = PySequence_Fast(srcs_obj, "scatter: sources must be a sequence");
+    if (srcs == NULL) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(srcs), got = 0;
+    Py_ssize_t *offsets = sizes_of(offsets_obj, n, "scatter: offsets");
+    Py_buffer *bufs = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
+    uint64_t *sums = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
+    if (offsets == NULL || bufs == NULL || sums == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < n; got++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(srcs, got), &bufs[got],
+                               PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        if (bufs[got].len > dst.len || offsets[got] > dst.len - bufs[got].len) {
+            PyErr_Format(PyExc_ValueError,
+                         "scatter: entry %zd (%zd bytes at %zd) is outside the "
+                         "destination's %zd bytes", got, bufs[got].len, offsets[got], dst.len);
+            got++;
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        sums[i] = copy_hashed((char *)dst.buf + offsets[i], (const char *)bufs[i].buf,
+                              (size_t)bufs[i].len, stream, 0);
+    if (stream)
+        stream_done();
+    Py_END_ALLOW_THREADS
+    result = sums_list(sums, n);
+done:
+    for (Py_ssize_t i = 0; i < got; i++)
+        PyBuffer_Release(&bufs[i]);
+    PyMem_Free(bufs);
+    PyMem_Free(sums);
+    PyMem_Free(offsets);
+    Py_DECREF(srcs);
+    PyBuffer_Release(&dst);
+    return result;
+}
+
+static PyObject *ntcopy_gather(PyObject *self, PyObject *args)
+{
+    Py_buffer dst, src;
+    PyObject *dst_obj, *src_obj, *sizes_obj, *result = NULL;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "w*Oy*OO:gather", &dst, &dst_obj, &src, &src_obj, &sizes_obj))
+        return NULL;
+    Py_ssize_t n = PyObject_Length(sizes_obj);
+    Py_ssize_t *sizes = NULL, *dst_at = NULL, *src_at = NULL;
+    uint64_t *sums = NULL;
+    if (n < 0)
+        goto done;
+    if ((sizes = sizes_of(sizes_obj, n, "gather: sizes")) == NULL ||
+        (dst_at = sizes_of(dst_obj, n, "gather: destination offsets")) == NULL ||
+        (src_at = sizes_of(src_obj, n, "gather: source offsets")) == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (sizes[i] > dst.len || dst_at[i] > dst.len - sizes[i] ||
+            sizes[i] > src.len || src_at[i] > src.len - sizes[i]) {
+            PyErr_Format(PyExc_ValueError,
+                         "gather: entry %zd (%zd bytes from %zd to %zd) is outside the "
+                         "source's %zd bytes or the destination's %zd", i, sizes[i],
+                         src_at[i], dst_at[i], src.len, dst.len);
+            goto done;
+        }
+    }
+    if ((sums = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n ? n : 1))) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        sums[i] = copy_hashed((char *)dst.buf + dst_at[i], (const char *)src.buf + src_at[i],
+                              (size_t)sizes[i], 0, 1);
+    Py_END_ALLOW_THREADS
+    result = sums_list(sums, n);
+done:
+    PyMem_Free(sums);
+    PyMem_Free(src_at);
+    PyMem_Free(dst_at);
+    PyMem_Free(sizes);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return result;
+}
+#endif
+
 static PyMethodDef ntcopy_methods[] = {
     {"copy", ntcopy_copy, METH_VARARGS,
      "copy(dst, src): src's bytes into the writable, contiguous dst of the same length, "
      "with non-temporal stores (x86-64), without the GIL."},
+#ifdef KVS_HASH
+    {"scatter", ntcopy_scatter, METH_VARARGS,
+     "scatter(dst, offsets, srcs, stream) -> list[int]: each contiguous buffer of srcs "
+     "copied to its offset in the writable dst (non-temporal stores if stream); the "
+     "xxh3_64 of each source, taken chunk by chunk as it is copied. Without the GIL."},
+    {"gather", ntcopy_gather, METH_VARARGS,
+     "gather(dst, dst_offsets, src, src_offsets, sizes) -> list[int]: each entry's "
+     "bytes copied from src to dst; the xxh3_64 of what landed in dst, taken chunk by "
+     "chunk as it is copied. Without the GIL."},
+    {"use_isa", ntcopy_use_isa, METH_VARARGS,
+     "use_isa(name) -> str: scatter / gather run the loop built for name (\"baseline\", "
+     "or \"avx2\" where built and the CPU has it) from now on; the one they ran before. "
+     "The digests are the same: for tests and measurements."},
+#endif
     {NULL, NULL, 0, NULL},
 };
 
@@ -81,5 +288,24 @@ static struct PyModuleDef ntcopy_module = {
 
 PyMODINIT_FUNC PyInit__ntcopy(void)
 {
-    return PyModule_Create(&ntcopy_module);
+    PyObject *mod = PyModule_Create(&ntcopy_module);
+    if (mod == NULL)
+        return NULL;
+    const char *isa = "none";
+#ifdef KVS_HASH
+#ifdef KVS_AVX2
+    if (has_avx2()) {
+        copy_hashed = kvs_copy_hashed_avx2;
+        copy_hashed_isa = "avx2";
+    }
+#endif
+    isa = copy_hashed_isa;
+#endif
+    /* Which build of the copy-and-hash loop runs at import ("none": built without
+     * xxhash.h, so without scatter / gather). */
+    if (PyModule_AddStringConstant(mod, "HASH_ISA", isa) < 0) {
+        Py_DECREF(mod);
+        return NULL;
+    }
+    return mod;
 }

@@ -5,6 +5,15 @@ Checksums are per entry (xxh3_64, ``kvstore.core.hashing.checksum``) and always 
 from the caller's side of the copy, right after copying, while the bytes are still
 in cache: the client's checksum at insert, the verification at drop_select.
 
+Where the client's C extension was built with xxhash.h (``SCATTER`` / ``GATHER``,
+kvstore/client/_ntcopy.c), one call copies and hashes all of a thread's entries,
+chunk by chunk, without the GIL: a same-node insert of 32 x 64 KiB spent 0.32 - 0.37
+ms in its copy against 0.42 ms with the loops below, an 8 MiB drop_select of 64 KiB
+entries 1.01 - 1.15 ms against 1.64 - 1.76 (docs/benchmarks.md, "Copying and hashing
+in one pass"). Since nothing holds the GIL, entries of any size then go to two
+threads from ``PARALLEL_MIN_BYTES``. What follows describes the Python loops, used
+where the extension or its hashing is missing.
+
 Reading, entries that are neighbours in the arena (a prompt's 64 KiB blocks,
 reserved back to back) land back to back in the output, so they are copied as one
 run of up to ``RUN_BYTES`` and then verified entry by entry: one slice copy per run
@@ -30,11 +39,12 @@ on one thread against 6.5 - 6.9 ms on two, of 2 048 x 64 KiB 21.6 against 23.0
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import mmap
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -79,13 +89,16 @@ def _forget_pool() -> None:
 os.register_at_fork(after_in_child=_forget_pool)
 
 
-def _groups(sizes: Sequence[int], threads: int) -> list[tuple[int, int]]:
+def _groups(sizes: Sequence[int], threads: int, native: bool = False
+            ) -> list[tuple[int, int]]:
     """``[lo, hi)`` index ranges, in order, of about equal bytes each: one per thread
     (fewer when there are fewer items), or one range below PARALLEL_MIN_BYTES in all
-    or PARALLEL_MIN_ENTRY_BYTES per item."""
+    or, unless ``native`` (the extension hashes without the GIL), below
+    PARALLEL_MIN_ENTRY_BYTES per item."""
     total = sum(sizes)
     n = min(threads, len(sizes))
-    if n <= 1 or total < PARALLEL_MIN_BYTES or total < PARALLEL_MIN_ENTRY_BYTES * len(sizes):
+    small = not native and total < PARALLEL_MIN_ENTRY_BYTES * len(sizes)
+    if n <= 1 or total < PARALLEL_MIN_BYTES or small:
         return [(0, len(sizes))]
     bounds: list[tuple[int, int]] = []
     acc = lo = 0
@@ -138,19 +151,39 @@ def map_shared(path: str, nbytes: int) -> np.ndarray:
     return np.frombuffer(mm, dtype=np.uint8)
 
 
-def _streamer() -> Callable[[Any, Any], None] | None:
-    """``kvstore.client._ntcopy.copy`` where it was built (pyproject's ext-modules: an
+def _native() -> Any:
+    """``kvstore.client._ntcopy`` where it was built (pyproject's ext-modules: an
     optional C extension), else None."""
     try:
-        return importlib.import_module("kvstore.client._ntcopy").copy
+        return importlib.import_module("kvstore.client._ntcopy")
     except ImportError:
         return None
 
 
+_NATIVE = _native()
 # Copies into the arena with non-temporal stores, the GIL released (None: not built).
 # The arena is written here and read by the server and other processes, never again by
 # this copy: a plain copy first pulls each destination line into the cache.
-STREAM = _streamer()
+STREAM: Callable[[Any, Any], None] | None = getattr(_NATIVE, "copy", None)
+# Many entries copied and hashed in one call, chunk by chunk, the GIL released
+# (None: the extension was built without xxhash.h, or not at all). ``copy_in`` and a
+# verified ``copy_out`` use them where they exist; Python's loops otherwise.
+SCATTER: Callable[..., list[int]] | None = getattr(_NATIVE, "scatter", None)
+GATHER: Callable[..., list[int]] | None = getattr(_NATIVE, "gather", None)
+
+
+@contextlib.contextmanager
+def python_loops() -> Iterator[None]:
+    """This process's copies without the extension, while inside: numpy's copies and
+    the binding's xxh3 (for tests and side-by-side measurements, ``tools.bench.parts
+    --compare-loops``). Not for use while other threads copy."""
+    global STREAM, SCATTER, GATHER
+    saved = STREAM, SCATTER, GATHER
+    STREAM = SCATTER = GATHER = None
+    try:
+        yield
+    finally:
+        STREAM, SCATTER, GATHER = saved
 
 
 def _assign(dst: np.ndarray, src: np.ndarray) -> None:
@@ -166,8 +199,12 @@ def copy_in(shm: np.ndarray, bufs: list[np.ndarray], placements: list[list],
     ``stream``: with non-temporal stores where ``STREAM`` exists (numpy's copy
     otherwise)."""
     put = STREAM if stream and STREAM is not None else _assign
+    scatter = SCATTER
 
     def work(lo: int, hi: int) -> list[int]:
+        if scatter is not None:
+            return scatter(shm, [pl[_OFFSET] for pl in placements[lo:hi]], bufs[lo:hi],
+                           stream and STREAM is not None)
         sums: list[int] = []
         for buf, pl in zip(bufs[lo:hi], placements[lo:hi]):
             offset, nbytes = pl[_OFFSET], pl[_NBYTES]
@@ -183,7 +220,8 @@ def copy_in(shm: np.ndarray, bufs: list[np.ndarray], placements: list[list],
             sums.append(summer.intdigest())
         return sums
 
-    groups = _groups([pl[_NBYTES] for pl in placements], threads or COPY_THREADS)
+    groups = _groups([pl[_NBYTES] for pl in placements], threads or COPY_THREADS,
+                     scatter is not None)
     return [s for part in _in_parallel(work, groups) for s in part]
 
 
@@ -192,10 +230,18 @@ def copy_out(shm: np.ndarray, out: np.ndarray, items: list[tuple[int, list]],
     """Copy each entry from ``shm`` to its ``(start, entry)`` position in ``out``.
     ``verify``: returns the index in ``items`` of the first entry whose bytes do not
     match the checksum it was stored with (entry field 4), copying no further in its
-    thread's share; None when all match (or not verifying). ``threads``: as for
+    thread's share (``GATHER`` copies the whole share first); None when all match (or
+    not verifying). ``threads``: as for
     ``copy_in``."""
+    gather = GATHER if verify else None
+
     def work(first: int, end: int) -> int | None:
         part = items[first:end]
+        if gather is not None:
+            sums = gather(out, [start for start, _ in part], shm,
+                          [e[_OFFSET] for _, e in part], [e[_NBYTES] for _, e in part])
+            return next((first + i for i, (got, (_, e)) in enumerate(zip(sums, part))
+                         if got != e[4]), None)
         for lo, hi in _run_bounds(len(part), lambda i: _adjacent_out(part, i)):
             dst, entry = part[lo][0], part[lo][1]
             nbytes = part[hi - 1][0] + part[hi - 1][1][_NBYTES] - dst
@@ -212,7 +258,8 @@ def copy_out(shm: np.ndarray, out: np.ndarray, items: list[tuple[int, list]],
                         return first + i
         return None
 
-    groups = _groups([e[_NBYTES] for _, e in items], threads or COPY_THREADS)
+    groups = _groups([e[_NBYTES] for _, e in items], threads or COPY_THREADS,
+                     gather is not None)
     bad = [i for i in _in_parallel(work, groups) if i is not None]
     return min(bad) if bad else None
 

@@ -206,9 +206,12 @@ def test_pieces_follow_the_wait_unless_asked():
 
 
 def test_only_copies_of_large_entries_go_parallel():
-    """Hashing an entry below ~256 KiB holds the GIL: a second thread would wait."""
+    """Hashing an entry below ~256 KiB holds the GIL: a second thread would wait.
+    The extension's loops hold no GIL: there, small entries go parallel too."""
     groups = shm_mod._groups
     assert groups([64 << 10] * 512, 2) == [(0, 512)]  # 32 MiB of 64 KiB blocks: one
+    assert groups([64 << 10] * 512, 2, native=True) == [(0, 256), (256, 512)]
+    assert groups([64 << 10] * 32, 2, native=True) == [(0, 32)]  # below PARALLEL_MIN_BYTES
     assert groups([2 << 20] * 16, 2) == [(0, 8), (8, 16)]  # 32 MiB of 2 MiB blocks: two
     assert groups([2 << 20], 2) == [(0, 1)]  # below PARALLEL_MIN_BYTES
     assert groups([2 << 20] * 16, 1) == [(0, 16)]
@@ -312,3 +315,112 @@ def test_the_streaming_copy_refuses_what_it_cannot_do_safely():
         copy(b"read-only!", np.zeros(10, np.uint8))
     with pytest.raises((TypeError, BufferError, ValueError)):
         copy(np.zeros(10, np.uint8), np.zeros(20, np.uint8)[::2])
+
+
+# ------------------------------------------------------ copying and hashing in C
+def native_isas() -> list[str]:
+    """Every build of the extension's copy-and-hash loop this CPU can run."""
+    native = shm_mod._NATIVE
+    isas = ["baseline"]
+    was = native.use_isa("avx2") if native is not None and native.HASH_ISA != "none" \
+        else None
+    if was is not None:
+        isas.append("avx2")
+        native.use_isa(was)
+    return isas
+
+
+def test_the_copy_and_hash_loops_are_built_here():
+    """The Makefile installs libxxhash-dev: where the tests run, the extension has its
+    hashing loops (else every test below would compare Python's loops with
+    themselves)."""
+    assert shm_mod.SCATTER is not None and shm_mod.GATHER is not None, \
+        "kvstore.client._ntcopy was built without xxhash.h"
+    assert shm_mod._NATIVE.HASH_ISA in ("baseline", "avx2")
+
+
+@given(lead=st.integers(0, 70),
+       sizes=st.lists(st.one_of(st.integers(0, 40 << 10), st.sampled_from(
+           [1, 2047, 2048, 2049, 16383, 16384, 16385, 3 * PIECE_BYTES // 2])),
+           min_size=1, max_size=7),
+       gaps=st.lists(st.integers(0, 200), min_size=7, max_size=7),
+       bad=st.integers(-1, 6))
+@settings(max_examples=60, deadline=None)
+def test_the_extensions_loops_land_and_hash_like_pythons(lead, sizes, gaps, bad):
+    """Entries of any size (none, under, at and over the 2 KiB and 16 KiB chunks, over a
+    piece) at any alignment, on each build of the loop, streamed or not: the same
+    bytes in the arena and nothing beside them, the same checksums, and reading them
+    back the same output and the same first bad entry."""
+    rng = np.random.default_rng(sum(sizes) + lead)
+    bufs = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    offsets, at = [], lead
+    for n, gap in zip(sizes, gaps):
+        offsets.append(at)
+        at += n + gap
+    placements = [["dram", off, n, None] for off, n in zip(offsets, sizes)]
+    starts = np.cumsum([0, *sizes[:-1]]).tolist()
+
+    def run(stream: bool) -> tuple:
+        arena = np.full(at + 64, 0xA5, np.uint8)
+        sums = copy_in(arena, bufs, placements, stream=stream)
+        entries = [["dram", off, n, None, c] for off, n, c in zip(offsets, sizes, sums)]
+        if 0 <= bad < len(sizes) and sizes[bad]:
+            arena[offsets[bad] + sizes[bad] // 2] ^= 0x10
+        out = np.full(sum(sizes), 0x5A, np.uint8)
+        first_bad = copy_out(arena, out, list(zip(starts, entries)), verify=True)
+        return arena, sums, out, first_bad
+
+    with shm_mod.python_loops():
+        want = run(False)
+    assert want[1] == [checksum(b) for b in bufs]
+    native = shm_mod._NATIVE
+    was = native.use_isa("baseline")
+    try:
+        for isa in native_isas():
+            native.use_isa(isa)
+            for stream in (True, False):
+                got = run(stream)
+                assert np.array_equal(got[0], want[0]), (isa, stream)
+                assert got[1] == want[1], (isa, stream)
+                assert got[3] == want[3], (isa, stream)
+                if want[3] is None:
+                    assert np.array_equal(got[2], want[2]), (isa, stream)
+    finally:
+        native.use_isa(was)
+
+
+def test_the_extensions_loops_refuse_bad_input_and_change_nothing():
+    native = shm_mod._NATIVE
+    scatter, gather = shm_mod.SCATTER, shm_mod.GATHER
+    arena = np.zeros(1 << 16, np.uint8)
+    src = np.full(4096, 7, np.uint8)
+    # The second entry would end past the arena: refused before the first is copied.
+    with pytest.raises(ValueError, match="entry 1 .* outside the destination's 65536"):
+        scatter(arena, [0, (1 << 16) - 100], [src, src], True)
+    with pytest.raises(ValueError, match="negative"):
+        scatter(arena, [0, -1], [src, src], True)
+    with pytest.raises(ValueError, match="2 items for 1 entries"):
+        scatter(arena, [0, 4096], [src], True)
+    with pytest.raises(OverflowError):
+        scatter(arena, [1 << 70], [src], True)
+    with pytest.raises(TypeError):
+        scatter(arena, ["0"], [src], True)
+    with pytest.raises((BufferError, ValueError)):  # not contiguous
+        scatter(arena, [0], [np.zeros(8192, np.uint8)[::2]], True)
+    with pytest.raises((TypeError, BufferError)):  # read-only destination
+        scatter(bytes(1 << 16), [0], [src], True)
+    assert not arena.any()
+    out = np.zeros(8192, np.uint8)
+    arena[:] = 3
+    with pytest.raises(ValueError, match="entry 1 .* outside"):
+        gather(out, [0, 4096], arena, [0, (1 << 16) - 10], [4096, 4096])
+    with pytest.raises(ValueError, match="entry 0 .* outside"):
+        gather(out, [8000], arena, [0], [4096])
+    with pytest.raises(ValueError, match="3 items for 2 entries"):
+        gather(out, [0, 1, 2], arena, [0, 1], [1, 1])
+    with pytest.raises(ValueError, match="negative"):
+        gather(out, [0], arena, [0], [-5])
+    assert not out.any()
+    with pytest.raises(ValueError, match="neon is not built"):
+        native.use_isa("neon")
+    assert scatter(arena, [], [], True) == [] and gather(out, [], arena, [], []) == []
