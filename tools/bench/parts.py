@@ -1,6 +1,7 @@
 """Where one insert / drop_select spends its time, by direct timers (one node).
 
     python -m tools.bench.parts [--layout large] [--tokens 2048] [--path shm|te|inline] [--reps 9]
+                                [--compare-loops PAIRS]
 
 Starts one kvstore-server on loopback (DRAM only, sized to two prompts), then
 inserts and drop_selects (``into=`` a reused buffer) the same prompt size ``reps``
@@ -15,6 +16,9 @@ threads they wake on both sides. The first prompt is a warm-up and not counted.
 ``--path shm``: the same-node shared-memory path; ``te``: TE over loopback TCP;
 ``inline``: TE writes, and reads whose bytes come in the acquire's reply
 (``client.inline_max_bytes`` as shipped; their copy out of it is the get's "move"). Not a benchmark of the network: both ends are on this machine.
+``--compare-loops PAIRS``: PAIRS rounds of two runs, one with the client's C
+extension copying and hashing (as shipped), one with Python's loops
+(``kvstore.client.shm.python_loops``), each on a server of its own.
 """
 
 from __future__ import annotations
@@ -122,15 +126,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--path", default="shm", choices=("shm", "te", "inline"))
     parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--compare-loops", type=int, default=0, metavar="PAIRS",
+                        help="alternate runs with the C extension's copy loops and Python's")
     args = parser.parse_args(argv)
-    result = run(args.layout, args.tokens, args.path, args.reps)
     mib = LAYOUTS[args.layout].nbytes(args.tokens) / MiB
     print(f"{args.layout} layout, {args.tokens} tokens ({mib:.0f} MiB), {args.path} path, "
           f"median of {args.reps}:")
+    if not args.compare_loops:
+        _show(run(args.layout, args.tokens, args.path, args.reps))
+        return 0
+    from kvstore.client import shm
+
+    if shm.SCATTER is None:
+        parser.error("--compare-loops: the client's C extension (with xxhash.h) is not built")
+    for pair in range(args.compare_loops):
+        print(f"round {pair + 1}, the extension's loops:")
+        _show(run(args.layout, args.tokens, args.path, args.reps))
+        print(f"round {pair + 1}, Python's loops:")
+        with shm.python_loops():
+            _show(run(args.layout, args.tokens, args.path, args.reps))
+    return 0
+
+
+def _show(result: dict[str, dict[str, float]]) -> None:
     for op, parts in result.items():
         print(f"  {op:6s} " + ", ".join(f"{k} {v:.2f} ms" for k, v in parts.items())
               + f" (sockets and wake-ups: {parts['round trips'] - parts['server']:.2f} ms)")
-    return 0
 
 
 if __name__ == "__main__":
