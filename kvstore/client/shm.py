@@ -174,16 +174,18 @@ GATHER: Callable[..., list[int]] | None = getattr(_NATIVE, "gather", None)
 
 @contextlib.contextmanager
 def python_loops() -> Iterator[None]:
-    """This process's copies without the extension, while inside: numpy's copies and
-    the binding's xxh3 (for tests and side-by-side measurements, ``tools.bench.parts
-    --compare-loops``). Not for use while other threads copy."""
-    global STREAM, SCATTER, GATHER
-    saved = STREAM, SCATTER, GATHER
-    STREAM = SCATTER = GATHER = None
+    """This process's copies without ``SCATTER`` / ``GATHER`` while inside: Python's
+    loops, each entry copied (streamed with ``STREAM`` where asked and built) and then
+    hashed by the xxhash binding, as before the one-pass calls. For tests and
+    side-by-side measurements (``tools.bench.parts --compare-loops``); not for use
+    while other threads copy."""
+    global SCATTER, GATHER
+    saved = SCATTER, GATHER
+    SCATTER = GATHER = None
     try:
         yield
     finally:
-        STREAM, SCATTER, GATHER = saved
+        SCATTER, GATHER = saved
 
 
 def _assign(dst: np.ndarray, src: np.ndarray) -> None:

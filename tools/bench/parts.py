@@ -18,7 +18,8 @@ threads they wake on both sides. The first prompt is a warm-up and not counted.
 (``client.inline_max_bytes`` as shipped; their copy out of it is the get's "move"). Not a benchmark of the network: both ends are on this machine.
 ``--compare-loops PAIRS``: PAIRS rounds of two runs, one with the client's C
 extension copying and hashing (as shipped), one with Python's loops
-(``kvstore.client.shm.python_loops``), each on a server of its own.
+(``kvstore.client.shm.python_loops``: each entry streamed, then hashed by the
+xxhash binding), each on a server of its own.
 """
 
 from __future__ import annotations
