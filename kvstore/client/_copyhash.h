@@ -2,7 +2,7 @@
  * _ntcopy.c (the build's baseline, SSE2 on x86-64) and by _ntcopy_avx2.c (AVX2, used
  * where the CPU has it; xxh3 runs about twice as fast there). Before including,
  * define COPY_HASHED to the name of the copy-and-hash function, and KVS_STATIC to
- * `static` or nothing. */
+ * `static` or nothing. Defines KVS_HASH where that function exists. */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -39,10 +39,20 @@ static inline void stream_copy(char *dst, const char *src, size_t n)
 #endif
 }
 
-#ifdef KVS_HASH
+/* xxh3 from the system's xxhash.h (libxxhash-dev), inlined; only from 0.8.0, where
+ * xxh3's output was fixed (an older header's digests could differ from the xxhash
+ * binding's, and every verified read would then report corruption). */
+#if defined(__has_include)
+#if __has_include(<xxhash.h>)
 #define XXH_INLINE_ALL
 #include <xxhash.h>
+#if XXH_VERSION_NUMBER >= 800
+#define KVS_HASH 1
+#endif
+#endif
+#endif
 
+#ifdef KVS_HASH
 /* Each chunk is hashed right after its copy, while it is in the core's L1. Streamed,
  * small chunks let the hashing overlap the stores still draining to memory; copied
  * into the cache, the copy needs longer runs (an ad-hoc sweep of 1 - 64 KiB over 2 MiB

@@ -11,8 +11,8 @@
  * byte of the destination; elsewhere it is a memcpy. (docs/benchmarks.md,
  * "Non-temporal stores".)
  *
- * scatter / gather (only where xxhash.h was found at build time: the Makefile installs
- * libxxhash-dev): many entries in one call, each copied and hashed (xxh3_64, the
+ * scatter / gather (only where xxhash.h 0.8 or later was found at build time: the
+ * Makefile installs libxxhash-dev): many entries in one call, each copied and hashed (xxh3_64, the
  * digest of kvstore.core.hashing.checksum) 16 KiB at a time, so each chunk is
  * hashed while it is still in the core's first-level cache and no Python runs between
  * entries. The xxhash binding keeps the GIL while it hashes an entry below ~256 KiB;
@@ -20,16 +20,12 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
-#if defined(__has_include)
-#if __has_include(<xxhash.h>)
-#define KVS_HASH 1
-#endif
-#endif
+#include "_ntcopy_isa.h"
 #define KVS_STATIC static
 #define COPY_HASHED copy_hashed_base
 #include "_copyhash.h"
 
-#if defined(KVS_HASH) && defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#if defined(KVS_HASH) && defined(KVS_AVX2_COMPILER)
 #define KVS_AVX2 1
 uint64_t kvs_copy_hashed_avx2(char *dst, const char *src, size_t n, int stream,
                               int hash_dst);
@@ -107,40 +103,41 @@ static PyObject *ntcopy_use_isa(PyObject *self, PyObject *args)
     return PyUnicode_FromString(was);
 }
 
-/* Non-negative Py_ssize_t items of a sequence, into a new array (NULL, error set). */
+/* Non-negative Py_ssize_t items of a sequence, into a new array (NULL, error set). A
+ * tuple is taken first: an item's __index__ cannot change what is read. */
 static Py_ssize_t *sizes_of(PyObject *seq, Py_ssize_t n, const char *what)
 {
-    PyObject *fast = PySequence_Fast(seq, what);
-    if (fast == NULL)
+    PyObject *items = PySequence_Tuple(seq);
+    if (items == NULL)
         return NULL;
-    if (PySequence_Fast_GET_SIZE(fast) != n) {
+    if (PyTuple_GET_SIZE(items) != n) {
         PyErr_Format(PyExc_ValueError, "%s: %zd items for %zd entries", what,
-                     PySequence_Fast_GET_SIZE(fast), n);
-        Py_DECREF(fast);
+                     PyTuple_GET_SIZE(items), n);
+        Py_DECREF(items);
         return NULL;
     }
     Py_ssize_t *out = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(n ? n : 1));
     if (out == NULL) {
-        Py_DECREF(fast);
+        Py_DECREF(items);
         PyErr_NoMemory();
         return NULL;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t v = PyNumber_AsSsize_t(PySequence_Fast_GET_ITEM(fast, i), PyExc_OverflowError);
+        Py_ssize_t v = PyNumber_AsSsize_t(PyTuple_GET_ITEM(items, i), PyExc_OverflowError);
         if (v == -1 && PyErr_Occurred()) {
             PyMem_Free(out);
-            Py_DECREF(fast);
+            Py_DECREF(items);
             return NULL;
         }
         if (v < 0) {
             PyErr_Format(PyExc_ValueError, "%s: item %zd is negative (%zd)", what, i, v);
             PyMem_Free(out);
-            Py_DECREF(fast);
+            Py_DECREF(items);
             return NULL;
         }
         out[i] = v;
     }
-    Py_DECREF(fast);
+    Py_DECREF(items);
     return out;
 }
 
@@ -160,55 +157,76 @@ static PyObject *sums_list(const uint64_t *sums, Py_ssize_t n)
     return out;
 }
 
+/* Whether [a, a + an) and [b, b + bn) share a byte. */
+static int overlap(const void *a, Py_ssize_t an, const void *b, Py_ssize_t bn)
+{
+    uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+    return an > 0 && bn > 0 && x < y + (uintptr_t)bn && y < x + (uintptr_t)an;
+}
+
 static PyObject *ntcopy_scatter(PyObject *self, PyObject *args)
 {
     Py_buffer dst;
-    PyObject *offsets_obj, *srcs_obj, *result = NULL;
+    PyObject *offsets_obj, *sizes_obj, *srcs_obj, *srcs = NULL, *result = NULL;
+    Py_ssize_t *offsets = NULL, *sizes = NULL, n = 0, got = 0;
+    Py_buffer *bufs = NULL;
+    uint64_t *sums = NULL;
     int stream;
     (void)self;
-    if (!PyArg_ParseTuple(args, "w*OOp:scatter", &dst, &offsets_obj, &srcs_obj, &stream))
+    if (!PyArg_ParseTuple(args, "w*OOOp:scatter", &dst, &offsets_obj, &sizes_obj, &srcs_obj,
+                          &stream))
         return NULL;
-    PyObject *srcs = PySequence_Fast(srcs_obj, "scatter: sources must be a sequence");
-    if (srcs == NULL) {
-        PyBuffer_Release(&dst);
-        return NULL;
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(srcs), got = 0;
-    Py_ssize_t *offsets = sizes_of(offsets_obj, n, "scatter: offsets");
-    Py_buffer *bufs = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
-    uint64_t *sums = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
-    if (offsets == NULL || bufs == NULL || sums == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_NoMemory();
+    if ((srcs = PySequence_Tuple(srcs_obj)) == NULL)
+        goto done;
+    n = PyTuple_GET_SIZE(srcs);
+    if ((offsets = sizes_of(offsets_obj, n, "scatter: offsets")) == NULL ||
+        (sizes = sizes_of(sizes_obj, n, "scatter: sizes")) == NULL)
+        goto done;
+    bufs = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
+    sums = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
+    if (bufs == NULL || sums == NULL) {
+        PyErr_NoMemory();
         goto done;
     }
-    for (; got < n; got++) {
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(srcs, got), &bufs[got],
-                               PyBUF_C_CONTIGUOUS) < 0)
+    /* Every entry is checked before the first byte is copied: a refusal changes nothing. */
+    while (got < n) {
+        Py_buffer *b = &bufs[got];
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(srcs, got), b, PyBUF_C_CONTIGUOUS) < 0)
             goto done;
-        if (bufs[got].len > dst.len || offsets[got] > dst.len - bufs[got].len) {
+        Py_ssize_t i = got++;  /* bufs[0:got] are released at done */
+        if (b->len != sizes[i]) {
+            PyErr_Format(PyExc_ValueError, "scatter: source %zd has %zd bytes, its entry %zd",
+                         i, b->len, sizes[i]);
+            goto done;
+        }
+        if (b->len > dst.len || offsets[i] > dst.len - b->len) {
             PyErr_Format(PyExc_ValueError,
                          "scatter: entry %zd (%zd bytes at %zd) is outside the "
-                         "destination's %zd bytes", got, bufs[got].len, offsets[got], dst.len);
-            got++;
+                         "destination's %zd bytes", i, b->len, offsets[i], dst.len);
+            goto done;
+        }
+        if (overlap(b->buf, b->len, dst.buf, dst.len)) {
+            PyErr_Format(PyExc_ValueError, "scatter: source %zd overlaps the destination", i);
             goto done;
         }
     }
+    copy_hashed_fn copy = copy_hashed;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++)
-        sums[i] = copy_hashed((char *)dst.buf + offsets[i], (const char *)bufs[i].buf,
-                              (size_t)bufs[i].len, stream, 0);
+        sums[i] = copy((char *)dst.buf + offsets[i], (const char *)bufs[i].buf,
+                       (size_t)bufs[i].len, stream, 0);
     if (stream)
         stream_done();
     Py_END_ALLOW_THREADS
     result = sums_list(sums, n);
 done:
-    for (Py_ssize_t i = 0; i < got; i++)
+    for (Py_ssize_t i = 0; i < got && bufs != NULL; i++)
         PyBuffer_Release(&bufs[i]);
     PyMem_Free(bufs);
     PyMem_Free(sums);
+    PyMem_Free(sizes);
     PyMem_Free(offsets);
-    Py_DECREF(srcs);
+    Py_XDECREF(srcs);
     PyBuffer_Release(&dst);
     return result;
 }
@@ -229,6 +247,10 @@ static PyObject *ntcopy_gather(PyObject *self, PyObject *args)
         (dst_at = sizes_of(dst_obj, n, "gather: destination offsets")) == NULL ||
         (src_at = sizes_of(src_obj, n, "gather: source offsets")) == NULL)
         goto done;
+    if (overlap(src.buf, src.len, dst.buf, dst.len)) {
+        PyErr_SetString(PyExc_ValueError, "gather: the source overlaps the destination");
+        goto done;
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         if (sizes[i] > dst.len || dst_at[i] > dst.len - sizes[i] ||
             sizes[i] > src.len || src_at[i] > src.len - sizes[i]) {
@@ -243,10 +265,11 @@ static PyObject *ntcopy_gather(PyObject *self, PyObject *args)
         PyErr_NoMemory();
         goto done;
     }
+    copy_hashed_fn copy = copy_hashed;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++)
-        sums[i] = copy_hashed((char *)dst.buf + dst_at[i], (const char *)src.buf + src_at[i],
-                              (size_t)sizes[i], 0, 1);
+        sums[i] = copy((char *)dst.buf + dst_at[i], (const char *)src.buf + src_at[i],
+                       (size_t)sizes[i], 0, 1);
     Py_END_ALLOW_THREADS
     result = sums_list(sums, n);
 done:
@@ -266,13 +289,14 @@ static PyMethodDef ntcopy_methods[] = {
      "with non-temporal stores (x86-64), without the GIL."},
 #ifdef KVS_HASH
     {"scatter", ntcopy_scatter, METH_VARARGS,
-     "scatter(dst, offsets, srcs, stream) -> list[int]: each contiguous buffer of srcs "
-     "copied to its offset in the writable dst (non-temporal stores if stream); the "
-     "xxh3_64 of each source, taken chunk by chunk as it is copied. Without the GIL."},
+     "scatter(dst, offsets, sizes, srcs, stream) -> list[int]: each contiguous buffer of "
+     "srcs (of its size) copied to its offset in the writable dst (non-temporal stores if "
+     "stream); the xxh3_64 of each source, taken chunk by chunk as it is copied. Nothing "
+     "is copied unless every entry fits dst and no source overlaps it. Without the GIL."},
     {"gather", ntcopy_gather, METH_VARARGS,
      "gather(dst, dst_offsets, src, src_offsets, sizes) -> list[int]: each entry's "
-     "bytes copied from src to dst; the xxh3_64 of what landed in dst, taken chunk by "
-     "chunk as it is copied. Without the GIL."},
+     "bytes copied from src to dst (which must not overlap); the xxh3_64 of what landed "
+     "in dst, taken chunk by chunk as it is copied. Without the GIL."},
     {"use_isa", ntcopy_use_isa, METH_VARARGS,
      "use_isa(name) -> str: scatter / gather run the loop built for name (\"baseline\", "
      "or \"avx2\" where built and the CPU has it) from now on; the one they ran before. "

@@ -7,10 +7,12 @@ in cache: the client's checksum at insert, the verification at drop_select.
 
 Where the client's C extension was built with xxhash.h (``SCATTER`` / ``GATHER``,
 kvstore/client/_ntcopy.c), one call copies and hashes all of a thread's entries,
-chunk by chunk, without the GIL: a same-node insert of 32 x 64 KiB spent 0.32 - 0.37
-ms in its copy against 0.42 ms with the loops below, an 8 MiB drop_select of 64 KiB
-entries 1.01 - 1.15 ms against 1.64 - 1.76 (docs/benchmarks.md, "Copying and hashing
-in one pass"). Since nothing holds the GIL, entries of any size then go to two
+chunk by chunk, without the GIL. Side by side with the loops below (``python -m
+tools.bench.parts --compare-loops``; docs/benchmarks.md, "Copying and hashing in one
+pass"), an 8 MiB insert of 64 KiB entries spent 1.22 - 1.44 ms in its copy against
+1.47 - 1.61, an 8 MiB drop_select 0.96 - 1.03 ms against 1.40 - 1.64, a 128 MiB
+insert of 2 MiB entries 8.0 - 9.7 ms against 11.5 - 12.0; at 2 MiB the gain is
+within the noise. Since nothing holds the GIL, entries of any size then go to two
 threads from ``PARALLEL_MIN_BYTES``. What follows describes the Python loops, used
 where the extension or its hashing is missing.
 
@@ -205,8 +207,9 @@ def copy_in(shm: np.ndarray, bufs: list[np.ndarray], placements: list[list],
 
     def work(lo: int, hi: int) -> list[int]:
         if scatter is not None:
-            return scatter(shm, [pl[_OFFSET] for pl in placements[lo:hi]], bufs[lo:hi],
-                           stream and STREAM is not None)
+            part = placements[lo:hi]
+            return scatter(shm, [pl[_OFFSET] for pl in part], [pl[_NBYTES] for pl in part],
+                           bufs[lo:hi], stream and STREAM is not None)
         sums: list[int] = []
         for buf, pl in zip(bufs[lo:hi], placements[lo:hi]):
             offset, nbytes = pl[_OFFSET], pl[_NBYTES]

@@ -1,5 +1,10 @@
 """How the client lays entries out in its staging buffer so TE transfers coalesce."""
 
+import platform
+import re
+import sysconfig
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -318,25 +323,34 @@ def test_the_streaming_copy_refuses_what_it_cannot_do_safely():
 
 
 # ------------------------------------------------------ copying and hashing in C
+needs_loops = pytest.mark.skipif(
+    shm_mod.SCATTER is None, reason="kvstore.client._ntcopy built without xxhash.h")
+
+
 def native_isas() -> list[str]:
     """Every build of the extension's copy-and-hash loop this CPU can run."""
     native = shm_mod._NATIVE
-    isas = ["baseline"]
-    was = native.use_isa("avx2") if native is not None and native.HASH_ISA != "none" \
-        else None
-    if was is not None:
-        isas.append("avx2")
-        native.use_isa(was)
-    return isas
+    try:
+        was = native.use_isa("avx2")
+    except ValueError:  # not built (not GCC on x86-64) or not on this CPU
+        return ["baseline"]
+    native.use_isa(was)
+    return ["baseline", "avx2"]
 
 
 def test_the_copy_and_hash_loops_are_built_here():
     """The Makefile installs libxxhash-dev: where the tests run, the extension has its
     hashing loops (else every test below would compare Python's loops with
-    themselves)."""
+    themselves), and where GCC built it for an x86-64 CPU with AVX2 it runs the AVX2
+    loop (the baseline one hashes at half the speed)."""
     assert shm_mod.SCATTER is not None and shm_mod.GATHER is not None, \
-        "kvstore.client._ntcopy was built without xxhash.h"
-    assert shm_mod._NATIVE.HASH_ISA in ("baseline", "avx2")
+        "kvstore.client._ntcopy was built without xxhash.h (0.8 or later)"
+    isa = shm_mod._NATIVE.HASH_ISA
+    assert isa in ("baseline", "avx2")
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    gcc = "gcc" in (sysconfig.get_config_var("CC") or "")
+    if platform.machine() == "x86_64" and gcc and re.search(r"^flags\s*:.*\bavx2\b", flags, re.M):
+        assert isa == "avx2"
 
 
 @given(lead=st.integers(0, 70),
@@ -346,6 +360,7 @@ def test_the_copy_and_hash_loops_are_built_here():
        gaps=st.lists(st.integers(0, 200), min_size=7, max_size=7),
        bad=st.integers(-1, 6))
 @settings(max_examples=60, deadline=None)
+@needs_loops
 def test_the_extensions_loops_land_and_hash_like_pythons(lead, sizes, gaps, bad):
     """Entries of any size (none, under, at and over the 2 KiB and 16 KiB chunks, over a
     piece) at any alignment, on each build of the loop, streamed or not: the same
@@ -372,7 +387,11 @@ def test_the_extensions_loops_land_and_hash_like_pythons(lead, sizes, gaps, bad)
 
     with shm_mod.python_loops():
         want = run(False)
+        streamed = run(True)  # Python's loops with the extension's streamed copy
     assert want[1] == [checksum(b) for b in bufs]
+    for have, expect in zip(streamed, want):
+        assert (np.array_equal(have, expect) if isinstance(expect, np.ndarray)
+                else have == expect)
     native = shm_mod._NATIVE
     was = native.use_isa("baseline")
     try:
@@ -389,26 +408,32 @@ def test_the_extensions_loops_land_and_hash_like_pythons(lead, sizes, gaps, bad)
         native.use_isa(was)
 
 
+@needs_loops
 def test_the_extensions_loops_refuse_bad_input_and_change_nothing():
     native = shm_mod._NATIVE
     scatter, gather = shm_mod.SCATTER, shm_mod.GATHER
     arena = np.zeros(1 << 16, np.uint8)
     src = np.full(4096, 7, np.uint8)
+    n = src.size
     # The second entry would end past the arena: refused before the first is copied.
     with pytest.raises(ValueError, match="entry 1 .* outside the destination's 65536"):
-        scatter(arena, [0, (1 << 16) - 100], [src, src], True)
+        scatter(arena, [0, (1 << 16) - 100], [n, n], [src, src], True)
+    with pytest.raises(ValueError, match="source 1 has 4096 bytes, its entry 4000"):
+        scatter(arena, [0, 8192], [n, 4000], [src, src], True)
     with pytest.raises(ValueError, match="negative"):
-        scatter(arena, [0, -1], [src, src], True)
+        scatter(arena, [0, -1], [n, n], [src, src], True)
     with pytest.raises(ValueError, match="2 items for 1 entries"):
-        scatter(arena, [0, 4096], [src], True)
+        scatter(arena, [0, 4096], [n], [src], True)
     with pytest.raises(OverflowError):
-        scatter(arena, [1 << 70], [src], True)
+        scatter(arena, [1 << 70], [n], [src], True)
     with pytest.raises(TypeError):
-        scatter(arena, ["0"], [src], True)
+        scatter(arena, ["0"], [n], [src], True)
     with pytest.raises((BufferError, ValueError)):  # not contiguous
-        scatter(arena, [0], [np.zeros(8192, np.uint8)[::2]], True)
+        scatter(arena, [0], [4096], [np.zeros(8192, np.uint8)[::2]], True)
     with pytest.raises((TypeError, BufferError)):  # read-only destination
-        scatter(bytes(1 << 16), [0], [src], True)
+        scatter(bytes(1 << 16), [0], [n], [src], True)
+    with pytest.raises(ValueError, match="source 0 overlaps"):
+        scatter(arena, [0], [n], [arena[8192:8192 + n]], True)
     assert not arena.any()
     out = np.zeros(8192, np.uint8)
     arena[:] = 3
@@ -420,7 +445,32 @@ def test_the_extensions_loops_refuse_bad_input_and_change_nothing():
         gather(out, [0, 1, 2], arena, [0, 1], [1, 1])
     with pytest.raises(ValueError, match="negative"):
         gather(out, [0], arena, [0], [-5])
+    with pytest.raises(ValueError, match="source overlaps the destination"):
+        gather(arena[:4096], [0], arena[2048:], [0], [1024])
     assert not out.any()
     with pytest.raises(ValueError, match="neon is not built"):
         native.use_isa("neon")
-    assert scatter(arena, [], [], True) == [] and gather(out, [], arena, [], []) == []
+    assert scatter(arena, [], [], [], True) == [] and gather(out, [], arena, [], []) == []
+
+
+@needs_loops
+def test_a_refused_copy_lets_go_of_every_buffer():
+    """After each refusal, the buffers it looked at can be resized again: none is left
+    exported (a leaked view would pin them for good)."""
+    scatter, gather = shm_mod.SCATTER, shm_mod.GATHER
+    dst, a, b = bytearray(1 << 12), bytearray(b"x" * 64), bytearray(b"y" * 64)
+    refusals = [
+        lambda: scatter(dst, [0, 1 << 12], [64, 64], [a, b], True),  # fails at entry 1
+        lambda: scatter(dst, [0, 64], [64, 63], [a, b], True),
+        lambda: scatter(dst, [0, 64], [64, 64], [a, 5], True),  # not a buffer
+        lambda: gather(dst, [0], a, [0], [65]),
+        lambda: gather(dst, [0, "x"], a, [0, 0], [1, 1]),
+    ]
+    for refuse in refusals:
+        with pytest.raises((ValueError, TypeError)):
+            refuse()
+        for buf in (dst, a, b):
+            buf.extend(b"z")
+            del buf[-1:]
+    assert scatter(dst, [0, 64], [64, 64], [a, b], False) == [checksum(a), checksum(b)]
+    assert bytes(dst[:128]) == bytes(a + b)
