@@ -37,7 +37,8 @@ NEED_MIB := 6144
 # pip's cache would keep a second copy of every wheel on the same disk.
 export PIP_NO_CACHE_DIR := 1
 
-$(STAMP): pyproject.toml
+# (The C extension's sources too: an editable install builds it only when installed.)
+$(STAMP): pyproject.toml $(wildcard kvstore/client/*.c kvstore/client/*.h)
 	@free=$$(df -Pm . | awk 'NR==2 {print $$4}'); \
 	if [ ! -x $(PY) ] && [ "$$free" -lt $(NEED_MIB) ]; then \
 	  echo "setup needs about $(NEED_MIB) MiB free on $$(df -P . | awk 'NR==2 {print $$6}'), there are $$free MiB" >&2; exit 1; fi

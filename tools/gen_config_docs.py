@@ -146,9 +146,10 @@ HELP = {
                             "at install where a C compiler is found; without it, "
                             "numpy's copy): the arena's lines are not first read into "
                             "this process's cache. An 8 MiB insert's copy 12 - 14 % "
-                            "faster in `tools.bench.parts` (docs/benchmarks.md, \"Non-temporal stores\"). "
-                            "Off: ordinary stores (the extension's memcpy, still "
-                            "hashing as it copies; numpy's copy without it).",
+                            "faster than numpy's in `tools.bench.parts` (docs/benchmarks.md, "
+                            "\"Non-temporal stores\"). Off: ordinary stores (where the "
+                            "extension was built with `xxhash.h`, its memcpy, still "
+                            "hashing as it copies; else numpy's copy).",
     "client.te_wait": "How the client waits for TE: `sleep` (default), the pieces in "
                       "flight together as async batches, each hashed as it lands, the "
                       "wait sleeping ~30 us between polls after the first 1 ms; "
