@@ -287,29 +287,6 @@ def test_the_streaming_copy_is_built_here():
     assert shm_mod.STREAM is not None, "kvstore.client._ntcopy was not built"
 
 
-@given(lead=st.integers(0, 70), sizes=st.lists(st.integers(1, 3 * PIECE_BYTES // 2),
-                                               min_size=1, max_size=6),
-       gaps=st.lists(st.integers(0, 200), min_size=6, max_size=6))
-@settings(max_examples=60, deadline=None)
-def test_streamed_and_plain_copies_land_the_same_bytes_and_checksums(lead, sizes, gaps):
-    """Destinations at any alignment, sizes that leave a head before the first
-    16-byte boundary, a tail after the last whole 64-byte line, and entries cut in
-    pieces: the streamed copy writes exactly the plain one's bytes and nothing
-    beside them."""
-    rng = np.random.default_rng(sum(sizes) + lead)
-    bufs = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
-    offsets, at = [], lead
-    for n, gap in zip(sizes, gaps):
-        offsets.append(at)
-        at += n + gap
-    placements = [["dram", off, n, None] for off, n in zip(offsets, sizes)]
-    arenas = [np.full(at + 64, 0xA5, np.uint8) for _ in range(2)]
-    sums = [copy_in(arena, bufs, placements, stream=stream)
-            for arena, stream in zip(arenas, (True, False))]
-    assert sums[0] == sums[1] == [checksum(b) for b in bufs]
-    assert np.array_equal(arenas[0], arenas[1])
-
-
 def test_the_streaming_copy_refuses_what_it_cannot_do_safely():
     copy = shm_mod.STREAM
     if copy is None:
@@ -363,9 +340,10 @@ def test_the_copy_and_hash_loops_are_built_here():
 @needs_loops
 def test_the_extensions_loops_land_and_hash_like_pythons(lead, sizes, gaps, bad):
     """Entries of any size (none, under, at and over the 2 KiB and 16 KiB chunks, over a
-    piece) at any alignment, on each build of the loop, streamed or not: the same
-    bytes in the arena and nothing beside them, the same checksums, and reading them
-    back the same output and the same first bad entry."""
+    piece) at any alignment (a head before the first 16-byte boundary, a tail after
+    the last whole 64-byte line), on each build of the loop and with Python's loops,
+    streamed or not: the same bytes in the arena and nothing beside them, the same
+    checksums, and reading them back the same output and the same first bad entry."""
     rng = np.random.default_rng(sum(sizes) + lead)
     bufs = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
     offsets, at = [], lead
