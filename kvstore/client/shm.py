@@ -202,14 +202,14 @@ def copy_in(shm: np.ndarray, bufs: list[np.ndarray], placements: list[list],
     this many copy at once (default ``COPY_THREADS``), from ``PARALLEL_MIN_BYTES``.
     ``stream``: with non-temporal stores where ``STREAM`` exists (numpy's copy
     otherwise)."""
+    scatter = SCATTER  # (built in the same extension as STREAM)
     put = STREAM if stream and STREAM is not None else _assign
-    scatter = SCATTER
 
     def work(lo: int, hi: int) -> list[int]:
         if scatter is not None:
             part = placements[lo:hi]
             return scatter(shm, [pl[_OFFSET] for pl in part], [pl[_NBYTES] for pl in part],
-                           bufs[lo:hi], stream and STREAM is not None)
+                           bufs[lo:hi], stream)
         sums: list[int] = []
         for buf, pl in zip(bufs[lo:hi], placements[lo:hi]):
             offset, nbytes = pl[_OFFSET], pl[_NBYTES]
