@@ -12,10 +12,10 @@
  * "Non-temporal stores".)
  *
  * scatter / gather (only where xxhash.h 0.8 or later was found at build time: the
- * Makefile installs libxxhash-dev): many entries in one call, each copied and hashed (xxh3_64, the
- * digest of kvstore.core.hashing.checksum) 16 KiB at a time, so each chunk is
- * hashed while it is still in the core's first-level cache and no Python runs between
- * entries. The xxhash binding keeps the GIL while it hashes an entry below ~256 KiB;
+ * Makefile installs libxxhash-dev): many entries in one call, each copied and hashed
+ * (xxh3_64, the digest of kvstore.core.hashing.checksum) a chunk at a time (2 KiB
+ * streamed, 16 KiB plain: _copyhash.h), so each chunk is hashed while it is still in
+ * the core's first-level cache and no Python runs between entries. The xxhash binding keeps the GIL while it hashes an entry below ~256 KiB;
  * here nothing does. (docs/benchmarks.md, "Copying and hashing in one pass".) */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
