@@ -421,7 +421,9 @@ def unlink_all(paths: Sequence[str]) -> None:
 
 
 def shm_files(pids: Sequence[int]) -> set[str]:
-    """The ``SHM_PREFIXES`` files ``pids`` have mapped (from ``/proc/<pid>/maps``)."""
+    """The ``SHM_PREFIXES`` files ``pids`` have mapped (``/proc/<pid>/maps``) or open
+    (``/proc/<pid>/fd``: a SharedMemory between its shm_open and its mmap, which a
+    kill at that moment would leave behind unmapped)."""
     found: set[str] = set()
     for pid in pids:
         try:
@@ -430,6 +432,13 @@ def shm_files(pids: Sequence[int]) -> set[str]:
                     fields = line.split(None, 5)
                     if len(fields) == 6 and fields[5].startswith(SHM_PREFIXES):
                         found.add(fields[5].rstrip("\n").removesuffix(" (deleted)"))
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:  # closed meanwhile
+                    continue
+                if target.startswith(SHM_PREFIXES):
+                    found.add(target.removesuffix(" (deleted)"))
         except OSError:  # gone meanwhile
             continue
     return found

@@ -202,10 +202,9 @@ class PDCluster:
         previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in shielded}
         try:
             for service in reversed(self.services):
-                # Each group's files just before it stops: an engine still starting
-                # maps new ones while the groups before it stop.
-                self._shm |= shm_files(_group_members(service.proc.pid))
-                _stop_group(service.proc)
+                # Each group's files just before it stops, the group frozen meanwhile:
+                # an engine still starting makes new ones until it is stopped.
+                _stop_group(service.proc, noting=lambda pids: self._shm.update(shm_files(pids)))
             if not self.leftover_pids():  # nobody of this cluster maps them any more
                 unlink_all(self.shm_left())
             self.cluster.close()
@@ -328,14 +327,25 @@ class PDCluster:
 
 
 
-def _stop_group(proc: subprocess.Popen, timeout: float = STOP_TIMEOUT_S) -> None:
+def _stop_group(proc: subprocess.Popen, timeout: float = STOP_TIMEOUT_S,
+                noting: Callable[[list[int]], None] | None = None) -> None:
     """TERM the process's group (it leads one: start_new_session), KILL after
-    ``timeout``; waits for the leader."""
+    ``timeout``; waits for the leader. ``noting(pids)`` first sees the group's members
+    while the group is stopped (SIGSTOP): nothing in it can start anything new until
+    the TERM."""
+    if noting is not None and (proc.poll() is None or _group_members(proc.pid)):
+        try:
+            os.killpg(proc.pid, signal.SIGSTOP)
+            noting(_group_members(proc.pid))
+        except ProcessLookupError:
+            pass
     for sig in (signal.SIGTERM, signal.SIGKILL):
         if proc.poll() is not None and not _group_members(proc.pid):
             return
         try:
             os.killpg(proc.pid, sig)
+            if noting is not None:
+                os.killpg(proc.pid, signal.SIGCONT)  # a stopped process acts on TERM now
         except ProcessLookupError:
             pass
         deadline = time.monotonic() + timeout
