@@ -52,6 +52,11 @@ class Lease(NamedTuple):
     take: bool = True  # release(drop=True) may take: False for a drop_select that
     # matched only a prefix other prompts share (it reads, it takes nothing)
     end: bytes | None = None  # the prompt end this lease claimed (one ``ends``)
+    # When a drop_select's claiming lease was opened: the access time its entries
+    # get when it ends, on those it leaves stored (``Reads.end_lease``); None for
+    # the others (a get's entries are touched at its acquire; staging's placeholder
+    # and a spend's lease are read by no one).
+    read_at: float | None = None
 
 
 class Holds:

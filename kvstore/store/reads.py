@@ -18,6 +18,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
+from typing import Final, cast
 
 from kvstore.core.errors import ChecksumError, InvalidRequestError
 from kvstore.core.hashing import checksum
@@ -38,6 +39,21 @@ from kvstore.store.types import (
 from tiers.base import Extent
 
 log = logging.getLogger(__name__)
+
+# Record fields by position, for the loops that run once per entry of an acquire
+# (a field by name costs a descriptor call; by index, none).
+_KEY: Final = 0
+_TIER: Final = 1
+_OFFSET: Final = 2
+_NBYTES: Final = 3
+_NTOKENS: Final = 4
+_TOKENS: Final = 5
+_CHECKSUM: Final = 6
+_PENDING: Final = 10
+_META: Final = 11
+assert [Record._fields[i] for i in (_KEY, _TIER, _OFFSET, _NBYTES, _NTOKENS, _TOKENS,
+                                    _CHECKSUM, _PENDING, _META)] == [
+    "key", "tier", "offset", "nbytes", "ntokens", "tokens", "checksum", "pending", "meta"]
 
 
 class Staging:
@@ -141,7 +157,8 @@ class Reads(Operations):
                 self._count_hits(found_in, len(recs), nblocks)
                 if not recs:
                     return Acquisition(0, [], 0, time.time())
-                return self._lease_prefix(recs, found_in, lease_s, claim, take, end)
+                return self._lease_prefix(recs, found_in, lease_s, claim, take, end,
+                                          reread=False)
             aid = new_id()
             # The holds just taken become this lease's; it claims what the reply will.
             self.holds.add_lease(aid, Lease([r.key for r in recs], float("inf"), claim, take,
@@ -248,25 +265,36 @@ class Reads(Operations):
         self.counts["misses"] += blocks - served
 
     def _lease_prefix(self, recs: list[Record], found_in: list[str], lease_s: float,
-                      claim: bool, take: bool = True,
-                      end: bytes | None = None) -> Acquisition:
-        """Open the lease on ``recs`` (already held) and touch their access times."""
+                      claim: bool, take: bool = True, end: bytes | None = None,
+                      reread: bool = True) -> Acquisition:
+        """Open the lease on ``recs`` (already held) and set their access times to now:
+        at once for a plain read (a get), whose entries stay; for a drop_select's
+        claim when the lease ends, on the entries it leaves stored (``end_lease``):
+        most go at its release, so its reply waits for no record rewritten per entry,
+        and held meanwhile, they are no eviction's victims (a victim walk meets them
+        at their old place, and skips them, for the lease's few milliseconds)."""
         now = time.time()
-        # Re-read: room-making while staging may have dropped NVMe copies of
-        # these (held) entries; nothing else about them can have changed.
-        recs = self.catalog.touch(recs, now)
+        if reread:
+            # Room-making while staging may have dropped NVMe copies of these
+            # (held) entries; nothing else about them can have changed.
+            records = self.catalog.records
+            recs = [records[r.key] for r in recs]
         aid = new_id()
-        if end is not None and not any(r.key == end for r in recs):
+        keys = [r.key for r in recs]
+        if end is not None and end not in keys:
             end = None  # staging cut the lease before the prompt's end: a later round
-        self.holds.add_lease(aid, Lease([r.key for r in recs], now + lease_s, claim, take, end))
-        nbytes = sum(r.nbytes for r in recs)
+        if not claim:
+            self.catalog.touch(keys, now)
+        self.holds.add_lease(aid, Lease(keys, now + lease_s, claim, take, end,
+                                        now if claim else None))
+        nbytes = sum([r[_NBYTES] for r in recs])
         self.counts["bytes_out"] += nbytes
         if len(set(found_in)) == 1 and len(found_in) == len(recs):  # the usual case
             self.tier_bytes[found_in[0], "bytes_out"] += nbytes
         else:
             for tier, rec in zip(found_in, recs):  # counted where it was found
                 self.tier_bytes[tier, "bytes_out"] += rec.nbytes
-        return Acquisition(aid, self._infos(recs), sum(r.ntokens for r in recs),
+        return Acquisition(aid, self._infos(recs), sum([r[_NTOKENS] for r in recs]),
                            now + lease_s)
 
     def read(self, acquisition_id: int, index: int) -> bytes:
@@ -337,8 +365,9 @@ class Reads(Operations):
         return bad
 
     def _claimable_prefix(self, recs: list[Record]) -> list[Record]:
+        claims = self.holds.claims  # (``Holds.unclaimed``, inlined: once per entry)
         for i, rec in enumerate(recs):
-            if self.holds.unclaimed(rec) <= 0:
+            if rec[_PENDING] - claims.get(rec[_KEY], 0) <= 0:
                 return recs[:i]
         return recs
 
@@ -352,6 +381,7 @@ class Reads(Operations):
         records, leased = self.catalog.records, self.holds.leased
         recs = {k: records[k] for k in times if k in records}
         drop = drop and lease.take
+        at = lease.read_at
         # What the drop leaves pending, without building records for those it ends.
         left = {k: max(0, r.pending - times[k]) if drop else r.pending
                 for k, r in recs.items()}
@@ -361,13 +391,15 @@ class Reads(Operations):
             # Only idle entries to drop: if the index refuses that (a full map or
             # disk), they stay, idle and evictable, and the lease ends all the same.
             dropped = self.catalog.drop_idle(gone)
+            if at is not None:
+                self.catalog.touch(recs, at)
             self.holds.end_lease(lease)
             return dropped
         put = []
         going = set(gone)  # not the list: ``in`` on it made a release O(entries^2)
         for k, r in recs.items():
             if k not in going:
-                r = r._replace(pending=left[k])
+                r = r._replace(pending=left[k], last_access=max(r.last_access, at or 0.0))
                 put.append(r._replace(ends=max(0, r.ends - 1)) if k == lease.end else r)
         self.catalog.apply(put=put, drop=gone)
         self.holds.end_lease(lease)
@@ -375,8 +407,15 @@ class Reads(Operations):
         return len(gone)
 
     def _walk(self, keys: list[bytes], tokens: list[bytes]) -> list[Record]:
-        out = []
         condemned = self.catalog.condemned  # known bad: a miss from there on
+        # The usual case in C-level passes: every key stored, none condemned, every
+        # block's tokens its own.
+        found = list(map(self.catalog.records.get, keys))
+        if not condemned and None not in found:
+            stored = cast(list[Record], found)
+            if [rec[_TOKENS] for rec in stored] == list(tokens):
+                return stored
+        out = []
         for key, tok in zip(keys, tokens):
             rec = self.catalog.records.get(key)
             if rec is None or (condemned and key in condemned):
@@ -392,8 +431,15 @@ class Reads(Operations):
         looked up once per run of one tier (an extent's address is its tier's base plus
         its offset, or None), each built with ``tuple.__new__`` (an acquire builds one
         per entry: this loop was half of a 2 048-entry acquire)."""
-        out: list[EntryInfo] = []
         tiers, new = self.place.tiers, tuple.__new__
+        if recs and all(rec[_TIER] == recs[0][_TIER] for rec in recs):  # the usual case
+            name = recs[0][_TIER]
+            base = tiers[name].address(Extent(name, 0, 0))
+            if base is not None:
+                return [new(EntryInfo, (rec[_KEY], name, rec[_OFFSET], rec[_NBYTES],
+                                        base + rec[_OFFSET], rec[_CHECKSUM], rec[_NTOKENS],
+                                        rec[_META])) for rec in recs]
+        out: list[EntryInfo] = []
         name, base = "", None
         for rec in recs:
             if rec.tier != name:

@@ -71,6 +71,43 @@ def test_fill_without_nvme_evicts_lru(make_store):
     store.check_integrity()
 
 
+def test_a_read_sets_the_access_time_at_once_a_claim_when_its_lease_ends(make_store):
+    """A get's entries get the acquire's time at once. A drop_select's claim sets it
+    when the lease ends (held, they are nobody's victims meanwhile), on those still
+    stored: at a drop that leaves them pending, a release without drop, an expiry."""
+    store = make_store(dram=4)
+    put(store, [1, 2, 3])
+
+    def access(i: int) -> float:
+        return next(r.last_access for r in store.entries() if r.key == key(i))
+
+    was = access(1)
+    time.sleep(0.01)
+    acq = acquire(store, [1])
+    read_at = access(1)
+    assert was < read_at <= time.time()  # a get: at once
+    store.release(acq.id)
+    assert access(1) == read_at
+    put(store, [2])  # a second consumer of entry 2: a drop_select leaves it pending
+    time.sleep(0.01)
+    acq = store.acquire([key(2)], [toks(2)], claim=True)
+    assert access(2) == was  # not yet
+    store.release(acq.id, drop=True)
+    assert access(2) > read_at and [r.pending for r in store.entries()
+                                    if r.key == key(2)] == [1]
+    time.sleep(0.01)
+    acq = store.acquire([key(3)], [toks(3)], claim=True)
+    store.release(acq.id)  # given back: the claim's time, on the entry that stays
+    assert access(3) > access(2)
+    time.sleep(0.01)
+    acq = store.acquire([key(3)], [toks(3)], claim=True, lease_s=0.01)
+    at = access(3)
+    time.sleep(0.03)
+    assert store.reap() == 1
+    assert access(3) > at
+    store.check_integrity()
+
+
 def test_entry_larger_than_every_tier_is_tier_full(make_store):
     store = make_store(dram=2)
     with pytest.raises(TierFullError):

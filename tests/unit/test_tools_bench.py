@@ -294,7 +294,8 @@ def test_store_ab_runs_two_checkouts_in_turn():
     from tools.bench import store_ab
 
     root = Path(__file__).resolve().parents[2]
-    result = store_ab.run(root, entries=8, reps=2)
-    assert set(result) == {"base", "this"}
-    for steps in result.values():
-        assert list(steps) == list(store_ab.STEPS) and all(v > 0 for v in steps.values())
+    for claim in (False, True):  # a get's acquire, then a drop_select's
+        result = store_ab.run(root, entries=8, reps=2, claim=claim)
+        assert set(result) == {"base", "this"}
+        for steps in result.values():
+            assert list(steps) == list(store_ab.STEPS) and all(v > 0 for v in steps.values())

@@ -2,14 +2,15 @@
 side by side (in-process ``Store`` calls: no sockets, no copies, one thread).
 
     python -m tools.bench.store_ab --base /path/to/other/checkout [--this /path/to/another]
-                                   [--entries 2048] [--reps 61]
+                                   [--entries 2048] [--reps 61] [--claim]
 
 Starts one worker process per checkout (``PYTHONPATH`` set to it, so each imports its
 own ``kvstore``), each with a DRAM-only store of its own, and has them take turns,
 one round each, the order swapped every round, so both see the same moments of a
 noisy machine. A round: a room for ``entries`` blocks of 64 KiB, a ``put`` of fresh
 random keys into it (its book-keeping run at once when the store answers first), an
-``acquire`` of them, a ``release`` with drop. Both workers run with the garbage
+``acquire`` of them (with ``--claim``, claiming them as a drop_select's acquire
+does), a ``release`` with drop. Both workers run with the garbage
 collector as a server runs it (``server.gc_young``: start-up frozen, collections
 rare), so that a collection set off by one step is not charged to another. Prints
 the median ms of each step and of the whole round per checkout (the first two
@@ -38,7 +39,7 @@ GC_YOUNG = 50_000  # server.gc_young's default (kvstore.server.loop.tune_gc)
 WARMUP = 2
 
 
-def worker(entries: int) -> None:
+def worker(entries: int, claim: bool = False) -> None:
     """One store; a round per line on stdin, its step times (s) as JSON on stdout."""
     import time
 
@@ -69,7 +70,8 @@ def worker(entries: int) -> None:
             for step in work:
                 step()
             t1 = time.perf_counter()
-            acq = store.acquire(keys, tokens)
+            acq = store.acquire(keys, tokens, claim=True) if claim else \
+                store.acquire(keys, tokens)
             t2 = time.perf_counter()
             store.release(acq.id, drop=True)
             t3 = time.perf_counter()
@@ -79,15 +81,16 @@ def worker(entries: int) -> None:
         store.close()
 
 
-def run(base: Path, entries: int, reps: int, this: Path | None = None
-        ) -> dict[str, dict[str, float]]:
+def run(base: Path, entries: int, reps: int, this: Path | None = None,
+        claim: bool = False) -> dict[str, dict[str, float]]:
     """Median ms per step for ``base`` and ``this`` (default: this checkout), taking
-    turns."""
+    turns; ``claim``: the acquire claims, as a drop_select's does."""
     here = Path(__file__).resolve().parents[2]
     trees = {"base": base.resolve(), "this": (this or here).resolve()}
     # run_path, not ``python FILE``: the script's folder on sys.path would shadow
     # modules (tools/bench/profile.py is also a stdlib module's name).
-    start = (f"import runpy, sys; sys.argv = [{__file__!r}, '--worker', '{entries}']; "
+    flags = ", '--claim'" if claim else ""
+    start = (f"import runpy, sys; sys.argv = [{__file__!r}, '--worker', '{entries}'{flags}]; "
              f"runpy.run_path({__file__!r}, run_name='__main__')")
     procs = {name: subprocess.Popen(
         [sys.executable, "-c", start], cwd=tree,
@@ -122,10 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--this", type=Path, help="measure this checkout instead of ours")
     parser.add_argument("--entries", type=int, default=2048)
     parser.add_argument("--reps", type=int, default=61)
+    parser.add_argument("--claim", action="store_true",
+                        help="the acquire claims its entries, as a drop_select's does "
+                             "(default: a get's acquire)")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
-        worker(args.worker)
+        worker(args.worker, args.claim)
         return 0
     if args.base is None:
         parser.error("--base is required")
@@ -134,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{flag} {tree}: not a kvstore checkout (no kvstore/store/facade.py)")
     if args.entries < 1 or args.reps < 1:
         parser.error("--entries and --reps must be >= 1")
-    result = run(args.base, args.entries, args.reps, args.this)
-    print(f"{args.entries} entries of 64 KiB, median ms of {args.reps} rounds:")
+    result = run(args.base, args.entries, args.reps, args.this, args.claim)
+    print(f"{args.entries} entries of 64 KiB, {'claiming' if args.claim else 'plain'} "
+          f"acquires, median ms of {args.reps} rounds:")
     for name, steps in result.items():
         print(f"  {name:4s} " + "  ".join(f"{s} {v:.3f}" for s, v in steps.items()))
     print("  base / this  " + "  ".join(f"{s} {result['base'][s] / result['this'][s]:.2f}x"
