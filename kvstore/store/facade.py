@@ -239,9 +239,22 @@ class Store:
 
     def end_send(self, acquisition_id: int) -> int:
         """The bytes of ``hold_send(acquisition_id)`` are out: the hold goes, and with
-        it entries nothing else needs any more (how many)."""
+        it entries nothing else needs any more (how many), and those known bad at rest
+        that only the send still held (a reader reported them while it was out)."""
         with self._lock:
-            return self.catalog.drop_idle(self.holds.end_send(acquisition_id))
+            freed = self.catalog.drop_idle(self.holds.end_send(acquisition_id))
+            return freed + self._drop_condemned()
+
+    def _drop_condemned(self) -> int:
+        """Drop the entries known bad at rest that nothing holds any more (logged);
+        how many. Under the lock."""
+        if not self.catalog.condemned:
+            return 0
+        gone = self._writes.drop_condemned()
+        if gone:
+            log.warning("%d entries known bad at rest, held until now: dropped (first %s)",
+                        len(gone), gone[0].hex())
+        return len(gone)
 
     def read(self, acquisition_id: int, index: int) -> bytes:
         """The bytes of one acquired entry (local readers)."""
@@ -339,11 +352,7 @@ class Store:
                 done += 1
             holds.reaped(now)
             self.catalog.index.drop_strays()  # rows a full index could not delete
-            if self.catalog.condemned:  # known bad, and maybe no longer held
-                gone = self._writes.drop_condemned()
-                if gone:
-                    log.warning("%d entries known bad at rest, held until now: dropped "
-                                "(first %s)", len(gone), gone[0].hex())
+            self._drop_condemned()  # known bad, and maybe no longer held
             try:
                 self.place.restore_watermarks()
             except (StorageError, TierFullError):  # demotion resumes when space does

@@ -148,3 +148,24 @@ def test_a_reported_entry_that_others_hold_is_a_miss_until_it_goes(make_store):
     stats = store.stats()
     assert stats["checksum_failures"] == 1 and stats["commit_checksum_failures"] == 0
     store.check_integrity()
+
+
+def test_a_reported_entry_a_reply_still_sends_goes_when_the_send_is_over(make_store):
+    """A reader's take fails in an early part of an inline reply and it reports the
+    bad entry while the later parts are still being sent from the arena (hold_send):
+    the entry is a miss from then on and goes with the send's end, not at a reap."""
+    store = make_store(dram=4)
+    put(store, [1, 2, 3])
+    rec = next(r for r in store.entries() if r.key == key(2))
+    store.place.tiers["dram"].view(store.place.io.extent(rec))[0] ^= 0xFF
+    keys, tokens = [key(1), key(2), key(3)], [toks(1), toks(2), toks(3)]
+    acq = store.acquire(keys, tokens, claim=True)
+    store.hold_send(acq.id)
+    assert store.release(acq.id, drop=False, corrupt=[1]) == 0  # the send holds it
+    again = store.acquire(keys, tokens)
+    assert [e.key for e in again.entries] == [key(1)]
+    store.release(again.id)
+    assert store.end_send(acq.id) == 1
+    assert sorted(where(store)) == [1, 3]
+    assert store.stats()["checksum_failures"] == 1
+    store.check_integrity()
