@@ -66,10 +66,12 @@ static inline void stream_copy(char *dst, const char *src, size_t n)
 #endif
 
 /* Copy n bytes (streamed if `stream`); the xxh3_64 of the source (hash_dst 0) or of
- * what landed (hash_dst 1). */
+ * what landed (hash_dst 1). With dst NULL, nothing is copied: the xxh3_64 of src. */
 KVS_STATIC uint64_t COPY_HASHED(char *dst, const char *src, size_t n, int stream,
                                 int hash_dst)
 {
+    if (dst == NULL)
+        return XXH3_64bits(src, n);
     size_t chunk = stream ? KVS_STREAM_CHUNK : KVS_CHUNK;
     const char *hashed = hash_dst ? dst : src;
     if (n <= chunk) {

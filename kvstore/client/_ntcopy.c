@@ -11,7 +11,7 @@
  * byte of the destination; elsewhere it is a memcpy. (docs/benchmarks.md,
  * "Non-temporal stores".)
  *
- * scatter / gather (only where xxhash.h 0.8 or later was found at build time: the
+ * scatter / gather / hashes (only where xxhash.h 0.8 or later was found at build time: the
  * Makefile installs libxxhash-dev): many entries in one call, each copied and hashed
  * (xxh3_64, the digest of kvstore.core.hashing.checksum) a chunk at a time (2 KiB
  * streamed, 16 KiB plain: _copyhash.h), so each chunk is hashed while it is still in
@@ -281,6 +281,46 @@ done:
     PyBuffer_Release(&dst);
     return result;
 }
+
+static PyObject *ntcopy_hashes(PyObject *self, PyObject *args)
+{
+    Py_buffer src;
+    PyObject *offsets_obj, *sizes_obj, *result = NULL;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*OO:hashes", &src, &offsets_obj, &sizes_obj))
+        return NULL;
+    Py_ssize_t n = PyObject_Length(sizes_obj);
+    Py_ssize_t *sizes = NULL, *offsets = NULL;
+    uint64_t *sums = NULL;
+    if (n < 0)
+        goto done;
+    if ((sizes = sizes_of(sizes_obj, n, "hashes: sizes")) == NULL ||
+        (offsets = sizes_of(offsets_obj, n, "hashes: offsets")) == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (sizes[i] > src.len || offsets[i] > src.len - sizes[i]) {
+            PyErr_Format(PyExc_ValueError, "hashes: entry %zd (%zd bytes at %zd) is outside "
+                         "the buffer's %zd bytes", i, sizes[i], offsets[i], src.len);
+            goto done;
+        }
+    }
+    if ((sums = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n ? n : 1))) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    copy_hashed_fn hash = copy_hashed;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        sums[i] = hash(NULL, (const char *)src.buf + offsets[i], (size_t)sizes[i], 0, 0);
+    Py_END_ALLOW_THREADS
+    result = sums_list(sums, n);
+done:
+    PyMem_Free(sums);
+    PyMem_Free(offsets);
+    PyMem_Free(sizes);
+    PyBuffer_Release(&src);
+    return result;
+}
 #endif
 
 static PyMethodDef ntcopy_methods[] = {
@@ -297,8 +337,12 @@ static PyMethodDef ntcopy_methods[] = {
      "gather(dst, dst_offsets, src, src_offsets, sizes) -> list[int]: each entry's "
      "bytes copied from src to dst (which must not overlap); the xxh3_64 of what landed "
      "in dst, taken chunk by chunk as it is copied. Without the GIL."},
+    {"hashes", ntcopy_hashes, METH_VARARGS,
+     "hashes(src, offsets, sizes) -> list[int]: the xxh3_64 of each entry of the "
+     "contiguous src (sizes[i] bytes at offsets[i]), in one call, without the GIL "
+     "(the xxhash binding keeps it for inputs under ~256 KiB)."},
     {"use_isa", ntcopy_use_isa, METH_VARARGS,
-     "use_isa(name) -> str: scatter / gather run the loop built for name (\"baseline\", "
+     "use_isa(name) -> str: scatter / gather / hashes run the loop built for name (\"baseline\", "
      "or \"avx2\" where built and the CPU has it) from now on; the one they ran before. "
      "The digests are the same: for tests and measurements."},
 #endif
@@ -326,7 +370,7 @@ PyMODINIT_FUNC PyInit__ntcopy(void)
     isa = copy_hashed_isa;
 #endif
     /* Which build of the copy-and-hash loop runs at import ("none": built without
-     * xxhash.h, so without scatter / gather). */
+     * xxhash.h, so without scatter / gather / hashes). */
     if (PyModule_AddStringConstant(mod, "HASH_ISA", isa) < 0) {
         Py_DECREF(mod);
         return NULL;

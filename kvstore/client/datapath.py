@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
-from kvstore.client.checks import LandedChecks, use_background
+from kvstore.client.checks import LandedChecks, first_bad, use_background
 from kvstore.client.shm import copy_in, copy_out
 from kvstore.core.config import MIN_TE_PIECE_BYTES, TE_WAITS
 from kvstore.core.errors import ChecksumError, ConfigError, InvalidRequestError
@@ -354,9 +354,9 @@ class DataPath:
                 raise _corrupt(local[bad][1], entries)
         if remote:
             def check(items: list[tuple[int, list]]) -> None:
-                for start, e in items:
-                    if checksum(out[start:start + e[_NBYTES]]) != e[_CHECKSUM]:
-                        raise _corrupt(e, entries)
+                bad = first_bad(out, items)
+                if bad is not None:
+                    raise _corrupt(items[bad][1], entries)
 
             # Large entries: hashed on a low-priority thread as they land (checks.py).
             background = LandedChecks(out, lambda e: _corrupt(e, entries)) if verify and \

@@ -172,6 +172,8 @@ STREAM: Callable[[Any, Any], None] | None = getattr(_NATIVE, "copy", None)
 # verified ``copy_out`` use them where they exist; Python's loops otherwise.
 SCATTER: Callable[..., list[int]] | None = getattr(_NATIVE, "scatter", None)
 GATHER: Callable[..., list[int]] | None = getattr(_NATIVE, "gather", None)
+# Many entries of one buffer hashed in one call, the GIL released (kvstore.client.checks).
+HASHES: Callable[..., list[int]] | None = getattr(_NATIVE, "hashes", None)
 
 
 @contextlib.contextmanager

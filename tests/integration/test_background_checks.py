@@ -1,6 +1,7 @@
-"""A TE read of large entries (256 KiB or more) is verified on the client's
-low-priority hashing thread (kvstore/client/checks.py): against a real server, over
-real TE, it returns exact bytes, and bytes damaged at rest are still a checksum miss,
+"""A TE read is verified on the client's low-priority hashing thread
+(kvstore/client/checks.py): entries of 256 KiB or more always, smaller ones (64 KiB)
+in batches where the C extension has ``hashes``. Against a real server, over real TE,
+it returns exact bytes, and bytes damaged at rest are still a checksum miss,
 reported and dropped, with the good entries kept."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import threading
 import numpy as np
 import pytest
 
+from kvstore.client import checks
 from kvstore.client.checks import BACKGROUND_MIN_ENTRY_BYTES
 from kvstore.core.errors import ChecksumError
 from kvstore.layout import KVLayout
@@ -18,6 +20,9 @@ from tests.integration.conftest import damage_at_rest
 # 8 layers x 4 heads x 128 dims x fp16 x K and V x 16 tokens: 256 KiB an entry.
 BIG = KVLayout(num_layers=8, kv_heads=4, head_dim=128, dtype="float16", block_tokens=16)
 TOKENS = 64  # 4 entries, 1 MiB
+# 8 layers x 2 heads x 64 dims x fp16 x K and V x 16 tokens: 64 KiB an entry.
+SMALL = KVLayout(num_layers=8, kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
+SMALL_TOKENS = 1024  # 64 entries, 4 MiB: several of the thread's claims
 
 
 def _kv(seed: int) -> np.ndarray:
@@ -60,3 +65,55 @@ def test_large_entries_damaged_at_rest_are_a_checksum_miss(big_server, client_fa
     stats = reader.stats()
     assert stats["checksum_failures"] - before == 2 and stats["leases"] == 0
     assert {e["key"] for e in reader.ls()} == {keys[0], keys[2]}
+
+
+@pytest.mark.skipif(checks.HASHES is None, reason="the C extension has no hashes")
+def test_small_entries_go_to_the_thread_in_batches_exact_or_a_checksum_miss(
+        server_factory, client_factory, monkeypatch):
+    srv = server_factory(dram="32MiB", nvme="0", block_tokens=SMALL.block_tokens)
+    writer = client_factory(srv, layout=SMALL)
+    reader = client_factory(srv, layout=SMALL, same_node=False, staging_bytes=8 << 20)
+    claims: list[int] = []  # how many entries each call of the thread's hashes took
+    landing: list[int] = []  # entries hashed on the reader's thread as they landed
+    batches: list[int] = []  # the landed batches handed to the checks
+    first_bad, landed = checks.first_bad, checks.LandedChecks.landed
+    in_landed = threading.local()
+
+    def counted(out, items):
+        if threading.current_thread().name == "kvstore-verify":
+            claims.append(len(items))
+        elif getattr(in_landed, "on", False):
+            landing.append(len(items))
+        return first_bad(out, items)
+
+    def spied(self, items):
+        batches.append(len(items))
+        in_landed.on = True
+        try:
+            return landed(self, items)
+        finally:
+            in_landed.on = False
+
+    monkeypatch.setattr(checks, "first_bad", counted)
+    monkeypatch.setattr(checks.LandedChecks, "landed", spied)
+    n = SMALL.nbytes(SMALL_TOKENS)
+    kv = np.random.default_rng(5).integers(0, 256, n, dtype=np.uint8)
+    toks = [50_000 + i for i in range(SMALL_TOKENS)]
+    writer.insert(toks, kv)
+    into = np.empty(n, np.uint8)
+    got = reader.drop_select(toks, into=into)
+    assert got.matched_tokens == SMALL_TOKENS and np.array_equal(into, kv)
+    per = checks.BATCH_BYTES // SMALL.nbytes(SMALL.block_tokens)
+    assert sum(batches) == SMALL_TOKENS // SMALL.block_tokens  # every entry, through them
+    assert landing == []  # none hashed as it landed: every one went to the thread
+    assert all(1 <= c <= per for c in claims)  # (the reader may have hashed them all)
+    toks = [60_000 + i for i in range(SMALL_TOKENS)]
+    writer.insert(toks, kv)
+    keys = writer.keys_for(toks)
+    damage_at_rest(writer, [keys[40], keys[50]])
+    before = writer.stats()["checksum_failures"]
+    with pytest.raises(ChecksumError):
+        reader.drop_select(toks, into=into)
+    stats = reader.stats()
+    assert stats["checksum_failures"] - before == 2 and stats["leases"] == 0
+    assert {e["key"] for e in reader.ls()} == set(keys) - {keys[40], keys[50]}
