@@ -68,8 +68,11 @@ HELP = {
         "ZeroMQ port: one round trip for a small drop_select. ZeroMQ sends them from "
         "the arena itself when they lie back to back there, else the serving thread "
         "copies them (keep it small); at most 8 such replies wait unsent, their entries "
-        "held in place until they go; past that, replies name TE addresses. 0: always TE "
-        "(docs/benchmarks.md, \"Small drop_selects in one round trip\"). At most 64MiB.",
+        "held in place until they go; past that, replies name TE addresses. In parts "
+        "(`client.inline_part_bytes`) they beat a TE read up to 16 MiB here; 8 MiB keeps "
+        "that copy, when it happens, near 1 - 2 ms of the serving thread. 0: always TE "
+        "(docs/benchmarks.md, \"Small drop_selects in one round trip\", \"Inline bytes in "
+        "parts\"). At most 64MiB.",
     "server.peer_timeout_s": "The server sends every client connection a ZeroMQ "
         "heartbeat and closes one that answers none for this long, dropping what was "
         "queued for it: a stopped or vanished client then holds nothing, such as the "
@@ -165,6 +168,12 @@ HELP = {
         "(ZeroMQ would encrypt the bytes: slower than TE), when the client reads "
         "over TE (a client that maps the server's arena copies from it), and not "
         "when the caller skips blocks. With RDMA the TE read is used always. 0: always TE.",
+    "client.inline_part_bytes": "Bytes that come in an acquire's reply "
+        "(`client.inline_max_bytes`) come in parts of about this many, whole entries "
+        "each, from servers that send them so: the client copies and verifies each part "
+        "while the next is on the wire, instead of all of them once the last byte is "
+        "here. 0: in one part. 0 or 64KiB .. 64MiB (docs/benchmarks.md, \"Inline bytes "
+        "in parts\").",
 }
 
 

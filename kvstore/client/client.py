@@ -36,7 +36,7 @@ from kvstore.core.hashing import (block_keys, block_token_bytes, checksummer, hi
                                   namespace_of, tokens_to_array)
 from kvstore.core.layout import KVLayout, dtype_name, pack_hf
 from kvstore.client.local import Control
-from kvstore.client.rpc import Channel, CurveKeys
+from kvstore.client.rpc import Channel, CurveKeys, Take
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +173,10 @@ class KVStoreClient:
         # reads them (docs/benchmarks.md, "Small drop_selects in one round trip").
         self._inline_max = cfg.inline_max_bytes \
             if self._data.engine.protocol == "tcp" and curve is None else 0
+        # ... in parts of about this many bytes, from servers that send them so
+        # (hello's ``inline_parts``): each part is copied and verified while the next
+        # is on the wire (docs/benchmarks.md, "Inline bytes in parts").
+        self._inline_part_bytes = cfg.inline_part_bytes
 
     # ------------------------------------------------------------ connection
     def hello(self) -> dict[str, Any]:
@@ -235,10 +239,11 @@ class KVStoreClient:
             return self._clock
         return offset
 
-    def _call(self, req: p.Request, timeout_s: float | None = None) -> dict[str, Any]:
+    def _call(self, req: p.Request, timeout_s: float | None = None,
+              take: Take | None = None) -> dict[str, Any]:
         hellos = self._hellos
         try:
-            return self._rpc.call(req, timeout_s)
+            return self._rpc.call(req, timeout_s, take)
         except (PeerUnavailableError, KVTimeoutError):
             self._hello = None  # the server may come back as a new process
             raise
@@ -667,13 +672,19 @@ class KVStoreClient:
         flat_into = _rest_of(into, 0)  # checked before anything is acquired
         while len(entries) < len(keys):
             done = len(entries)
+            landed = sum(x.size for x in parts)
+            round_into = None if flat_into is None else flat_into[landed:]
+            inline = self._inline(skip - done)
+            part = self._inline_part() if inline is not None else None
             # The hidden key is optional: a prompt stored without one is no miss.
             # A later round of a drop_select that finds no room spends the rest:
             # with the head taken, no whole-prompt read could reach it again.
             acq = self._acquire(p.Acquire(keys=tuple(keys[done:]), tokens=tuple(toks[done:]),
                                           claim=drop, optional_tail=True,
                                           spend_rest=drop and done > 0,
-                                          inline=self._inline(skip - done)), deadline)
+                                          inline=inline, inline_part=part), deadline,
+                                None if part is None else functools.partial(
+                                    self._data.take_parts, into=round_into))
             short = acq.get("short", "")
             if not acq["entries"]:
                 if acq.get("spent"):
@@ -681,9 +692,8 @@ class KVStoreClient:
                                 "room to stage after serving the first %d", acq["spent"],
                                 done)
                 break
-            landed = sum(x.size for x in parts)
             out, released = self._read_round(
-                acq, drop, deadline, None if flat_into is None else flat_into[landed:],
+                acq, drop, deadline, round_into,
                 skip=min(max(0, skip - done), len(acq["entries"])))
             entries += acq["entries"]
             parts.append(out)
@@ -707,21 +717,29 @@ class KVStoreClient:
         return SelectResult(matched, torch.from_numpy(out[:kv_bytes]), hidden,
                             short if nblocks < len(prompt.keys) else "")
 
-    def _acquire(self, req: p.Acquire, deadline: float) -> dict[str, Any]:
-        """``req``'s reply. A server that refuses its ``inline`` as an unknown field
-        predates inline replies: one that replaced a newer server at this address
-        while this client kept the newer one's hello. Such a refusal is the decoder's,
-        before any work, so the same acquire is asked again without the field, and the
-        hello is read afresh at the next call."""
+    def _acquire(self, req: p.Acquire, deadline: float,
+                 take: Take | None = None) -> dict[str, Any]:
+        """``req``'s reply; ``take`` copies inline bytes that come in parts as they
+        arrive (``Requests.call``). A server that refuses its ``inline`` or
+        ``inline_part`` as an unknown field predates inline replies, or parts of them:
+        one that replaced a newer server at this address while this client kept the
+        newer one's hello. Such a refusal is the decoder's, before any work, so the
+        same acquire is asked again without them, and the hello is read afresh at the
+        next call."""
         try:
-            return self._call(req, _left(deadline))
+            acq = self._call(req, _left(deadline), take)
+            if isinstance(acq.get("take_error"), (PeerUnavailableError, KVTimeoutError)):
+                self._hello = None  # (as for a call that fails so: _call)
+            return acq
         except InvalidRequestError as exc:
-            if req.inline is None or f"unknown field {'inline'!r}" not in str(exc):
+            if req.inline is None or not any(f"unknown field {name!r}" in str(exc)
+                                             for name in ("inline", "inline_part")):
                 raise
-        log.info("the server at %s refuses inline replies (an older build): reading "
-                 "over TE", self.server)
+        log.info("the server at %s refuses inline replies, or parts of them (an older "
+                 "build): reading over TE", self.server)
         self._hello = None
-        return self._call(dataclasses.replace(req, inline=None), _left(deadline))
+        return self._call(dataclasses.replace(req, inline=None, inline_part=None),
+                          _left(deadline))
 
     def _inline(self, skip: int) -> int | None:
         """What an acquire asks to get in its reply (``Acquire.inline``): this client's
@@ -734,6 +752,14 @@ class KVStoreClient:
                 or self._data.uses_shared_memory:
             return None
         return self._inline_max
+
+    def _inline_part(self) -> int | None:
+        """``Acquire.inline_part`` beside ``inline``: ``client.inline_part_bytes`` where
+        the server sends parts (hello's ``inline_parts``), else None (left out)."""
+        hello = self._hello
+        if not self._inline_part_bytes or hello is None or not hello.get("inline_parts"):
+            return None
+        return self._inline_part_bytes
 
     def _read_round(self, acq: dict, drop: bool, deadline: float,
                     into: Any, skip: int = 0) -> tuple[np.ndarray, bool]:
@@ -748,10 +774,15 @@ class KVStoreClient:
         aid, entries = acq["aid"], acq["entries"]
         wanted = entries[skip:]
         try:
-            start = time.perf_counter()
+            start = time.perf_counter() - acq.get("take_s", 0.0)
             # Verified against the stored checksums as it lands (same node: while copying;
-            # bytes that came in the reply: while copying them out of it).
-            if "inline" in acq:
+            # bytes that came in the reply: while copying them out of it, in parts as
+            # they arrived when they came so: ``taken``, or what that raised).
+            if "take_error" in acq:
+                raise acq["take_error"]
+            if "taken" in acq:
+                out = acq["taken"]
+            elif "inline" in acq:
                 out = self._data.take_inline(acq, skip, into)
             else:
                 out = (self._data.read(self._segment(acq["segment"]), wanted, into, verify=True)

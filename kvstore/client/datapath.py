@@ -383,22 +383,44 @@ class DataPath:
         the reply's frame; ``kvstore.client.rpc``) but the first ``skip``, back to back
         in a new array or in ``into``, each verified against the checksum it was stored
         with while it is copied (``ChecksumError`` names the first bad one)."""
+        nbytes, total = len(acq["inline_data"]), sum(e[_NBYTES] for e in acq["entries"])
+        if nbytes != total:  # (its length against ``inline``: _inline_frame)
+            raise InvalidRequestError(f"malformed reply: {nbytes} inline bytes for "
+                                      f"entries of {total}")
+        return self.take_parts(acq, iter((acq["inline_data"],)), into, skip)
+
+    def take_parts(self, acq: dict[str, Any], parts: Iterator[memoryview],
+                   into: Any = None, skip: int = 0) -> np.ndarray:
+        """``take_inline`` of bytes that come in parts (``Acquire.inline_part``), each
+        part copied and verified as ``parts`` yields it, while the next is still on the
+        wire (``kvstore.client.rpc.Requests.call``'s ``take``). Each part must hold
+        whole entries, in order, and together exactly all of them."""
         entries = acq["entries"]
-        data = np.frombuffer(acq["inline_data"], dtype=np.uint8)
-        sizes = [e[_NBYTES] for e in entries]
-        if data.size != sum(sizes):  # (its length against ``inline``: _inline_frame)
-            raise InvalidRequestError(f"malformed reply: {data.size} inline bytes for "
-                                      f"entries of {sum(sizes)}")
         wanted = entries[skip:]
-        out = _output(into, sum(sizes[skip:]))
-        # copy_out's items: each entry at its place in the reply's bytes, not the arena.
-        at = np.cumsum([0, *sizes]).tolist()
-        items = [(at[i] - at[skip], [e[_TIER], at[i], e[_NBYTES], None, e[_CHECKSUM]])
-                 for i, e in enumerate(wanted, start=skip)]
+        out = _output(into, sum(e[_NBYTES] for e in wanted))
         with self._timed("inline_read"):
-            bad = copy_out(data, out, items, verify=True)
-        if bad is not None:
-            raise _corrupt(wanted[bad], wanted)
+            i = dst = 0
+            for buf in parts:
+                data = np.frombuffer(buf, dtype=np.uint8)
+                # copy_out's items: each entry at its place in the part, not the arena.
+                items, src, first = [], 0, i
+                while i < len(entries) and src < data.size:
+                    e = entries[i]
+                    if i >= skip:
+                        items.append((dst, [e[_TIER], src, e[_NBYTES], None, e[_CHECKSUM]]))
+                        dst += e[_NBYTES]
+                    src += e[_NBYTES]
+                    i += 1
+                if src != data.size or not data.size:
+                    raise InvalidRequestError(
+                        f"malformed reply: a part of {data.size} bytes does not end where "
+                        f"an entry does (entries {first} .. {i - 1}: {src} bytes)")
+                bad = copy_out(data, out, items, verify=True)
+                if bad is not None:
+                    raise _corrupt(wanted[i - len(items) - skip + bad], wanted)
+            if i != len(entries):
+                raise InvalidRequestError(f"malformed reply: parts for {i} of "
+                                          f"{len(entries)} entries")
         return out
 
     @contextlib.contextmanager

@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any
 
-from kvstore.client.rpc import REPLY_CAP, Channel, Requests
+from kvstore.client.rpc import REPLY_CAP, Channel, Requests, Take
 from kvstore.core import protocol as p
 from kvstore.core.errors import (AuthError, BusyError, KVStoreError, KVTimeoutError,
                                  PeerUnavailableError)
@@ -84,7 +84,8 @@ class LocalChannel(Requests):
         return self._pid != os.getpid()
 
     def _exchange(self, req: p.Request, timeout_s: float | None,
-                  wait_reply: bool) -> dict[str, Any] | None:
+                  wait_reply: bool, take: Take | None = None) -> dict[str, Any] | None:
+        # (``take``: never used here, the server sends no bytes over this socket.)
         frame_id, frame, timeout = self._frame(req, timeout_s)
         with self._lock:
             sock = self._sock
@@ -262,14 +263,15 @@ class Control:
     # A request the local socket could not send at all (its server is gone: a restart
     # leaves the address to a new process) goes over the ROUTER, which reaches
     # whoever listens there now, as it would have without the socket.
-    def call(self, req: p.Request, timeout_s: float | None = None) -> dict[str, Any]:
+    def call(self, req: p.Request, timeout_s: float | None = None,
+             take: Take | None = None) -> dict[str, Any]:
         channel = self._channel()
         try:
-            result = channel.call(req, timeout_s)
+            result = channel.call(req, timeout_s, take)
         except NotSent as exc:
             log.info("%s; %s goes over %s", exc, req.OP, self.rpc.address)
             channel = self.rpc
-            result = channel.call(req, timeout_s)
+            result = channel.call(req, timeout_s, take)
         with self._lock:
             if self._one_way_on is channel:
                 self._one_way_on = None

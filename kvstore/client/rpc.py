@@ -16,14 +16,15 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvstore.core import protocol as p
-from kvstore.core.errors import (AuthError, ConfigError, InvalidRequestError, KVTimeoutError,
-                            PeerUnavailableError)
+from kvstore.core.errors import (AuthError, ConfigError, InvalidRequestError, KVStoreError,
+                                 KVTimeoutError, PeerUnavailableError)
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,12 @@ _CLOSE_LINGER_MS = 1000
 # (a zmq.Poller over both cost a call ~20 us more), and a refused CURVE key is
 # still heard within a slice.
 _SLICE_MS = 20
+# Errors after which a channel's socket is made anew.
+_RESET = (KVTimeoutError, PeerUnavailableError, AuthError)
+# What a caller does with an acquire's inline bytes that come in parts
+# (``Acquire.inline_part``), while they arrive: ``take(result, parts)``, where ``parts``
+# yields each part's bytes in order, the next one once it is here.
+Take = Callable[[dict[str, Any], Iterator[memoryview]], Any]
 
 
 class CurveKeys(NamedTuple):
@@ -117,9 +124,15 @@ class Requests:
         self._one_way: collections.OrderedDict[int, str] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def call(self, req: p.Request, timeout_s: float | None = None) -> dict[str, Any]:
-        """Send ``req`` and return the reply map; a server error is raised as its class."""
-        result = self._exchange(req, timeout_s, wait_reply=True)
+    def call(self, req: p.Request, timeout_s: float | None = None,
+             take: Take | None = None) -> dict[str, Any]:
+        """Send ``req`` and return the reply map; a server error is raised as its class.
+
+        An acquire's inline bytes that come in parts are handed to ``take`` as they
+        arrive, before this returns: its result is the reply's ``"taken"`` (what it
+        raised, ``"take_error"``; the seconds it took, ``"take_s"``). Without ``take``
+        they are joined into ``"inline_data"``, as one part would be."""
+        result = self._exchange(req, timeout_s, wait_reply=True, take=take)
         assert result is not None
         if "error" in result:
             raise result["error"]
@@ -133,7 +146,7 @@ class Requests:
         self._exchange(req, timeout_s, wait_reply=False)
 
     def _exchange(self, req: p.Request, timeout_s: float | None,
-                  wait_reply: bool) -> dict[str, Any] | None:
+                  wait_reply: bool, take: Take | None = None) -> dict[str, Any] | None:
         raise NotImplementedError
 
     def _frame(self, req: p.Request, timeout_s: float | None) -> tuple[int, bytes, float]:
@@ -167,16 +180,26 @@ class Requests:
 
 def _inline_frame(result: dict[str, Any], frames: list) -> None:
     """An acquire answered with its bytes: the reply's second frame, which must be as
-    long as its ``inline`` says, goes in ``result["inline_data"]`` (a view of it). A
-    reply where they do not match keeps its lease and entries but loses ``inline``:
-    the caller reads the entries over TE instead (logged), and releases as always."""
-    n = result.get("inline")
-    if "error" not in result and len(frames) == 2 and type(n) is int and len(frames[1]) == n:
+    long as its ``inline`` says (or, when they come in parts, as the first of its
+    ``parts``, whose lengths add up to ``inline``), goes in ``result["inline_data"]``
+    (a view of it). A reply where they do not match keeps its lease and entries but
+    loses ``inline`` (and ``parts``): the caller reads the entries over TE instead
+    (logged), and releases as always; parts that follow it are dropped on arrival."""
+    n, parts = result.get("inline"), result.get("parts")
+    first = n if parts is None else parts[0] if _valid_parts(parts, n) else None
+    if "error" not in result and len(frames) == 2 and type(first) is int \
+            and len(frames[1]) == first:
         result["inline_data"] = frames[1].buffer
         return
-    log.warning("reply with %d frames and inline %r: its bytes are not used", len(frames),
-                str(n)[:20])
+    log.warning("reply with %d frames, inline %r and parts %r: its bytes are not used",
+                len(frames), str(n)[:20], str(parts)[:40])
     result.pop("inline", None)
+    result.pop("parts", None)
+
+
+def _valid_parts(parts: Any, total: Any) -> bool:
+    return type(parts) is list and len(parts) > 1 and type(total) is int \
+        and all(type(n) is int and n > 0 for n in parts) and sum(parts) == total
 
 
 class Channel(Requests):
@@ -223,7 +246,7 @@ class Channel(Requests):
         self._open()
 
     def _exchange(self, req: p.Request, timeout_s: float | None,
-                  wait_reply: bool) -> dict[str, Any] | None:
+                  wait_reply: bool, take: Take | None = None) -> dict[str, Any] | None:
         frame_id, frame, timeout = self._frame(req, timeout_s)
         with self._lock:
             sock = self._sock
@@ -240,23 +263,83 @@ class Channel(Requests):
                 if not wait_reply:
                     self._sent_one_way(frame_id, req.OP)
                     return None
-                return self._receive(sock, frame_id, deadline, req.OP)
-            except (KVTimeoutError, PeerUnavailableError, AuthError):
+                result = self._receive(sock, frame_id, deadline, req.OP, take)
+            except _RESET:
                 self._reset()
                 raise
+            if isinstance(result.get("take_error"), _RESET):  # (while parts were due)
+                self._reset()
+            return result
 
     def _receive(self, sock: _Socket, frame_id: int, deadline: float,
-                 op: str) -> dict[str, Any]:
+                 op: str, take: Take | None = None) -> dict[str, Any]:
         while True:
-            self._wait(sock, zmq.POLLIN, deadline, op, sent=True)
-            frames: list = [sock.dealer.recv(zmq.NOBLOCK)]
-            while sock.dealer.getsockopt(zmq.RCVMORE):  # an acquire's bytes: not copied
-                frames.append(sock.dealer.recv(zmq.NOBLOCK, copy=False))
+            frames = self._message(sock, deadline, op)
             rid, result = p.decode_reply(frames[0], REPLY_CAP)
+            if "part" in result:  # of a reply whose caller stopped taking its parts
+                log.debug("dropping part %s of reply %s (waiting for %s)", result["part"],
+                          rid, frame_id)
+                continue
             if self._is_reply(rid, result, frame_id):
-                if len(frames) > 1 or "inline" in result:
+                if len(frames) > 1 or "inline" in result or "parts" in result:
                     _inline_frame(result, frames)
+                if "parts" in result:
+                    self._receive_parts(sock, frame_id, deadline, op, result, take)
                 return result
+
+    def _message(self, sock: _Socket, deadline: float, op: str) -> list:
+        """The next message, once it is here: its first frame as bytes, the others
+        (an acquire's inline bytes) as frames, not copied."""
+        self._wait(sock, zmq.POLLIN, deadline, op, sent=True)
+        frames: list = [sock.dealer.recv(zmq.NOBLOCK)]
+        while sock.dealer.getsockopt(zmq.RCVMORE):
+            frames.append(sock.dealer.recv(zmq.NOBLOCK, copy=False))
+        return frames
+
+    def _receive_parts(self, sock: _Socket, frame_id: int, deadline: float, op: str,
+                       result: dict[str, Any], take: Take | None) -> None:
+        """The parts after the first of the inline bytes of reply ``frame_id``: each
+        must come next, in order, with its length. Handed to ``take`` as they arrive,
+        else joined into ``inline_data``. A part that is late, missing or malformed
+        ends the take with an error (``take_error``; without ``take``, the reply
+        loses ``inline`` and the caller reads over TE), the parts still to come
+        dropped on arrival and the lease kept for the caller to release."""
+        sizes: list[int] = result.pop("parts")
+
+        def parts() -> Iterator[memoryview]:
+            yield result["inline_data"]
+            for index in range(1, len(sizes)):
+                frames = self._message(sock, deadline, op)
+                rid, head = p.decode_reply(frames[0], REPLY_CAP)
+                if rid != frame_id or head.get("part") != index or len(frames) != 2 \
+                        or len(frames[1]) != sizes[index]:
+                    raise InvalidRequestError(
+                        f"malformed reply: part {index} of {len(sizes)} of reply {frame_id} "
+                        f"was expected ({sizes[index]} bytes), a message of {len(frames)} "
+                        f"frames for reply {rid} came ({str(head)[:60]})")
+                yield frames[1].buffer
+
+        if take is None:
+            joined = bytearray(sum(sizes))
+            at = 0
+            try:
+                for buf in parts():
+                    joined[at:at + len(buf)] = buf
+                    at += len(buf)
+            except KVStoreError as exc:
+                log.warning("inline bytes in parts not used: %s", exc)
+                result.pop("inline")
+                result.pop("inline_data")
+                result["take_error"] = exc
+                return
+            result["inline_data"] = memoryview(joined)
+            return
+        start = time.perf_counter()
+        try:
+            result["taken"] = take(result, parts())
+        except Exception as exc:  # noqa: BLE001 - the caller releases the lease, then raises
+            result["take_error"] = exc
+        result["take_s"] = time.perf_counter() - start
 
     def _wait(self, sock: _Socket, event: int, deadline: float, op: str, sent: bool,
               timeout: float | None = None) -> None:

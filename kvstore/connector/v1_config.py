@@ -35,7 +35,7 @@ Every key (docs/vllm.md lists them with examples):
 * ``staging_bytes`` — the worker's registered TE staging buffer. [256MiB]
 * ``inline_max_bytes`` — a load of at most this many bytes from a server on another
   node asks for them in the acquire's reply instead of a TE read (TCP only; the
-  client's ``client.inline_max_bytes``); 0: always TE. [4MiB]
+  client's ``client.inline_max_bytes``); 0: always TE. [8MiB]
 * ``same_node`` — "auto" memcpys through a same-node server's shared DRAM arena;
   false forces TE. ["auto"]
 * ``load_mode`` — "drop" (disaggregated: the store forgets what a decode took) or
@@ -88,7 +88,7 @@ class ConnectorSettings:
     save: bool
     load: bool
     layerwise_saves: bool = True
-    inline_max_bytes: int = 4 << 20
+    inline_max_bytes: int = 8 << 20
 
     @classmethod
     def from_extra(cls, role: str | None, extra: Mapping[str, Any] | None,
@@ -123,7 +123,7 @@ class ConnectorSettings:
             save=_flag(extra.get("save", role != "kv_consumer")),
             load=_flag(extra.get("load", role != "kv_producer")),
             layerwise_saves=_flag(extra.get("layerwise_saves", True)),
-            inline_max_bytes=parse_size(extra.get("inline_max_bytes", "4MiB")),
+            inline_max_bytes=parse_size(extra.get("inline_max_bytes", "8MiB")),
         )
         settings.check()
         return settings

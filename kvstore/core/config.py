@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping, get_type_hints
 
 from kvstore.core.errors import ConfigError
-from kvstore.core.protocol import MAX_INLINE_BYTES
+from kvstore.core.protocol import MAX_INLINE_BYTES, MIN_INLINE_PART_BYTES
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20,
@@ -186,7 +186,7 @@ class ServerConfig:
     gc_young: int = 50_000
     # An acquire's bytes, up to this many, go in its reply when the client asks
     # (client.inline_max_bytes) and they are all in DRAM; 0: always over TE.
-    inline_max_bytes: Size = 4 << 20
+    inline_max_bytes: Size = 8 << 20
     # A client connection that answers no ZeroMQ heartbeat for this long is closed
     # (and what was queued for it dropped); 0: never.
     peer_timeout_s: float = 30.0
@@ -244,11 +244,20 @@ class ClientConfig:
     etcd: str = ""
     # A drop_select / get of at most this many bytes asks for them in the acquire's
     # reply (one round trip, no TE read) when te_protocol is tcp; 0: always TE.
-    inline_max_bytes: Size = 4 << 20
+    inline_max_bytes: Size = 8 << 20
+    # ... in parts of about this many bytes (whole entries), each copied and verified
+    # while the next is on the wire; 0: in one part.
+    inline_part_bytes: Size = 512 << 10
 
     def __post_init__(self) -> None:
-        _sizes(self, "staging_bytes", "te_piece_bytes", "inline_max_bytes")
+        _sizes(self, "staging_bytes", "te_piece_bytes", "inline_max_bytes",
+               "inline_part_bytes")
         _inline(self)
+        if self.inline_part_bytes and not \
+                MIN_INLINE_PART_BYTES <= self.inline_part_bytes <= MAX_INLINE_BYTES:
+            raise ConfigError(f"client.inline_part_bytes must be 0 or "
+                              f"{MIN_INLINE_PART_BYTES} (64KiB) .. {MAX_INLINE_BYTES} "
+                              f"(64MiB), got {self.inline_part_bytes}")
         _positive(self, "timeout_s")
         if 0 < self.te_piece_bytes < MIN_TE_PIECE_BYTES:
             raise ConfigError(f"client.te_piece_bytes: {self.te_piece_bytes} is below "

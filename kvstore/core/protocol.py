@@ -34,6 +34,8 @@ MAX_LS_LIMIT = 10_000
 MAX_META_BYTES = 1024
 # An acquire's bytes sent in its reply (``Acquire.inline``, docs/protocol.md), at most.
 MAX_INLINE_BYTES = 64 << 20
+# The smallest part such bytes may be asked in (``Acquire.inline_part``).
+MIN_INLINE_PART_BYTES = 64 << 10
 NAMESPACE_BYTES = 16  # hashing.namespace_of; a reserve may send it or its first 8 bytes  # the index keeps at most this much caller meta per entry
 # Every tier name, fastest first; demotion follows this order. The one definition.
 TIER_ORDER = ("gpu", "dram", "nvme")
@@ -310,18 +312,30 @@ class Acquire(Lookup):
     ``inline``: the most bytes the caller takes in the reply itself (a frame after the
     reply's map, ``"inline"`` in the map its length) instead of reading them over
     TE; the server sends them so when they are all in DRAM, fit its own
-    ``server.inline_max_bytes`` and the request came over the ZeroMQ port."""
+    ``server.inline_max_bytes`` and the request came over the ZeroMQ port.
+    ``inline_part`` (with ``inline``): those bytes may come in parts of whole
+    entries, each about this long, the first in the reply and each other in a
+    message of its own (``encode_part``), so the caller copies one while the next
+    is on the wire; ``"parts"`` in the reply lists their lengths."""
 
     lease_s: float | None = None
     claim: bool = False
     optional_tail: bool = False
     spend_rest: bool = False
     inline: int | None = None
+    inline_part: int | None = None
     OP = "acquire"
     CHECKS = {"keys": _keys, "tokens": _tokens, "lease_s": _lease, "claim": _bool,
               "optional_tail": _bool, "spend_rest": _bool,
-              "inline": _opt(_int, 0, MAX_INLINE_BYTES)}
-    OPTIONAL = frozenset({"lease_s", "claim", "optional_tail", "spend_rest", "inline"})
+              "inline": _opt(_int, 0, MAX_INLINE_BYTES),
+              "inline_part": _opt(_int, MIN_INLINE_PART_BYTES, MAX_INLINE_BYTES)}
+    OPTIONAL = frozenset({"lease_s", "claim", "optional_tail", "spend_rest", "inline",
+                          "inline_part"})
+
+    def validate(self) -> None:
+        super().validate()
+        if self.inline_part is not None and self.inline is None:
+            raise InvalidRequestError("acquire: inline_part without inline")
 
 
 @dataclass(frozen=True)
@@ -530,12 +544,25 @@ def encode_error(rid: int, err: KVStoreError) -> bytes:
                           "message": str(err)}, use_bin_type=True)
 
 
+def encode_part(rid: int, index: int) -> bytes:
+    """The head of part ``index`` (1 ..) of request ``rid``'s inline bytes: the first
+    frame of a message of its own, the part's bytes the second (``Acquire.inline_part``)."""
+    return msgpack.packb({"v": VERSION, "id": rid, "part": index}, use_bin_type=True)
+
+
 def decode_reply(frame: bytes, max_bytes: int) -> tuple[int, dict[str, Any]]:
-    """Frame -> (id, result map). An error reply is returned as (id, {"error": exc})."""
+    """Frame -> (id, result map). An error reply is returned as (id, {"error": exc});
+    the head of a part of an acquire's inline bytes (``encode_part``) as
+    (id, {"part": index})."""
     msg = _unpack(frame, max_bytes)
     if type(msg) is not dict or msg.get("v") != VERSION or type(msg.get("id")) is not int:
         raise InvalidRequestError("malformed reply from server")
     rid = msg.pop("id")
+    if "part" in msg and "ok" not in msg:
+        index = msg["part"]
+        if type(index) is not int or index < 1 or len(msg) != 2:
+            raise InvalidRequestError("malformed part of a reply from server")
+        return rid, {"part": index}
     if msg.pop("ok", None) is True:
         del msg["v"]
         return rid, msg

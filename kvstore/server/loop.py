@@ -91,6 +91,13 @@ INLINE_BACKLOG = 8
 _DATA = object()  # the key of an inline reply's bytes in a result map (never encoded)
 # A release waits at most this long for its inline reply's tracker (_await_sent).
 RELEASE_WAIT_S = 0.2
+# An inline reply goes in at most this many parts (``_parts``), larger ones where a
+# client asks for smaller: INLINE_BACKLOG replies of them stay well within the
+# ROUTER's send high-water mark (messages queued for one peer), past which a ROUTER
+# drops what is sent to that peer.
+MAX_INLINE_PARTS = 64
+SNDHWM = 1000
+assert INLINE_BACKLOG * (MAX_INLINE_PARTS + 1) < SNDHWM
 Observer = Callable[[str, float, bool], None]
 
 
@@ -166,6 +173,8 @@ class Server:
         # Frames between max_message_bytes and this hard cap get a typed error reply;
         # beyond it libzmq drops the connection before we ever see the frame.
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_bytes + 4096)
+        # (ZeroMQ's default, set here because MAX_INLINE_PARTS relies on it.)
+        sock.setsockopt(zmq.SNDHWM, SNDHWM)
         if srv.peer_timeout_s > 0:  # a peer that answers no heartbeat is let go
             timeout_ms = max(1, int(srv.peer_timeout_s * 1000))
             sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, min(timeout_ms // 3, 10_000)))
@@ -353,8 +362,26 @@ class Server:
         elif type(frames[-1]) is _Slot:  # an acquire's bytes (``_inline``)
             slot = cast(_Slot, frames[-1])
             try:  # zero-copy: the slot is busy until ZeroMQ is done with the bytes
-                slot.tracker = self._sock.send_multipart([*frames[:-1], slot.data],
-                                                         copy=False, track=True)
+                if not slot.parts:
+                    slot.tracker = self._sock.send_multipart([*frames[:-1], slot.data],
+                                                             copy=False, track=True)
+                    return
+                # The first part after the reply, each other in a message of its own,
+                # all handed to ZeroMQ here, in order: nothing comes between them.
+                envelope, reply = frames[:-2], frames[-2]
+                data, at = memoryview(cast(bytes, slot.data)), slot.parts[0]
+                trackers: list[zmq.MessageTracker] = []
+                try:
+                    trackers.append(self._sock.send_multipart(
+                        [*envelope, reply, data[:at]], copy=False, track=True))
+                    for index, nbytes in enumerate(slot.parts[1:], start=1):
+                        head = p.encode_part(cast(Inline, reply).rid, index)
+                        trackers.append(self._sock.send_multipart(
+                            [*envelope, head, data[at:at + nbytes]], copy=False, track=True))
+                        at += nbytes
+                finally:  # (a send that failed half-way: what went out is still tracked)
+                    if trackers:
+                        slot.tracker = zmq.MessageTracker(*trackers)
             finally:
                 slot.handed = False
         else:
@@ -472,7 +499,10 @@ class Server:
                 self._staging.append((envelope, rid, req, staging, arrived))
                 self._staging_wake.notify()
 
-        reply = self.handle(body, defer, later, inline=not (envelope and is_local(envelope[0])))
+        # Parts only to a DEALER (envelope: its routing id alone): a REQ socket takes
+        # one message per request, and would read a part as its next reply.
+        reply = self.handle(body, defer, later, inline=not (envelope and is_local(envelope[0])),
+                            parts=len(envelope) == 1)
         if reply is None:
             return None
         slot = getattr(reply, "data", None)
@@ -531,14 +561,16 @@ class Server:
 
     def handle(self, frame: bytes,
                defer: Callable[[int, p.Acquire, Staging], None] | None = None,
-               later: Later | None = None, inline: bool = False) -> bytes | None:
+               later: Later | None = None, inline: bool = False,
+               parts: bool = False) -> bytes | None:
         """One request frame -> one reply frame. Never raises. With ``defer``, an
         acquire that must stage NVMe entries is handed to it instead (None: its
         reply comes from there). With ``later``, a commit or put may hand it the
         work that follows its answer (the caller runs it after sending the reply).
         With ``inline`` (the request came over the ZeroMQ port), an acquire that asks
         for its bytes in the reply may get them: the reply is then an ``Inline``,
-        whose ``data`` goes out as a frame after it."""
+        whose ``data`` goes out as a frame after it; with ``parts`` too (from a
+        DEALER), in parts when it asks so (``Acquire.inline_part``)."""
         start = time.perf_counter()
         try:
             rid, req = p.decode_request(frame, self.max_bytes)
@@ -559,7 +591,8 @@ class Server:
                     return None
                 result = self._acquired(step)
                 if inline and req.inline:
-                    self._inline(req.inline, step, result)
+                    self._inline(req.inline, step, result,
+                                 req.inline_part if parts else None)
                 return result
 
             return self._answer(rid, req, start, begin)
@@ -580,7 +613,7 @@ class Server:
             reply = p.encode_ok(rid, result)
             if slot is not None:
                 reply = Inline(reply)
-                reply.data, slot = slot, None
+                reply.data, reply.rid, slot = slot, rid, None
             ok = True
         except KVStoreError as exc:
             log.debug("%s failed: %s", op, exc)
@@ -598,11 +631,13 @@ class Server:
                 log.exception("on_result hook failed for %s", op)
         return reply
 
-    def _inline(self, cap: int, acq: Acquisition, result: dict) -> None:
+    def _inline(self, cap: int, acq: Acquisition, result: dict,
+                part: int | None = None) -> None:
         """Put ``acq``'s bytes in ``result`` (under ``_DATA``, in a ``_Slot``;
         ``"inline"``: their length) when they fit ``cap`` and this server's limit, are
         all in DRAM, and a slot is free: at most ``INLINE_BACKLOG`` replies' bytes are
-        handed to ZeroMQ and not sent yet."""
+        handed to ZeroMQ and not sent yet. With ``part`` (``Acquire.inline_part``) and
+        more than that many bytes, they go in parts (``"parts"``: their lengths)."""
         nbytes = sum(e.nbytes for e in acq.entries)
         if not acq.entries or nbytes > min(cap, self._inline_max):
             return
@@ -619,8 +654,10 @@ class Server:
             return
         if type(data) is memoryview:  # the arena itself: its entries stay until it is out
             self.store.hold_send(acq.id)
-        slot.take(data, acq.id)
+        slot.take(data, acq.id, _parts([e.nbytes for e in acq.entries], part))
         result["inline"] = nbytes
+        if slot.parts:
+            result["parts"] = slot.parts
         result[_DATA] = slot
         with self._counters_lock:
             self.counters["inline_replies"] += 1
@@ -647,7 +684,10 @@ class Server:
         (held), without the store's lock: wait up to ``RELEASE_WAIT_S`` for that
         reply's tracker. The peer has every byte by then, but the tracker learns so
         from pyzmq's collector thread, and the release's drop must find the entries
-        unheld (``_settle_slots``) to free them at once, not at the next reap."""
+        unheld (``_settle_slots``) to free them at once, not at the next reap. So must
+        a release that reports corrupt entries (rare), to drop the bad ones at once. A
+        plain release without drop frees nothing, and is not held up: it may come
+        while parts of its reply are still on their way (a take that failed early)."""
         unsent = [s for s in self._inline_slots
                   if s.held and not s.handed and s.tracker is not None and not s.tracker.done]
         if not unsent or p.peek_op(frames[-1], self.max_bytes) != "release":
@@ -655,6 +695,8 @@ class Server:
         try:
             _, req = p.decode_request(frames[-1], self.max_bytes)
         except Exception:  # noqa: BLE001 - handle() answers a bad frame
+            return
+        if not (getattr(req, "drop", False) or getattr(req, "corrupt", None)):
             return
         for slot in unsent:
             if slot.aid == getattr(req, "aid", None):
@@ -696,7 +738,7 @@ class Server:
                 "local": local,
                 "block_tokens": self.config.store.block_tokens,
                 "max_message_bytes": self.max_bytes, "te_probe": self._te_probe(),
-                "inline_max": self._inline_max,
+                "inline_max": self._inline_max, "inline_parts": True,
                 "now": time.time()}
 
     def _te_probe(self) -> list[int] | None:
@@ -751,17 +793,39 @@ class Server:
 
 
 class Inline(bytes):
-    """A reply frame with the acquired bytes that follow it as the next frame."""
+    """A reply frame with the acquired bytes that follow it as the next frame (their
+    first part, when they go in parts), to request ``rid``."""
 
     data: _Slot
+    rid: int
+
+
+def _parts(sizes: list[int], part: int | None) -> list[int] | None:
+    """The lengths of the parts an inline reply of entries of ``sizes`` goes in: whole
+    entries, each part closed once it holds ``part`` bytes or more (or a
+    ``MAX_INLINE_PARTS``-th of them, when that is more); None for one part."""
+    total = sum(sizes)
+    if not part or total <= part:
+        return None
+    part = max(part, -(-total // MAX_INLINE_PARTS))
+    parts, acc = [], 0
+    for nbytes in sizes:
+        acc += nbytes
+        if acc >= part:
+            parts.append(acc)
+            acc = 0
+    if acc:
+        parts.append(acc)
+    return parts if len(parts) > 1 else None
 
 
 class _Slot:
     """One of the ``INLINE_BACKLOG`` inline replies a server may have handed to
     ZeroMQ and not sent yet: its bytes (``data``: a view of the DRAM arena when the
     entries lie back to back there, sent without a copy; else one copy of them) and
-    its acquisition (``aid``). Taken (``handed``) in ``_inline`` until ``_send`` hands
-    the bytes to ZeroMQ, then busy until that send's tracker is done. While a view
+    its acquisition (``aid``), and the lengths of the parts they go in (``parts``;
+    None: one). Taken (``handed``) in ``_inline`` until ``_send`` hands the bytes to
+    ZeroMQ, then busy until that send's tracker (of every part) is done. While a view
     may still be read, the store holds its entries (``held``: ``Store.hold_send``,
     given back by ``Server._settle_slots``), so they neither move nor go, nor is
     their space written, whenever the lease ends; the lease itself ends on time, so
@@ -770,7 +834,7 @@ class _Slot:
     a copy took ``Server._inline`` of a 2 MiB reply from 0.55 to 0.07 ms (the copy's
     source, written by a TE transfer, was in no cache)."""
 
-    __slots__ = ("data", "aid", "handed", "tracker", "taken_at")
+    __slots__ = ("data", "aid", "parts", "handed", "tracker", "taken_at")
 
     # Handed this long and never given to ZeroMQ: taken by a reply that failed on a
     # path that did not say so (a bug); its hold goes.
@@ -779,6 +843,7 @@ class _Slot:
     def __init__(self) -> None:
         self.data: memoryview | bytes | None = None
         self.aid = 0
+        self.parts: list[int] | None = None
         self.handed = False
         self.tracker: zmq.MessageTracker | None = None
         self.taken_at = 0.0
@@ -788,8 +853,8 @@ class _Slot:
         """Whether its bytes are a view of the arena (whose entries the store holds)."""
         return type(self.data) is memoryview
 
-    def take(self, data: memoryview | bytes, aid: int) -> None:
-        self.data, self.aid, self.tracker = data, aid, None
+    def take(self, data: memoryview | bytes, aid: int, parts: list[int] | None = None) -> None:
+        self.data, self.aid, self.parts, self.tracker = data, aid, parts, None
         self.handed, self.taken_at = True, time.monotonic()
 
     def done(self, now: float) -> bool:

@@ -129,14 +129,15 @@ def test_rtt_times_both_doors():
 def test_inline_times_both_reads_of_the_same_prompts():
     from tools.bench import inline
 
-    kind, rows = inline.run([64, 2048], reps=2, layout="small")
+    kind, rows = inline.run([64, 4096], reps=2, layout="small", part=64 << 10)
     assert kind in ("netns", "loopback")
-    assert [r["tokens"] for r in rows] == [64, 2048]
+    assert [r["tokens"] for r in rows] == [64, 4096]
     for r in rows:
-        assert r["te"] > 0 and r["inline"] > 0
-    # 0.25 MiB went in the replies every round (warm-ups too); 8 MiB is over the
-    # server's default limit (4 MiB), so it went over TE for both consumers.
-    assert [r["inline_replies"] for r in rows] == [4, 0]
+        assert r["te"] > 0 and r["inline"] > 0 and r["parts"] > 0
+    # 0.25 MiB went in the replies of both inline consumers every round (warm-ups
+    # too: 4 rounds); 16 MiB is over the server's default limit (8 MiB), so it went
+    # over TE for all three.
+    assert [r["inline_replies"] for r in rows] == [8, 0]
 
 
 def test_verify_cost_times_both_reads_and_the_hash():

@@ -59,7 +59,7 @@ def inline_stats(client) -> tuple[int, int]:
 def test_a_small_drop_select_comes_in_its_acquires_reply(clean_server, client_factory):
     producer = client_factory(clean_server)  # same node: writes through the arena
     consumer = reader(client_factory, clean_server)
-    assert consumer.hello()["inline_max"] == 4 << 20
+    assert consumer.hello()["inline_max"] == 8 << 20
     before = inline_stats(producer)
     views = inline_views(producer)
     g = torch.Generator().manual_seed(5)
@@ -383,7 +383,7 @@ def test_a_curve_client_reads_over_te(server_factory, client_factory, tmp_path):
     keys = dict(curve_secret_key=client_secret, curve_server_public_key=server_pub)
     producer = client_factory(srv, **keys)
     consumer = reader(client_factory, srv, **keys)
-    assert consumer.hello()["inline_max"] == 4 << 20 and consumer._inline(0) is None
+    assert consumer.hello()["inline_max"] == 8 << 20 and consumer._inline(0) is None
     producer.insert(prompt(9, 2), make_kv(9, 2))
     assert np.array_equal(consumer.drop_select(prompt(9, 2)).kv.numpy(), make_kv(9, 2))
     assert consumer.ops == ["te_read"] and inline_stats(producer) == (0, 0)
@@ -407,7 +407,7 @@ def test_a_client_whose_server_was_replaced_by_an_older_one_reads_over_te(
     stops asking."""
     srv = server_factory()
     consumer = reader(client_factory, srv)
-    assert consumer.hello()["inline_max"] == 4 << 20
+    assert consumer.hello()["inline_max"] == 8 << 20
     srv.stop()
     assert srv.argv[1:3] == ["-m", "kvstore.server"]
     srv.argv[1:3] = ["-c", _OLDER_SERVER]

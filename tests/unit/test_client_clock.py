@@ -68,7 +68,7 @@ def test_a_slow_rehello_keeps_the_offset_measured_for_the_same_machine(remote):
 
 def _refused(client, message: str):
     """``client``'s commit answered ``busy`` with ``message`` (as the server words it)."""
-    def call(req, timeout_s=None):
+    def call(req, timeout_s=None, take=None):
         raise BusyError(message)
 
     client._rpc.call = call

@@ -115,6 +115,8 @@ def test_replace_returns_a_new_tree():
     ("[server]\npeer_timeout_s = -1\n", "peer_timeout_s"),
     ("[server]\npeer_timeout_s = \"soon\"\n", "peer_timeout_s"),
     ("[client]\ninline_max_bytes = -1\n", "inline_max_bytes"),
+    ("[client]\ninline_part_bytes = \"4KiB\"\n", "inline_part_bytes"),
+    ("[client]\ninline_part_bytes = \"65MiB\"\n", "inline_part_bytes"),
     ("[cluster]\nttl_s = \"x\"\n", "cluster.ttl_s"),
     ("[policy]\nhigh_watermark = \"high\"\n", "policy.high_watermark"),
     ("not toml [", "cannot read config"),
@@ -130,6 +132,7 @@ def test_bad_toml_is_a_config_error_naming_the_field(tmp_path, toml, field):
     ("KVSTORE_SERVER_PORT", "0", "port"),
     ("KVSTORE_SERVER_GC_YOUNG", "-5", "gc_young"),
     ("KVSTORE_CLIENT_INLINE_MAX_BYTES", "1GiB", "inline_max_bytes"),
+    ("KVSTORE_CLIENT_INLINE_PART_BYTES", "-1", "inline_part_bytes"),
     ("KVSTORE_CLIENT_TIMEOUT_S", "-1", "timeout_s"),
 ])
 def test_bad_env_is_a_config_error_naming_the_field(name, value, field):

@@ -32,6 +32,7 @@ def test_reserve_round_trip():
     p.Acquire(keys=(K[0],), tokens=(b"abcd",), lease_s=3.0, claim=True),
     p.Acquire(keys=tuple(K[:2]), tokens=(b"abcd", b"abcd"), optional_tail=True),
     p.Acquire(keys=(K[0],), tokens=(b"abcd",), claim=True, inline=4 << 20),
+    p.Acquire(keys=(K[0],), tokens=(b"abcd",), inline=4 << 20, inline_part=64 << 10),
     p.Release(aid=9, drop=True), p.Pin(keys=(K[1],)), p.Unpin(keys=(K[1],)),
     p.Evict(tier="dram", fraction=0.5), p.Evict(everything=True, dry_run=True),
     p.Evict(keys=(K[2],)), p.Clear(), p.Stats(), p.Ls(tier="nvme", cursor=b"\x05" * 16, limit=10),
@@ -167,3 +168,61 @@ def test_a_reply_whose_inline_frame_does_not_match_falls_back_to_te(caplog):
                            ({"aid": 3, "inline": "4"}, [Frame(b"m"), Frame(b"abcd")])):
         _inline_frame(result, frames)
         assert result == {"aid": 3}
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"inline_part": 512 << 10}, "inline_part without inline"),
+    ({"inline": 1 << 20, "inline_part": (64 << 10) - 1}, "inline_part"),
+    ({"inline": 1 << 20, "inline_part": (64 << 20) + 1}, "inline_part"),
+    ({"inline": 1 << 20, "inline_part": True}, "inline_part"),
+])
+def test_an_acquire_asks_for_parts_only_with_inline_and_of_a_sane_size(fields, words):
+    raw = frame(op="acquire", keys=[K[0]], tokens=[b"abcd"], **fields)
+    with pytest.raises(InvalidRequestError, match=words):
+        p.decode_request(raw, MAX)
+
+
+def test_a_part_head_is_told_apart_from_a_reply_and_checked():
+    assert p.decode_reply(p.encode_part(9, 3), MAX) == (9, {"part": 3})
+    for bad in (msgpack.packb({"v": 1, "id": 9, "part": 0}),
+                msgpack.packb({"v": 1, "id": 9, "part": "1"}),
+                msgpack.packb({"v": 1, "id": 9, "part": True}),
+                msgpack.packb({"v": 1, "id": 9, "part": 1, "more": 2})):
+        with pytest.raises(InvalidRequestError, match="part"):
+            p.decode_reply(bad, MAX)
+    # An ordinary reply may carry a field of that name and stays a reply.
+    assert p.decode_reply(p.encode_ok(4, {"part": 1}), MAX) == (4, {"part": 1})
+
+
+def test_inline_bytes_are_cut_in_parts_of_whole_entries():
+    from kvstore.server.loop import MAX_INLINE_PARTS, _parts
+
+    assert _parts([100] * 10, None) is None and _parts([100] * 10, 0) is None
+    assert _parts([100] * 10, 1000) is None  # all of it fits one part
+    assert _parts([100] * 10, 300) == [300, 300, 300, 100]
+    assert _parts([100] * 10, 250) == [300, 300, 300, 100]  # closed once it holds enough
+    assert _parts([700, 100, 100, 700, 50], 500) == [700, 900, 50]
+    assert _parts([1000, 10], 500) == [1000, 10]
+    assert _parts([1000], 500) is None  # one entry is one part
+    # Never more than MAX_INLINE_PARTS: a client asking for small parts gets larger.
+    assert len(_parts([1] * 10_000, 1)) == MAX_INLINE_PARTS
+    assert _parts([1] * 10_000, 1)[0] == -(-10_000 // MAX_INLINE_PARTS)
+
+
+def test_parts_that_do_not_add_up_fall_back_to_te(caplog):
+    """The first part's frame must be as long as the first of ``parts``, and the parts
+    must add up to ``inline``: else the bytes are not used (read over TE instead)."""
+    from kvstore.client.rpc import _inline_frame
+
+    class Frame(bytes):
+        @property
+        def buffer(self):
+            return memoryview(self)
+
+    good = {"aid": 3, "inline": 6, "parts": [4, 2]}
+    _inline_frame(good, [Frame(b"map"), Frame(b"abcd")])
+    assert bytes(good["inline_data"]) == b"abcd" and good["parts"] == [4, 2]
+    for parts in ([4, 3], [4], [2, 4], [4, "2"], [4, 0, 2], "4,2", [4, True, 1]):
+        result = {"aid": 3, "inline": 6, "parts": parts}
+        _inline_frame(result, [Frame(b"m"), Frame(b"abcd")])
+        assert result == {"aid": 3}, parts

@@ -118,13 +118,17 @@ class KVStoreSide:
         # Where a get's time goes (``last_split``): the acquire's round trip (with the
         # bytes in its reply when they come inline) and the data move (TE read, or the
         # copy out of the reply; each with its checksums), timed around the client's
-        # own calls; the rest of a get is its keys and book-keeping.
+        # own calls; the rest of a get is its keys and book-keeping. Inline bytes that
+        # come in parts are copied inside the acquire, each part as it arrives: that
+        # copying, with the waits for the parts after the first, counts as move, and
+        # the acquire is the rest of its time (up to the first part).
         self.last_split: dict[str, float] = {}
         if cfg["role"] == "consumer":
             for client in self.clients.values():
                 time_calls(client, "_acquire", "acquire", self.last_split)
                 for name in ("read", "take_inline"):
                     time_calls(client._data, name, "move", self.last_split)
+                time_calls(client._data, "take_parts", "parts", self.last_split)
 
     def put(self, name: str, pid: int, ntokens: int, data: np.ndarray) -> None:
         res = self.clients[name].insert(prompt_tokens(pid, ntokens), data)
@@ -134,8 +138,11 @@ class KVStoreSide:
     def get(self, name: str, pid: int, ntokens: int) -> Any:
         # Into one reused buffer, as Mooncake's get_into and raw TE do (see the docs
         # for what a fresh output buffer per call costs).
-        self.last_split.update(acquire=0.0, move=0.0)
+        self.last_split.update(acquire=0.0, move=0.0, parts=0.0)
         res = self.clients[name].drop_select(prompt_tokens(pid, ntokens), into=self.out)
+        parts = self.last_split.pop("parts")
+        self.last_split["acquire"] -= parts
+        self.last_split["move"] += parts
         if res.matched_tokens != ntokens:
             raise RuntimeError(f"drop_select matched {res.matched_tokens}/{ntokens} tokens")
         # --gpu: the consumer wants the KV in VRAM; the client hands back host memory.
