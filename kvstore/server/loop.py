@@ -84,6 +84,8 @@ POLL_MS = 100  # upper bound on how long a stop request waits for the loop
 # A request in flight this long lets the watchdog answer what arrives meanwhile.
 WATCH_S = 0.02
 _EWMA = 0.2  # weight of the latest request in the recent service time
+_REAPING: list[bytes] = []  # ``Server._working_on`` while the reaper runs
+BUSY_NOTE_S = 10.0  # ``busy`` answers are logged at most once per this many seconds
 _INPROC = itertools.count()
 # Inline replies (Server._inline) handed to ZeroMQ and not yet sent, in replies of
 # server.inline_max_bytes: what a client that stops reading can make the server hold.
@@ -138,6 +140,10 @@ class Server:
         # by the serving thread.
         self._queue: collections.deque[tuple[list[bytes], float]] = collections.deque()
         self._working_since: float | None = None  # when the request in flight began
+        # Its frames (``_REAPING``: the reaper's turn), for the busy note, which alone
+        # reads its op; None when idle.
+        self._working_on: list[bytes] | None = None
+        self._busy_noted = (0.0, 0)  # when ``_busy`` last logged, and busy answers since
         self._service_s = 0.0  # recent time per request (EWMA)
         self._busy_after = config.server.busy_after_s
         # Acquires waiting on NVMe: (envelope, request id, request, staging, arrival).
@@ -256,16 +262,18 @@ class Server:
                     item = self._queue.popleft() if self._queue else None
                     if item is not None:
                         self._working_since = time.monotonic()
+                        self._working_on = item[0]
                 if item is not None:
                     self._serve(*item)
                 if time.monotonic() >= next_reap:
                     with self._sock_lock:  # slow work too: the watchdog pushes back
                         self._working_since = time.monotonic()
+                        self._working_on = _REAPING
                     try:
                         self._reap()
                     finally:
                         with self._sock_lock:
-                            self._working_since = None
+                            self._working_since = self._working_on = None
                     next_reap = time.monotonic() + reap_every
         finally:
             self._stop = True
@@ -307,7 +315,7 @@ class Server:
                         self._run_after(frames, after)
         finally:
             with self._sock_lock:
-                self._working_since = None
+                self._working_since = self._working_on = None
                 if reply is not None:  # None: sent, or the staging thread answers it
                     self._send(reply)
             spent = time.monotonic() - start
@@ -481,8 +489,28 @@ class Server:
         envelope, body = frames[:-1], frames[-1]
         why = why or (f"the request would start after {waited:.1f} s "
                       f"(server.busy_after_s = {self._busy_after:g})")
+        self._note_busy(why)
         err = BusyError(f"server busy: {why}; retry or recompute")
         return [*envelope[:2], p.encode_error(p.peek_id(body, self.max_bytes), err)]
+
+    def _note_busy(self, why: str) -> None:
+        """Log a ``busy`` answer, at most once per ``BUSY_NOTE_S`` (with how many
+        there were since): what the serving thread was at, and for how long, so an
+        operator sees whether one slow request or a starved process held it up."""
+        now = time.monotonic()
+        with self._counters_lock:
+            last, since = self._busy_noted
+            if now - last < BUSY_NOTE_S:
+                self._busy_noted = (last, since + 1)
+                return
+            self._busy_noted = (now, 0)
+        working, frames = self._working_since, self._working_on
+        op = "reap" if frames is _REAPING else \
+            "?" if frames is None else p.peek_op(frames[-1], self.max_bytes) or "?"
+        at = "idle" if working is None else f"on a {op} for {now - working:.1f} s"
+        log.warning("answered busy (%s; %d more since the last note): the serving thread "
+                    "is %s, %d requests queued, %.1f ms per request lately", why, since,
+                    at, len(self._queue), self._service_s * 1000)
 
     def _respond(self, frames: list[bytes], arrived: float,
                  later: Later | None = None) -> list[bytes] | None:

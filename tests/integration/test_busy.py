@@ -14,6 +14,7 @@ import pytest
 from kvstore.core import protocol as p
 from kvstore.core.errors import BusyError, KVStoreError
 from kvstore.core.layout import KVLayout
+from kvstore.server.loop import BUSY_NOTE_S
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -95,12 +96,20 @@ def test_a_request_behind_slow_work_is_answered_busy_at_once(server_factory, cli
     # Both doors push back the same way. At once: soon after busy_after_s, not
     # when the verify ends (it takes `alone`), and nowhere near the client's 30 s
     # timeout. (Not a speed target: the point is busy instead of a late answer.)
+    first_busy = time.monotonic()
     for client in (other, neighbour):
         answered, worker, done = _behind_a_verify(admin, client)
         worker.join()
         assert done.is_set() and answered < alone / 2, (answered, alone)
     stats = _patient(other.stats)
     assert stats["busy"] >= 2 and stats["checksum_failures"] == 0
+    # The log says why, at most once per BUSY_NOTE_S: the serving thread was on the
+    # verify, or, between two verifies, idle with requests queued that recent
+    # requests (the verify's ~0.1 s and more) say would start too late.
+    notes = [ln for ln in srv.log().splitlines() if "answered busy" in ln]
+    assert notes and ("the serving thread is on a verify for" in notes[0]
+                      or "the serving thread is idle, " in notes[0]), notes
+    assert len(notes) <= 1 + (time.monotonic() - first_busy) / BUSY_NOTE_S, notes
     # A release (or abort) is never refused, however long it waits: it only gives
     # back what the server holds, and drop_select sends its last release one-way.
     _, worker, _ = _behind_a_verify(admin, other)  # a verify in flight again
