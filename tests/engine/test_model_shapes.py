@@ -34,11 +34,13 @@ import json
 import math
 import random
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from kvstore.client.client import KVStoreClient
+from tests.engine.conftest import PATIENT
 from tests.integration.conftest import ServerFactory
 from tools.engine_proc import EngineProc, start_all, stop_all
 from tools.tiny_models import SLIDING_WINDOW, VOCAB, ModelSpec, build
@@ -79,7 +81,9 @@ class Trio:
         model = build(spec, tmp / "models")
         (tmp / "servers").mkdir()
         self.servers = ServerFactory(tmp / "servers")
-        self.server = self.servers(dram="256MiB", nvme="64MiB", block_tokens=block)
+        # Patient, as in the other engine tests (PATIENT): under load the harness's
+        # short leases ran out mid-save, and a starved server answered a load busy.
+        self.server = self.servers(dram="256MiB", nvme="64MiB", block_tokens=block, **PATIENT)
         # lookup_timeout_s: these tests check what a lookup finds, not its budget (0.25 s
         # by default): on 2 cores busy with TP engines a first lookup has overrun it,
         # marked the server down and made every prompt a recompute.
@@ -124,8 +128,30 @@ class Trio:
                                 f"the store, want {len(p) - 1}")
         left = _settle(self.stats, None)["entries"]  # the decode's releases applied
         if left != before:
-            problems.append(f"{left - before} entries left after the decode took them")
+            problems.append(f"{left - before} entries left after the decode took them; "
+                            f"stored (pending, pins, ends, state): {self.held()}")
+        if problems:  # what the logs say, for a failure seen only in CI
+            problems.append(self.warnings())
         return problems
+
+    def held(self) -> dict:
+        """How many stored entries have each (pending, pins, ends, state)."""
+        with KVStoreClient(self.server.address, timeout_s=60.0) as admin:
+            rows = admin.ls()
+        return dict(Counter((r.get("pending"), r.get("pins"), r.get("ends"), r.get("state"))
+                            for r in rows))
+
+    def warnings(self, most: int = 30) -> str:
+        """The last ``most`` warning and error lines of the server's and the engines'
+        logs (one string: a failed check's last problem)."""
+        out = []
+        for name, text in [("server", self.server.log()),
+                           *((e.name, e.log()) for e in self.engines())]:
+            lines = [ln for ln in text.splitlines()
+                     if any(w in ln for w in ("WARNING", "ERROR", "Traceback"))
+                     and (name == "server" or "kvstore" in ln)]  # not vLLM's own
+            out += [f"{name}: {ln}" for ln in lines[-most:]]
+        return "\n".join(out) or "(no warnings logged)"
 
 
 @pytest.fixture
