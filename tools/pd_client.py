@@ -13,7 +13,7 @@ A plan is JSON lines, run in order; each line is one step:
     {"id": "ref-7", "post": "http://host:port/v1/completions", "body": {...}}
     {"id": "stats", "stats": ["tcp://10.213.0.1:20001", ...]}
     {"id": "proxy", "get": "http://host:port/proxy/stats"}
-    {"parallel": [step, step, ...]}   # all at once, one thread each
+    {"parallel": [step, step, ...]}   # all at once, one thread each, sent together
 
 Each step prints one result line: ``{"id", "status", "json", "t0", "t1"}`` for HTTP
 (``t0``/``t1``: monotonic send and answer times, so callers can see which requests
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,29 +37,40 @@ from typing import Any
 import httpx
 
 REQUEST_TIMEOUT_S = 300.0
+START_WAIT_S = 60.0  # how long a parallel group's steps wait for each other to start
 
 
-def _http(step: dict[str, Any]) -> dict[str, Any]:
+def _http(step: dict[str, Any], start: threading.Barrier | None = None) -> dict[str, Any]:
+    """One HTTP step. ``start``: the steps of a ``parallel`` group each make their
+    client (an SSL context each: tens of ms of CPU, one thread at a time), then wait
+    for the others, so that they are sent together."""
     out: dict[str, Any] = {"id": step.get("id")}
-    t0 = time.monotonic()
-    try:
-        if "get" in step:
-            r = httpx.get(step["get"], timeout=REQUEST_TIMEOUT_S)
-        elif step["body"].get("stream"):
-            return _stream(step, out, t0)
-        else:
-            r = httpx.post(step["post"], json=step["body"], timeout=REQUEST_TIMEOUT_S)
-        out.update(status=r.status_code, json=_json(r))
-    except httpx.HTTPError as exc:
-        out["error"] = f"{type(exc).__name__}: {exc}"
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
+        if start is not None:
+            try:
+                start.wait(START_WAIT_S)
+            except threading.BrokenBarrierError:
+                pass  # one never came: send anyway
+        t0 = time.monotonic()
+        try:
+            if "get" in step:
+                r = client.get(step["get"])
+            elif step["body"].get("stream"):
+                return _stream(client, step, out, t0)
+            else:
+                r = client.post(step["post"], json=step["body"])
+            out.update(status=r.status_code, json=_json(r))
+        except httpx.HTTPError as exc:
+            out["error"] = f"{type(exc).__name__}: {exc}"
     out.update(t0=t0, t1=time.monotonic())
     return out
 
 
-def _stream(step: dict[str, Any], out: dict[str, Any], t0: float) -> dict[str, Any]:
+def _stream(client: httpx.Client, step: dict[str, Any], out: dict[str, Any],
+            t0: float) -> dict[str, Any]:
     tokens: list[int] = []
     first, usage = None, None
-    with httpx.stream("POST", step["post"], json=step["body"], timeout=REQUEST_TIMEOUT_S) as r:
+    with client.stream("POST", step["post"], json=step["body"]) as r:
         out["status"] = r.status_code
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -100,12 +112,15 @@ def _stats(step: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def run_step(step: dict[str, Any]) -> list[dict[str, Any]]:
+def run_step(step: dict[str, Any],
+             start: threading.Barrier | None = None) -> list[dict[str, Any]]:
     if "parallel" in step:
         subs = step["parallel"]
+        together = sum(1 for s in subs if "parallel" not in s and "stats" not in s)
+        barrier = threading.Barrier(together) if together > 1 else None
         with ThreadPoolExecutor(max(1, len(subs))) as pool:
-            return [r for rs in pool.map(run_step, subs) for r in rs]
-    return [_stats(step) if "stats" in step else _http(step)]
+            return [r for rs in pool.map(lambda s: run_step(s, barrier), subs) for r in rs]
+    return [_stats(step) if "stats" in step else _http(step, start)]
 
 
 def wait_healthy(urls: Sequence[str], timeout: float) -> bool:
