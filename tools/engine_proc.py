@@ -283,6 +283,9 @@ class EngineProc:
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and (self.leftover_pids()
                                                    or self.proc.poll() is None):
+                # Again while they stop: a process still starting (an engine core
+                # that has not yet acted on the TERM) may make a new file meanwhile.
+                self._note_shm()
                 time.sleep(0.1)
         try:
             self.proc.wait(timeout)

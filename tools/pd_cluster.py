@@ -332,7 +332,8 @@ def _stop_group(proc: subprocess.Popen, timeout: float = STOP_TIMEOUT_S,
     """TERM the process's group (it leads one: start_new_session), KILL after
     ``timeout``; waits for the leader. ``noting(pids)`` first sees the group's members
     while the group is stopped (SIGSTOP): nothing in it can start anything new until
-    the TERM."""
+    the TERM; then again every 0.1 s until they are gone (one that does not act on
+    the TERM at once may still make files)."""
     if noting is not None and (proc.poll() is None or _group_members(proc.pid)):
         try:
             os.killpg(proc.pid, signal.SIGSTOP)
@@ -351,8 +352,13 @@ def _stop_group(proc: subprocess.Popen, timeout: float = STOP_TIMEOUT_S,
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             proc.poll()
-            if proc.returncode is not None and not _group_members(proc.pid):
+            members = _group_members(proc.pid)
+            if proc.returncode is not None and not members:
                 return
+            if noting is not None and members:
+                # Again while they stop: a process still starting (an engine core
+                # that has not yet acted on the TERM) may make a new file meanwhile.
+                noting(members)
             time.sleep(0.1)
     log.error("process group %s survived SIGKILL", proc.pid)
 
