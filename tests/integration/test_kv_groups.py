@@ -99,7 +99,9 @@ def connectors(role: str, server, **extra):
                            kv_role=role, kv_load_failure_policy="recompute",
                            kv_connector_extra_config={"server": server.address,
                                                       "model_id": "hybrid", "timeout_s": 5.0,
-                                                      "staging_bytes": "4MiB", **extra})
+                                                      "staging_bytes": "4MiB",
+                                                      # (what a lookup finds, not its budget)
+                                                      "lookup_timeout_s": 5.0, **extra})
     cfg = VllmConfig(kv_transfer_config=kvt, cache_config=CacheConfig(block_size=BS))
     kcc = hybrid_config()
     sched = KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kcc)

@@ -54,6 +54,9 @@ HASHER = get_request_block_hasher(BS, sha256)
 
 def connectors(role: str, events: bool = True, **extra):
     extra.setdefault("timeout_s", 3.0)
+    # (These tests check what a lookup finds, not its budget: 0.25 s by default, which a
+    # loaded CI machine can miss, and a missed lookup is a recompute, not a load.)
+    extra.setdefault("lookup_timeout_s", 3.0)
     extra.setdefault("staging_bytes", "1MiB")
     extra.setdefault("model_id", "tiny-llama")
     kvt = KVTransferConfig(kv_connector="KVStoreConnectorV1",
