@@ -301,7 +301,7 @@ class Server:
         try:
             waited = start - arrived
             if waited > self._busy_after and not self._never_busy(frames):
-                reply = self._busy(frames, waited)
+                reply = self._busy(frames, waited, reached=True)
             else:
                 self._await_sent(frames)
                 after: list[Callable[[], None]] = []
@@ -483,20 +483,24 @@ class Server:
         never hear a ``busy``. Read only on the slow path, when ``busy`` is due."""
         return p.peek_op(frames[-1], self.max_bytes) in NEVER_BUSY
 
-    def _busy(self, frames: list[bytes], waited: float, why: str = "") -> list[bytes]:
+    def _busy(self, frames: list[bytes], waited: float, why: str = "",
+              reached: bool = False) -> list[bytes]:
+        """The ``busy`` error reply to ``frames``; ``reached``: the serving thread
+        answers it, having only now come to it (else the watchdog or a stop does)."""
         with self._counters_lock:
             self.counters["busy"] += 1
         envelope, body = frames[:-1], frames[-1]
         why = why or (f"the request would start after {waited:.1f} s "
                       f"(server.busy_after_s = {self._busy_after:g})")
-        self._note_busy(why)
+        self._note_busy(why, reached)
         err = BusyError(f"server busy: {why}; retry or recompute")
         return [*envelope[:2], p.encode_error(p.peek_id(body, self.max_bytes), err)]
 
-    def _note_busy(self, why: str) -> None:
+    def _note_busy(self, why: str, reached: bool = False) -> None:
         """Log a ``busy`` answer, at most once per ``BUSY_NOTE_S`` (with how many
         there were since): what the serving thread was at, and for how long, so an
-        operator sees whether one slow request or a starved process held it up."""
+        operator sees whether one slow request or a starved process held it up
+        (``reached``: it has just come to this request, after the wait ``why`` says)."""
         now = time.monotonic()
         with self._counters_lock:
             last, since = self._busy_noted
@@ -504,12 +508,15 @@ class Server:
                 self._busy_noted = (last, since + 1)
                 return
             self._busy_noted = (now, 0)
+        # (Read without _sock_lock, which most callers hold: a pair torn by the serving
+        # thread's next request says the wrong op or time in this line, nothing more.)
         working, frames = self._working_since, self._working_on
         op = "reap" if frames is _REAPING else \
             "?" if frames is None else p.peek_op(frames[-1], self.max_bytes) or "?"
-        at = "idle" if working is None else f"on a {op} for {now - working:.1f} s"
+        at = "has only now reached it" if reached else "is idle" if working is None else \
+            f"is on a {op} for {now - working:.1f} s"
         log.warning("answered busy (%s; %d more since the last note): the serving thread "
-                    "is %s, %d requests queued, %.1f ms per request lately", why, since,
+                    "%s, %d requests queued, %.1f ms per request lately", why, since,
                     at, len(self._queue), self._service_s * 1000)
 
     def _respond(self, frames: list[bytes], arrived: float,
