@@ -131,7 +131,8 @@ class Requests:
         An acquire's inline bytes that come in parts are handed to ``take`` as they
         arrive, before this returns: its result is the reply's ``"taken"`` (what it
         raised, ``"take_error"``; the seconds it took, ``"take_s"``). Without ``take``
-        they are joined into ``"inline_data"``, as one part would be."""
+        they are joined into ``"inline_data"``, as one part would be (a part that
+        fails: ``"take_error"``, and neither ``"inline"`` nor ``"inline_data"``)."""
         result = self._exchange(req, timeout_s, wait_reply=True, take=take)
         assert result is not None
         if "error" in result:
@@ -267,7 +268,8 @@ class Channel(Requests):
             except _RESET:
                 self._reset()
                 raise
-            if isinstance(result.get("take_error"), _RESET):  # (while parts were due)
+            # (While parts were due; a ZeroMQ error too: the socket's state is unknown.)
+            if isinstance(result.get("take_error"), (*_RESET, zmq.ZMQError)):
                 self._reset()
             return result
 
@@ -276,8 +278,8 @@ class Channel(Requests):
         while True:
             frames = self._message(sock, deadline, op)
             rid, result = p.decode_reply(frames[0], REPLY_CAP)
-            if "part" in result:  # of a reply whose caller stopped taking its parts
-                log.debug("dropping part %s of reply %s (waiting for %s)", result["part"],
+            if p.PART_HEAD in result:  # of a reply whose caller stopped taking its parts
+                log.debug("dropping part %s of reply %s (waiting for %s)", result[p.PART_HEAD],
                           rid, frame_id)
                 continue
             if self._is_reply(rid, result, frame_id):
@@ -301,9 +303,10 @@ class Channel(Requests):
         """The parts after the first of the inline bytes of reply ``frame_id``: each
         must come next, in order, with its length. Handed to ``take`` as they arrive,
         else joined into ``inline_data``. A part that is late, missing or malformed
-        ends the take with an error (``take_error``; without ``take``, the reply
-        loses ``inline`` and the caller reads over TE), the parts still to come
-        dropped on arrival and the lease kept for the caller to release."""
+        ends the take with an error (``take_error``; without ``take``, the reply also
+        loses ``inline`` and ``inline_data``), the parts still to come dropped on
+        arrival and the lease kept for the caller to release (``KVStoreClient``
+        releases it and raises the error: a miss, not bytes read over TE)."""
         sizes: list[int] = result.pop("parts")
 
         def parts() -> Iterator[memoryview]:
@@ -311,7 +314,7 @@ class Channel(Requests):
             for index in range(1, len(sizes)):
                 frames = self._message(sock, deadline, op)
                 rid, head = p.decode_reply(frames[0], REPLY_CAP)
-                if rid != frame_id or head.get("part") != index or len(frames) != 2 \
+                if rid != frame_id or head.get(p.PART_HEAD) != index or len(frames) != 2 \
                         or len(frames[1]) != sizes[index]:
                     raise InvalidRequestError(
                         f"malformed reply: part {index} of {len(sizes)} of reply {frame_id} "

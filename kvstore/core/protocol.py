@@ -31,12 +31,12 @@ MAX_TOKEN_BYTES = 4 * 8192  # one block's int32 token ids
 MAX_LEASE_S = 3600.0
 MAX_ID = (1 << 63) - 1
 MAX_LS_LIMIT = 10_000
-MAX_META_BYTES = 1024
+MAX_META_BYTES = 1024  # the index keeps at most this much caller meta per entry
 # An acquire's bytes sent in its reply (``Acquire.inline``, docs/protocol.md), at most.
 MAX_INLINE_BYTES = 64 << 20
 # The smallest part such bytes may be asked in (``Acquire.inline_part``).
 MIN_INLINE_PART_BYTES = 64 << 10
-NAMESPACE_BYTES = 16  # hashing.namespace_of; a reserve may send it or its first 8 bytes  # the index keeps at most this much caller meta per entry
+NAMESPACE_BYTES = 16  # hashing.namespace_of; a reserve may send it or its first 8 bytes
 # Every tier name, fastest first; demotion follows this order. The one definition.
 TIER_ORDER = ("gpu", "dram", "nvme")
 
@@ -544,6 +544,11 @@ def encode_error(rid: int, err: KVStoreError) -> bytes:
                           "message": str(err)}, use_bin_type=True)
 
 
+# The key of a part head's index in what decode_reply returns: not an identifier, so
+# never the name of a reply's field (an ok reply with a field "part" stays a reply).
+PART_HEAD = "part head"
+
+
 def encode_part(rid: int, index: int) -> bytes:
     """The head of part ``index`` (1 ..) of request ``rid``'s inline bytes: the first
     frame of a message of its own, the part's bytes the second (``Acquire.inline_part``)."""
@@ -553,7 +558,7 @@ def encode_part(rid: int, index: int) -> bytes:
 def decode_reply(frame: bytes, max_bytes: int) -> tuple[int, dict[str, Any]]:
     """Frame -> (id, result map). An error reply is returned as (id, {"error": exc});
     the head of a part of an acquire's inline bytes (``encode_part``) as
-    (id, {"part": index})."""
+    (id, {PART_HEAD: index}), under a key no reply's field can have."""
     msg = _unpack(frame, max_bytes)
     if type(msg) is not dict or msg.get("v") != VERSION or type(msg.get("id")) is not int:
         raise InvalidRequestError("malformed reply from server")
@@ -562,7 +567,7 @@ def decode_reply(frame: bytes, max_bytes: int) -> tuple[int, dict[str, Any]]:
         index = msg["part"]
         if type(index) is not int or index < 1 or len(msg) != 2:
             raise InvalidRequestError("malformed part of a reply from server")
-        return rid, {"part": index}
+        return rid, {PART_HEAD: index}
     if msg.pop("ok", None) is True:
         del msg["v"]
         return rid, msg

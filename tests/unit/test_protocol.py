@@ -183,7 +183,7 @@ def test_an_acquire_asks_for_parts_only_with_inline_and_of_a_sane_size(fields, w
 
 
 def test_a_part_head_is_told_apart_from_a_reply_and_checked():
-    assert p.decode_reply(p.encode_part(9, 3), MAX) == (9, {"part": 3})
+    assert p.decode_reply(p.encode_part(9, 3), MAX) == (9, {p.PART_HEAD: 3})
     for bad in (msgpack.packb({"v": 1, "id": 9, "part": 0}),
                 msgpack.packb({"v": 1, "id": 9, "part": "1"}),
                 msgpack.packb({"v": 1, "id": 9, "part": True}),
