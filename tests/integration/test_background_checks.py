@@ -7,6 +7,7 @@ reported and dropped, with the good entries kept."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -76,7 +77,8 @@ def test_small_entries_go_to_the_thread_in_batches_exact_or_a_checksum_miss(
     claims: list[int] = []  # how many entries each call of the thread's hashes took
     landing: list[int] = []  # entries hashed on the reader's thread as they landed
     batches: list[int] = []  # the landed batches handed to the checks
-    first_bad, landed = checks.first_bad, checks.LandedChecks.landed
+    first_bad, landed, finish = checks.first_bad, checks.LandedChecks.landed, \
+        checks.LandedChecks.finish
     in_landed = threading.local()
 
     def counted(out, items):
@@ -94,8 +96,17 @@ def test_small_entries_go_to_the_thread_in_batches_exact_or_a_checksum_miss(
         finally:
             in_landed.on = False
 
+    def finished(self):
+        # Give the nice-19 thread a chance before the reader hashes what is left: on a
+        # loaded machine it may not get a core during the read at all.
+        deadline = time.monotonic() + 10
+        while not claims and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return finish(self)
+
     monkeypatch.setattr(checks, "first_bad", counted)
     monkeypatch.setattr(checks.LandedChecks, "landed", spied)
+    monkeypatch.setattr(checks.LandedChecks, "finish", finished)
     n = SMALL.nbytes(SMALL_TOKENS)
     kv = np.random.default_rng(5).integers(0, 256, n, dtype=np.uint8)
     toks = [50_000 + i for i in range(SMALL_TOKENS)]
@@ -106,7 +117,7 @@ def test_small_entries_go_to_the_thread_in_batches_exact_or_a_checksum_miss(
     per = checks.BATCH_BYTES // SMALL.nbytes(SMALL.block_tokens)
     assert sum(batches) == SMALL_TOKENS // SMALL.block_tokens  # every entry, through them
     assert landing == []  # none hashed as it landed: every one went to the thread
-    assert all(1 <= c <= per for c in claims)  # (the reader may have hashed them all)
+    assert claims and all(1 <= c <= per for c in claims)  # batches, by the thread
     toks = [60_000 + i for i in range(SMALL_TOKENS)]
     writer.insert(toks, kv)
     keys = writer.keys_for(toks)
