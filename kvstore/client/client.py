@@ -243,7 +243,11 @@ class KVStoreClient:
               take: Take | None = None) -> dict[str, Any]:
         hellos = self._hellos
         try:
-            return self._rpc.call(req, timeout_s, take)
+            result = self._rpc.call(req, timeout_s, take)
+            # (Inline bytes in parts that stopped coming: the same, raised later.)
+            if isinstance(result.get("take_error"), (PeerUnavailableError, KVTimeoutError)):
+                self._hello = None
+            return result
         except (PeerUnavailableError, KVTimeoutError):
             self._hello = None  # the server may come back as a new process
             raise
@@ -727,10 +731,7 @@ class KVStoreClient:
         same acquire is asked again without them, and the hello is read afresh at the
         next call."""
         try:
-            acq = self._call(req, _left(deadline), take)
-            if isinstance(acq.get("take_error"), (PeerUnavailableError, KVTimeoutError)):
-                self._hello = None  # (as for a call that fails so: _call)
-            return acq
+            return self._call(req, _left(deadline), take)
         except InvalidRequestError as exc:
             if req.inline is None or not any(f"unknown field {name!r}" in str(exc)
                                              for name in ("inline", "inline_part")):
