@@ -147,3 +147,16 @@ def test_verify_cost_times_both_reads_and_the_hash():
     assert set(res) == {"verified", "as landed", "unverified", "verified after",
                         "low priority", "hash alone"}
     assert all(len(v) == 2 and all(ms > 0 for ms in v) for v in res.values()), res
+
+
+def test_timeline_stamps_the_consumer_and_the_server_of_every_get(tmp_path):
+    from tools.bench import timeline
+
+    res = timeline.run("small", 512, reps=3, raw=False, out=tmp_path)
+    # 2 MiB in 64 KiB blocks, in the reply in parts of 512 KiB (the defaults)
+    assert (res["gets"], res["left out"], res["parts"]) == (3, 0, 4)
+    assert set(res["phases ms"]) == {name for name, _, _ in timeline.PHASES}
+    total = res["phases ms"]["drop_select"]
+    assert all(0 <= ms <= total for ms in res["phases ms"].values()), res
+    assert json.loads((tmp_path / "timeline.json").read_text())["gets"] == 3
+    assert len(list(tmp_path.glob("stamps-*.txt"))) >= 2  # the consumer's, the server's

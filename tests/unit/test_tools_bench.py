@@ -299,3 +299,58 @@ def test_store_ab_runs_two_checkouts_in_turn():
         assert set(result) == {"base", "this"}
         for steps in result.values():
             assert list(steps) == list(store_ab.STEPS) and all(v > 0 for v in steps.values())
+
+
+def test_the_timeline_splits_a_get_into_its_phases_across_processes(tmp_path):
+    from tools.bench import timeline
+
+    # pid 1: the consumer; pid 2: the server (a producer's put served first, then the
+    # acquire, then the one-way release); times in ms from 1000 s.
+    consumer = [("sel0", 0.0), ("key0", 0.01), ("key1", 0.06), ("ex0", 0.1),
+                ("msg0", 0.12), ("msg1", 0.14),  # the last release's reply, stale
+                ("msg0", 0.15), ("msg1", 0.9), ("cp0", 0.95), ("cp1", 1.0),
+                ("msg0", 1.0), ("msg1", 1.6), ("cp0", 1.61), ("cp1", 1.66), ("ex1", 1.7),
+                ("ex0", 1.72), ("ex1", 1.75), ("sel1", 1.8)]
+    server = [("arr", -0.8), ("srv0", -0.79), ("rsp0", -0.78), ("rsp1", -0.5),
+              ("snd0", -0.5), ("snd1", -0.45), ("srv1", -0.44),
+              ("arr", 0.3), ("srv0", 0.31), ("rsp0", 0.32), ("rsp1", 0.5), ("snd0", 0.5),
+              ("snd1", 0.6), ("srv1", 0.61),
+              ("arr", 1.9), ("srv0", 1.91), ("rsp0", 1.92), ("rsp1", 2.0), ("snd0", 2.0),
+              ("snd1", 2.01), ("srv1", 2.02)]
+    for pid, stamps in ((1, consumer), (2, server)):
+        (tmp_path / f"{pid}.txt").write_text(
+            "".join(f"{tag} {1000 + ms / 1e3:.7f}\n" for tag, ms in stamps))
+    wins, missed = timeline.windows(timeline.load(tmp_path))
+    assert missed == 0 and len(wins) == 1 and wins[0]["parts"] == 2
+    got = timeline.phases(wins)
+    want = {"client: keys (hashing the tokens)": 0.05,
+            "client: keys and the request, until the acquire's call": 0.1,
+            "request until the serving thread has it": 0.2,
+            "waiting in the server's queue": 0.01,
+            "server: decode, acquire, encode": 0.18,
+            "server: reply and parts handed to ZeroMQ": 0.1,
+            "first part in transit (from the server's send)": 0.4,
+            "the other parts, until the last is in": 0.7,
+            "after the last part: its copy and checks": 0.1,
+            "release (one-way) and the result": 0.1,
+            "drop_select": 1.8}
+    assert set(got) == set(want)
+    for name, ms in want.items():
+        assert got[name] == pytest.approx(ms, abs=1e-3), name
+    # a get whose acquire the server has no stamps of is left out, not misread
+    (tmp_path / "2.txt").write_text("".join(f"{tag} {1000 + ms / 1e3:.7f}\n"
+                                            for tag, ms in server[:7]))
+    wins, missed = timeline.windows(timeline.load(tmp_path))
+    assert (wins, missed) == ([], 1)
+    # gets that began before ``since`` (a warm-up) are not counted at all
+    assert timeline.windows(timeline.load(tmp_path), since=1000.5) == ([], 0)
+
+
+def test_the_timeline_refuses_to_time_a_function_that_is_gone():
+    import types
+
+    from tools.bench import timeline
+
+    module = types.ModuleType("kvstore.client.rpc")  # no Channel
+    with pytest.raises(AttributeError):
+        timeline.patch(module, timeline._Stamps.__new__(timeline._Stamps))
