@@ -95,11 +95,13 @@ REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 240.0  # several engines starting at once on 2 cores
 GENERATE_TIMEOUT_S = 180.0  # tiny models answer in seconds: past this the engine is stuck
 STOP_TIMEOUT_S = 30.0
-# vLLM's shared-memory files: a TP group's buffers, and Python SharedMemory
+# vLLM's shared-memory files: a TP group's buffers, Python SharedMemory
 # (multiprocessing's "psm_" names: the message queues between an API server, its
-# engine core and workers, 240 MiB each), which a process killed before it unlinks
-# leaves behind.
-SHM_PREFIXES = ("/dev/shm/vllm_dist_", "/dev/shm/psm_")
+# engine core and workers, 240 MiB each) and the named semaphores of multiprocessing
+# locks made for spawned processes ("sem.mp-": 32 bytes each, unlinked by the
+# resource tracker, which a group kill ends too), which a process killed before it
+# unlinks leaves behind.
+SHM_PREFIXES = ("/dev/shm/vllm_dist_", "/dev/shm/psm_", "/dev/shm/sem.mp-")
 CONNECTOR = "KVStoreConnectorV1"
 CONNECTOR_MODULE = "kvstore.connector.vllm_v1"
 
@@ -426,15 +428,22 @@ def unlink_all(paths: Sequence[str]) -> None:
 def shm_files(pids: Sequence[int]) -> set[str]:
     """The ``SHM_PREFIXES`` files ``pids`` have mapped (``/proc/<pid>/maps``) or open
     (``/proc/<pid>/fd``: a SharedMemory between its shm_open and its mmap, which a
-    kill at that moment would leave behind unmapped)."""
+    kill at that moment would leave behind unmapped). A named semaphore is mapped
+    under the temporary name glibc made it as (``sem.XXXXXX (deleted)``) before it
+    linked it to its own: those are found by their inode."""
     found: set[str] = set()
+    inodes: set[int] = set()  # of /dev/shm files mapped under another name
     for pid in pids:
         try:
             with open(f"/proc/{pid}/maps") as f:
                 for line in f:
                     fields = line.split(None, 5)
-                    if len(fields) == 6 and fields[5].startswith(SHM_PREFIXES):
+                    if len(fields) != 6:
+                        continue
+                    if fields[5].startswith(SHM_PREFIXES):
                         found.add(fields[5].rstrip("\n").removesuffix(" (deleted)"))
+                    elif fields[5].startswith("/dev/shm/"):
+                        inodes.add(int(fields[4]))
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 try:
                     target = os.readlink(f"/proc/{pid}/fd/{fd}")
@@ -444,6 +453,18 @@ def shm_files(pids: Sequence[int]) -> set[str]:
                     found.add(target.removesuffix(" (deleted)"))
         except OSError:  # gone meanwhile
             continue
+    if inodes:
+        try:
+            names = os.listdir("/dev/shm")
+        except OSError:
+            names = []
+        for name in names:
+            path = f"/dev/shm/{name}"
+            try:
+                if path.startswith(SHM_PREFIXES) and os.stat(path).st_ino in inodes:
+                    found.add(path)
+            except OSError:  # removed meanwhile
+                continue
     return found
 
 

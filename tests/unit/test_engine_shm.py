@@ -46,3 +46,39 @@ def test_a_killed_process_s_shared_memory_is_found_by_its_mapping():
         proc.stdout.close()
         if path is not None and os.path.exists(path):
             os.unlink(path)
+
+
+# A lock of a "spawn" context is a named semaphore (/dev/shm/sem.mp-*) that only the
+# resource tracker unlinks: killed with its tracker (a group kill), it stays.
+_SEM_HOLDER = """
+import multiprocessing, time
+from multiprocessing import resource_tracker
+lock = multiprocessing.get_context("spawn").Lock()
+name = lock._semlock.name
+resource_tracker.unregister(name, "semaphore")
+print(name, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
+def test_a_killed_process_s_semaphore_is_found_by_its_mapping():
+    proc = subprocess.Popen([sys.executable, "-c", _SEM_HOLDER], stdout=subprocess.PIPE,
+                            text=True)
+    path = None
+    try:
+        name = proc.stdout.readline().strip()
+        path = f"/dev/shm/sem.{name.lstrip('/')}"
+        assert name.lstrip("/").startswith("mp-") and os.path.exists(path)
+        assert path in shm_files([proc.pid])
+        assert shm_files([os.getpid()]) & {path} == set()  # only the mapping's owner
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert os.path.exists(path)  # left behind: the harness must remove it
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        proc.stdout.close()
+        if path is not None and os.path.exists(path):
+            os.unlink(path)
