@@ -430,9 +430,9 @@ def shm_files(pids: Sequence[int]) -> set[str]:
     (``/proc/<pid>/fd``: a SharedMemory between its shm_open and its mmap, which a
     kill at that moment would leave behind unmapped). A named semaphore is mapped
     under the temporary name glibc made it as (``sem.XXXXXX (deleted)``) before it
-    linked it to its own: those are found by their inode."""
+    linked it to its own: those are found by their device and inode."""
     found: set[str] = set()
-    inodes: set[int] = set()  # of /dev/shm files mapped under another name
+    inodes: set[tuple[int, int, int]] = set()  # of /dev/shm files mapped under another name
     for pid in pids:
         try:
             with open(f"/proc/{pid}/maps") as f:
@@ -443,7 +443,8 @@ def shm_files(pids: Sequence[int]) -> set[str]:
                     if fields[5].startswith(SHM_PREFIXES):
                         found.add(fields[5].rstrip("\n").removesuffix(" (deleted)"))
                     elif fields[5].startswith("/dev/shm/"):
-                        inodes.add(int(fields[4]))
+                        major, _, minor = fields[3].partition(":")
+                        inodes.add((int(major, 16), int(minor, 16), int(fields[4])))
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 try:
                     target = os.readlink(f"/proc/{pid}/fd/{fd}")
@@ -461,8 +462,10 @@ def shm_files(pids: Sequence[int]) -> set[str]:
         for name in names:
             path = f"/dev/shm/{name}"
             try:
-                if path.startswith(SHM_PREFIXES) and os.stat(path).st_ino in inodes:
-                    found.add(path)
+                if path.startswith(SHM_PREFIXES):
+                    st = os.stat(path)
+                    if (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) in inodes:
+                        found.add(path)
             except OSError:  # removed meanwhile
                 continue
     return found

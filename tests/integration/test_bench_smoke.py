@@ -155,8 +155,12 @@ def test_timeline_stamps_the_consumer_and_the_server_of_every_get(tmp_path):
     res = timeline.run("small", 512, reps=3, raw=False, out=tmp_path)
     # 2 MiB in 64 KiB blocks, in the reply in parts of 512 KiB (the defaults)
     assert (res["gets"], res["left out"], res["parts"]) == (3, 0, 4)
-    assert set(res["phases ms"]) == {name for name, _, _ in timeline.PHASES}
-    total = res["phases ms"]["drop_select"]
-    assert all(0 <= ms <= total for ms in res["phases ms"].values()), res
+    phases = res["phases ms"]
+    assert list(phases) == [name for name, _, _ in (*timeline.PHASES, *timeline.INSIDE,
+                                                    timeline.TOTAL)]
+    assert all(median >= 0 and mean >= 0 for median, mean in phases.values()), res
+    # every get cut into consecutive phases: their means add up to the mean get
+    assert sum(phases[name][1] for name, _, _ in timeline.PHASES) == \
+        pytest.approx(phases["drop_select"][1])
     assert json.loads((tmp_path / "timeline.json").read_text())["gets"] == 3
     assert len(list(tmp_path.glob("stamps-*.txt"))) >= 2  # the consumer's, the server's

@@ -301,56 +301,82 @@ def test_store_ab_runs_two_checkouts_in_turn():
             assert list(steps) == list(store_ab.STEPS) and all(v > 0 for v in steps.values())
 
 
+def _stamp_files(where, **by_pid):
+    for pid, stamps in by_pid.items():
+        (where / f"{pid[1:]}.txt").write_text(
+            "".join(f"{tag} {1000 + ms / 1e3:.7f}\n" for tag, ms in stamps))
+
+
+# pid 1: the consumer; pid 2: the server (a producer's put served first, then the
+# acquire, then the one-way release); times in ms from 1000 s.
+_CONSUMER = [("sel0", 0.0), ("key0", 0.01), ("key1", 0.06), ("ex0", 0.1),
+             ("msg0", 0.12), ("msg1", 0.14),  # the last release's reply, stale
+             ("msg0", 0.15), ("msg1", 0.9), ("rp0", 0.92), ("cp0", 0.95), ("cp1", 1.0),
+             ("msg0", 1.0), ("msg1", 1.6), ("cp0", 1.61), ("cp1", 1.66), ("rp1", 1.67),
+             ("ex1", 1.7), ("ex0", 1.72), ("ex1", 1.75), ("sel1", 1.8)]
+_PUT = [("arr", -0.8), ("srv0", -0.79), ("rsp0", -0.78), ("rsp1", -0.5), ("snd0", -0.5),
+        ("snd1", -0.45), ("srv1", -0.44)]
+_ACQUIRE = [("arr", 0.3), ("srv0", 0.31), ("rsp0", 0.32), ("rsp1", 0.5), ("snd0", 0.51),
+            ("snd1", 0.6), ("srv1", 0.61)]
+_RELEASE = [("arr", 1.9), ("srv0", 1.91), ("rsp0", 1.92), ("rsp1", 2.0), ("snd0", 2.0),
+            ("snd1", 2.01), ("srv1", 2.02)]
+
+
 def test_the_timeline_splits_a_get_into_its_phases_across_processes(tmp_path):
     from tools.bench import timeline
 
-    # pid 1: the consumer; pid 2: the server (a producer's put served first, then the
-    # acquire, then the one-way release); times in ms from 1000 s.
-    consumer = [("sel0", 0.0), ("key0", 0.01), ("key1", 0.06), ("ex0", 0.1),
-                ("msg0", 0.12), ("msg1", 0.14),  # the last release's reply, stale
-                ("msg0", 0.15), ("msg1", 0.9), ("cp0", 0.95), ("cp1", 1.0),
-                ("msg0", 1.0), ("msg1", 1.6), ("cp0", 1.61), ("cp1", 1.66), ("ex1", 1.7),
-                ("ex0", 1.72), ("ex1", 1.75), ("sel1", 1.8)]
-    server = [("arr", -0.8), ("srv0", -0.79), ("rsp0", -0.78), ("rsp1", -0.5),
-              ("snd0", -0.5), ("snd1", -0.45), ("srv1", -0.44),
-              ("arr", 0.3), ("srv0", 0.31), ("rsp0", 0.32), ("rsp1", 0.5), ("snd0", 0.5),
-              ("snd1", 0.6), ("srv1", 0.61),
-              ("arr", 1.9), ("srv0", 1.91), ("rsp0", 1.92), ("rsp1", 2.0), ("snd0", 2.0),
-              ("snd1", 2.01), ("srv1", 2.02)]
-    for pid, stamps in ((1, consumer), (2, server)):
-        (tmp_path / f"{pid}.txt").write_text(
-            "".join(f"{tag} {1000 + ms / 1e3:.7f}\n" for tag, ms in stamps))
-    wins, missed = timeline.windows(timeline.load(tmp_path))
-    assert missed == 0 and len(wins) == 1 and wins[0]["parts"] == 2
-    got = timeline.phases(wins)
-    want = {"client: keys (hashing the tokens)": 0.05,
-            "client: keys and the request, until the acquire's call": 0.1,
+    _stamp_files(tmp_path, p1=_CONSUMER, p2=_PUT + _ACQUIRE + _RELEASE)
+    found = timeline.windows(timeline.load(tmp_path))
+    assert found.missed == 0 and [g.parts for g in found.gets] == [2]
+    got = timeline.phases(found.gets)
+    want = {"client: keys and the request, until the acquire's call": 0.1,
             "request until the serving thread has it": 0.2,
-            "waiting in the server's queue": 0.01,
+            "server: queue, store lock, until the handling": 0.02,
             "server: decode, acquire, encode": 0.18,
-            "server: reply and parts handed to ZeroMQ": 0.1,
-            "first part in transit (from the server's send)": 0.4,
+            "reply and first part: handed to ZeroMQ, in transit": 0.4,
             "the other parts, until the last is in": 0.7,
             "after the last part: its copy and checks": 0.1,
             "release (one-way) and the result": 0.1,
+            "client: keys (hashing the tokens)": 0.05,
+            "server: reply and parts handed to ZeroMQ": 0.09,
             "drop_select": 1.8}
     assert set(got) == set(want)
     for name, ms in want.items():
-        assert got[name] == pytest.approx(ms, abs=1e-3), name
-    # a get whose acquire the server has no stamps of is left out, not misread
-    (tmp_path / "2.txt").write_text("".join(f"{tag} {1000 + ms / 1e3:.7f}\n"
-                                            for tag, ms in server[:7]))
-    wins, missed = timeline.windows(timeline.load(tmp_path))
-    assert (wins, missed) == ([], 1)
+        assert got[name] == (pytest.approx(ms, abs=1e-3), pytest.approx(ms, abs=1e-3)), name
+    # the consecutive phases add up to the whole get
+    assert sum(got[name][1] for name, _, _ in timeline.PHASES) == pytest.approx(1.8, abs=1e-3)
     # gets that began before ``since`` (a warm-up) are not counted at all
     assert timeline.windows(timeline.load(tmp_path), since=1000.5) == ([], 0)
 
 
-def test_the_timeline_refuses_to_time_a_function_that_is_gone():
+def test_the_timeline_leaves_out_a_get_whose_acquire_the_server_did_not_stamp(tmp_path):
+    from tools.bench import timeline
+
+    # the release's serving, after the reply, is not taken for the acquire's
+    _stamp_files(tmp_path, p1=_CONSUMER, p2=_PUT + _RELEASE)
+    assert timeline.windows(timeline.load(tmp_path)) == ([], 1)
+
+
+def test_the_timeline_takes_the_reply_not_a_stale_message_read_late(tmp_path):
+    from tools.bench import timeline
+
+    # the stale reply read after the server sent the acquire's reply, one part
+    consumer = [("sel0", 0.0), ("ex0", 0.1), ("msg0", 0.12), ("msg1", 0.55),
+                ("msg0", 0.56), ("msg1", 0.9), ("cp0", 0.95), ("cp1", 1.0), ("ex1", 1.01),
+                ("ex0", 1.02), ("ex1", 1.05), ("sel1", 1.1)]
+    _stamp_files(tmp_path, p1=consumer, p2=_ACQUIRE, p3=[("arr", 0.2), ("srv0", 0.21)])
+    found = timeline.windows(timeline.load(tmp_path))
+    assert found.missed == 0 and [g.parts for g in found.gets] == [1]
+    get = found.gets[0].at
+    assert get["reply"] == get["last part"] == pytest.approx(0.9)
+    assert get["S:arr"] == pytest.approx(0.3)  # (p3 never sent a reply: not the server)
+
+
+def test_the_timeline_refuses_to_time_a_function_that_is_gone(tmp_path):
     import types
 
     from tools.bench import timeline
 
     module = types.ModuleType("kvstore.client.rpc")  # no Channel
     with pytest.raises(AttributeError):
-        timeline.patch(module, timeline._Stamps.__new__(timeline._Stamps))
+        timeline.patch(module, timeline._Stamps(str(tmp_path)))

@@ -11,10 +11,13 @@ gets as they do there) with every process of kvstore stamping ``time.monotonic``
 (one clock for every process of this machine) as it enters and leaves a few of its
 functions (``HOOKS``). The stamps are installed by ``tools/bench/timeline_site``
 (a ``sitecustomize`` on the children's ``PYTHONPATH``) and written per process to
-``--out``; nothing of kvstore itself is changed. Prints the median of each phase of
-a get (``PHASES``), and the get's p50 in the same run next to raw TE's fastest
-pattern. The stamps cost ~1 us each: the phases add up to a little more than an
-unstamped get.
+a directory of their own (copied to ``--out``); nothing of kvstore itself is
+changed. Prints the median and the mean of each phase of a get (``PHASES``:
+consecutive, so their means add up to the mean get; medians do not add up), a few
+spans inside them (``INSIDE``), and the get's p50 in the same run next to raw TE's
+fastest pattern. The stamps cost ~1 us each. Made for one consumer at a time, as
+the benchmark runs it: a request of another client queued between a get's call
+and its reply could be taken for its acquire.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ HOOKS = (
     ("kvstore.client.client", "KVStoreClient._prompt", "key"),
     ("kvstore.client.rpc", "Channel._exchange", "ex"),
     ("kvstore.client.rpc", "Channel._message", "msg"),
+    ("kvstore.client.rpc", "Channel._receive_parts", "rp"),
     ("kvstore.client.datapath", "copy_out", "cp"),
     ("kvstore.server.loop", "Server._serve", "srv"),  # with "arr": when it arrived
     ("kvstore.server.loop", "Server._respond", "rsp"),
@@ -58,23 +62,31 @@ FLUSH_S = 0.2  # a stamping process appends its stamps to its file this often
 # ------------------------------------------------------------------ stamping
 class _Stamps:
     """This process's stamps, appended to ``<dir>/<pid>.txt`` every ``FLUSH_S`` by a
-    thread of their own (a process the tool's cluster ends with SIGKILL keeps all
-    but the last ``FLUSH_S``'s; the tool waits that long before it ends them)."""
+    thread of their own, started by ``start`` (a process that ends without its exit
+    handlers, as kvstore-server does, keeps all but the last ``FLUSH_S``'s; the tool
+    waits that long before it ends them)."""
 
     def __init__(self, where: str) -> None:
         self.path = Path(where) / f"{os.getpid()}.txt"
         self.items: collections.deque[tuple[str, float]] = collections.deque()
-        atexit.register(self.flush)
-        threading.Thread(target=self._run, name="bench-timeline", daemon=True).start()
+        self._lock = threading.Lock()
+        self._started = False
+
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            atexit.register(self.flush)
+            threading.Thread(target=self._run, name="bench-timeline", daemon=True).start()
 
     def add(self, tag: str, at: float | None = None) -> None:
         self.items.append((tag, time.monotonic() if at is None else at))
 
     def flush(self) -> None:
-        items = [self.items.popleft() for _ in range(len(self.items))]
-        if items:
-            with open(self.path, "a") as f:
-                f.write("".join(f"{tag} {at:.7f}\n" for tag, at in items))
+        with self._lock:  # (the thread's and the exit handler's)
+            items = [self.items.popleft() for _ in range(len(self.items))]
+            if items:
+                with open(self.path, "a") as f:
+                    f.write("".join(f"{tag} {at:.7f}\n" for tag, at in items))
 
     def _run(self) -> None:
         while True:
@@ -119,7 +131,23 @@ def patch(module: Any, stamps: _Stamps) -> list[str]:
             owner = getattr(owner, part)
         setattr(owner, last, _wrap(getattr(owner, last), tag, stamps))
         done.append(attr)
+    if done:
+        stamps.start()  # (a process that imports none of them writes nothing)
     return done
+
+
+class _Loader(importlib.abc.Loader):
+    """The module's own loader, then ``patch``."""
+
+    def __init__(self, loader: Any, stamps: _Stamps) -> None:
+        self.loader, self.stamps = loader, stamps
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.loader.exec_module(module)
+        patch(module, self.stamps)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -135,23 +163,21 @@ class _Finder(importlib.abc.MetaPathFinder):
         spec = importlib.machinery.PathFinder.find_spec(name, path, target)
         if spec is None or spec.loader is None:
             return None
-        run = spec.loader.exec_module
-        stamps = self.stamps
-
-        def exec_module(module: Any) -> None:
-            run(module)
-            patch(module, stamps)
-
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        spec.loader = _Loader(spec.loader, self.stamps)
         return spec
 
 
 def install() -> None:
     """In a child of this tool (``timeline_site``): stamp the ``HOOKS`` when ``ENV``
-    names a directory; else nothing."""
+    names a directory; else nothing. Runs before anything imports kvstore (at
+    start-up): a ``HOOKS`` module imported already could not be stamped, and
+    raises."""
     where = os.environ.get(ENV)
     if not where or any(isinstance(f, _Finder) for f in sys.meta_path):
         return
+    early = sorted({name for name, _, _ in HOOKS} & set(sys.modules))
+    if early:
+        raise RuntimeError(f"tools.bench.timeline: {early} imported before the stamps")
     sys.meta_path.insert(0, _Finder(_Stamps(where)))
 
 
@@ -163,93 +189,136 @@ class Stamp(NamedTuple):
 
 
 def load(where: Path) -> list[Stamp]:
+    """Every process's stamps, in time order (each process's own order kept where
+    two have the same time)."""
     stamps = []
     for path in where.glob("*.txt"):
         pid = int(path.stem)
         for line in path.read_text().splitlines():
             tag, at = line.split()
             stamps.append(Stamp(float(at), pid, tag))
-    stamps.sort()
+    stamps.sort(key=lambda s: s.at)
     return stamps
 
 
-# Each phase of a get: (name, from, to). An event is "C:<tag>" (the consumer) or
-# "S:<tag>" (the server's serving of this get's acquire); "first part" / "last part"
-# are the first and last messages of the reply the consumer had in hand (the reply
-# with the first part of the bytes, the last part).
+class Get(NamedTuple):
+    """One drop_select: when each of its events happened (ms from its start), and
+    how many messages its acquire's reply came in."""
+
+    at: dict[str, float]
+    parts: int
+
+
+class Gets(NamedTuple):
+    gets: list[Get]
+    missed: int  # gets left out: the server's stamps of their acquire missing
+
+
+# Each get is cut into these consecutive phases (name, from, to), which add up to
+# the whole drop_select. An event is "C:<tag>" (the consumer), "S:<tag>" (the server
+# serving this get's acquire), "reply" (the consumer has the acquire's reply, with
+# the first part of the bytes when they come inline) or "last part" (it has the
+# last of them; the reply itself when they come in one part).
 PHASES = (
-    ("client: keys (hashing the tokens)", "C:key0", "C:key1"),
     ("client: keys and the request, until the acquire's call", "C:sel0", "C:ex0"),
     ("request until the serving thread has it", "C:ex0", "S:arr"),
-    ("waiting in the server's queue", "S:arr", "S:srv0"),
+    ("server: queue, store lock, until the handling", "S:arr", "S:rsp0"),
     ("server: decode, acquire, encode", "S:rsp0", "S:rsp1"),
-    ("server: reply and parts handed to ZeroMQ", "S:snd0", "S:snd1"),
-    ("first part in transit (from the server's send)", "S:snd0", "first part"),
-    ("the other parts, until the last is in", "first part", "last part"),
+    ("reply and first part: handed to ZeroMQ, in transit", "S:rsp1", "reply"),
+    ("the other parts, until the last is in", "reply", "last part"),
     ("after the last part: its copy and checks", "last part", "C:ex1"),
     ("release (one-way) and the result", "C:ex1", "C:sel1"),
-    ("drop_select", "C:sel0", "C:sel1"),
 )
+# Spans inside those, shown beside them (not added up).
+INSIDE = (
+    ("client: keys (hashing the tokens)", "C:key0", "C:key1"),
+    ("server: reply and parts handed to ZeroMQ", "S:snd0", "S:snd1"),
+)
+TOTAL = ("drop_select", "C:sel0", "C:sel1")
+_SERVED = ("srv0", "rsp0", "rsp1", "snd0", "snd1", "srv1")
 
 
-def windows(stamps: list[Stamp], since: float = 0.0) -> tuple[list[dict[str, float]], int]:
-    """The events of each get that began at ``since`` or later, relative to its start
-    (ms), and how many gets were left out (the server's stamps of their acquire
-    missing). The consumer is the process with the most ``sel0``; the server's
-    stamps are those of the others."""
+def windows(stamps: list[Stamp], since: float = 0.0) -> Gets:
+    """The gets that began at ``since`` or later. The consumer is the process with
+    the most ``sel0``. A get's acquire is the first exchange of its ``_select``, its
+    reply the last message the consumer took before the reply's other parts (or,
+    in one part, before the exchange ended): a stale reply read first is not it.
+    The serving of that acquire is the request some other process queued (``arr``)
+    between the call and the reply, and sent (``snd0``) before the reply came; a
+    get for which no such serving was stamped is left out (``missed``)."""
     sels = collections.Counter(s.pid for s in stamps if s.tag == "sel0")
     if not sels:
-        return [], 0
+        return Gets([], 0)
     consumer = max(sels, key=sels.__getitem__)
     mine = [s for s in stamps if s.pid == consumer]
-    server = [s for s in stamps if s.pid != consumer and s.tag in
-              ("arr", "srv0", "srv1", "rsp0", "rsp1", "snd0", "snd1")]
-    server_at = [s.at for s in server]
-    out, missed = [], 0
-    starts = [i for i, s in enumerate(mine) if s.tag == "sel0" and s.at >= since]
-    for i in starts:
-        t0 = mine[i].at
-        ev: dict[str, float] = {}
-        msgs: list[float] = []
+    others: dict[int, list[Stamp]] = collections.defaultdict(list)
+    for s in stamps:
+        if s.pid != consumer and (s.tag == "arr" or s.tag in _SERVED):
+            others[s.pid].append(s)
+    gets, missed = [], 0
+    for i, first in enumerate(mine):
+        if first.tag != "sel0" or first.at < since:
+            continue
+        at: dict[str, float] = {}
+        messages: list[float] = []  # msg1 of the acquire's exchange
         for s in mine[i:]:
-            if s.tag == "sel0" and s.at != t0:
-                break
             key = "C:" + s.tag
-            if key == "C:msg1":
-                msgs.append(s.at)
-            ev.setdefault(key, s.at)  # the first of each: the acquire's call
+            if key == "C:sel0" and s is not first:
+                break
+            if key == "C:msg1" and "C:ex0" in at and "C:ex1" not in at:
+                if "C:rp0" in at:
+                    messages.append(s.at)  # a part after the reply
+                else:
+                    at["reply"] = s.at  # the latest before the parts: the reply
+            at.setdefault(key, s.at)  # the first of each: the acquire's call
             if key == "C:sel1":
                 break
-        if "C:sel1" not in ev or "C:ex1" not in ev:
+        if "C:sel1" not in at or "C:ex1" not in at or "reply" not in at:
             continue
-        # The acquire's serving: the first that arrived after the call began.
-        j = bisect.bisect_left(server_at, ev["C:ex0"])
-        served: dict[str, float] = {}
-        for s in server[j:]:
-            if s.at > ev["C:sel1"] and "S:srv1" in served:
-                break
-            if s.tag == "arr" and "S:arr" in served:
-                break
-            served.setdefault("S:" + s.tag, s.at)
-        if "S:snd0" not in served or "S:rsp1" not in served:
+        at["last part"] = messages[-1] if messages else at["reply"]
+        served = _serving(others, at["C:ex0"], at["reply"])
+        if served is None:
             missed += 1
             continue
-        ev.update(served)
-        parts = [m for m in msgs if served["S:snd0"] < m <= ev["C:ex1"]]
-        if parts:
-            ev["first part"], ev["last part"] = parts[0], parts[-1]
-            ev["parts"] = len(parts)
-        out.append({k: (v if k == "parts" else (v - t0) * 1e3) for k, v in ev.items()})
-    return out, missed
+        at.update(served)
+        gets.append(Get({k: (v - first.at) * 1e3 for k, v in at.items()}, 1 + len(messages)))
+    return Gets(gets, missed)
 
 
-def phases(wins: list[dict[str, float]]) -> dict[str, float]:
-    """Median ms of each phase over the gets that have both of its ends."""
+def _serving(others: dict[int, list[Stamp]], call: float,
+             reply: float) -> dict[str, float] | None:
+    """The server's stamps of the request queued first between ``call`` and
+    ``reply`` whose reply was sent before ``reply``; None if none was stamped."""
+    for events in others.values():
+        times = [s.at for s in events]
+        for j in range(bisect.bisect_left(times, call), len(events)):
+            if events[j].at > reply:
+                break
+            if events[j].tag != "arr":
+                continue
+            served = {"S:arr": events[j].at}
+            want = iter(_SERVED)
+            tag = next(want)
+            for s in events[j + 1:]:  # in order: srv0, rsp0, rsp1, snd0 (the reply's)...
+                if s.tag == tag:
+                    served["S:" + tag] = s.at
+                    tag = next(want, "")
+                    if not tag:
+                        break
+            if len(served) == 1 + len(_SERVED) and served["S:snd0"] < reply:
+                return served
+    return None
+
+
+def phases(gets: list[Get]) -> dict[str, tuple[float, float]]:
+    """Median and mean ms of each phase (``PHASES``, ``INSIDE``, ``TOTAL``) over the
+    gets that have both of its ends; the means of ``PHASES`` add up to the mean of
+    ``TOTAL``."""
     result = {}
-    for name, start, end in PHASES:
-        spans = [w[end] - w[start] for w in wins if start in w and end in w]
-        if spans and len(spans) >= len(wins) / 2:
-            result[name] = statistics.median(spans)
+    for name, start, end in (*PHASES, *INSIDE, TOTAL):
+        spans = [g.at[end] - g.at[start] for g in gets if start in g.at and end in g.at]
+        if spans:
+            result[name] = (statistics.median(spans), statistics.fmean(spans))
     return result
 
 
@@ -288,12 +357,13 @@ def run(layout: str = "small", ntokens: int = 512, reps: int = 100, raw: bool = 
             gets = {name: samples.row((layout, ntokens, name, "get"), nbytes, 1)["p50 ms"]
                     for name in systems}
             time.sleep(3 * FLUSH_S)  # every stamp on disk before the processes end
-        wins, missed = windows(load(stamps_dir), since)
+        found = windows(load(stamps_dir), since)
         raws = {k[len(RAW):]: v for k, v in gets.items() if k.startswith(RAW)}
         best = min(raws, key=raws.__getitem__) if raws else None
-        result = {"layout": layout, "tokens": ntokens, "MiB": nbytes / MiB, "gets": len(wins),
-                  "left out": missed, "phases ms": phases(wins),
-                  "parts": statistics.median(w.get("parts", 0) for w in wins) if wins else 0,
+        result = {"layout": layout, "tokens": ntokens, "MiB": nbytes / MiB,
+                  "gets": len(found.gets), "left out": found.missed,
+                  "phases ms": phases(found.gets),  # name -> [median, mean]
+                  "parts": statistics.median(g.parts for g in found.gets) if found.gets else 0,
                   "kvstore get p50 ms": gets["kvstore"],
                   "raw TE fastest": best, "raw TE p50 ms": raws.get(best) if best else None}
         if out is not None:
@@ -321,10 +391,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     res = run(args.layout, args.tokens, args.reps, not args.no_raw, args.out)
     print(f"{args.layout} layout, {args.tokens} tokens ({res['MiB']:.1f} MiB), {res['gets']} "
-          f"gets ({res['left out']} left out: no server stamps), "
-          f"{res['parts']:g} parts; median ms:")
-    for name, ms in res["phases ms"].items():
-        print(f"  {name:58s} {ms:7.3f}")
+          f"gets ({res['left out']} left out: no server stamps), {res['parts']:g} parts")
+    inside = {name for name, _, _ in INSIDE}
+    print(f"  {'phase (the means add up to the mean drop_select)':60s} {'median':>7s} "
+          f"{'mean':>7s} ms")
+    for name, (median, mean) in res["phases ms"].items():
+        label = f"  (inside) {name}" if name in inside else name
+        print(f"  {label:60s} {median:7.3f} {mean:7.3f}")
     line = f"kvstore get p50 {res['kvstore get p50 ms']:.3f} ms"
     if res["raw TE fastest"]:
         line += (f"; raw TE's fastest ({res['raw TE fastest']}) {res['raw TE p50 ms']:.3f} ms: "
