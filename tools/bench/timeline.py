@@ -251,10 +251,11 @@ def windows(stamps: list[Stamp], since: float = 0.0) -> Gets:
         return Gets([], 0)
     consumer = max(sels, key=sels.__getitem__)
     mine = [s for s in stamps if s.pid == consumer]
-    others: dict[int, list[Stamp]] = collections.defaultdict(list)
+    by_pid: dict[int, list[Stamp]] = collections.defaultdict(list)
     for s in stamps:
         if s.pid != consumer and (s.tag == "arr" or s.tag in _SERVED):
-            others[s.pid].append(s)
+            by_pid[s.pid].append(s)
+    others = [(events, [s.at for s in events]) for events in by_pid.values()]
     gets, missed = [], 0
     for i, first in enumerate(mine):
         if first.tag != "sel0" or first.at < since:
@@ -285,12 +286,12 @@ def windows(stamps: list[Stamp], since: float = 0.0) -> Gets:
     return Gets(gets, missed)
 
 
-def _serving(others: dict[int, list[Stamp]], call: float,
+def _serving(others: list[tuple[list[Stamp], list[float]]], call: float,
              reply: float) -> dict[str, float] | None:
     """The server's stamps of the request queued first between ``call`` and
-    ``reply`` whose reply was sent before ``reply``; None if none was stamped."""
-    for events in others.values():
-        times = [s.at for s in events]
+    ``reply`` whose reply was sent before ``reply``; None if none was stamped.
+    ``others``: each other process's stamps, and their times."""
+    for events, times in others:
         for j in range(bisect.bisect_left(times, call), len(events)):
             if events[j].at > reply:
                 break
