@@ -31,14 +31,32 @@ def test_drop_select_into_a_reused_buffer(clean_server, client_factory, same_nod
     assert client.stats()["entries"] == 0
 
 
+class _PollCounter:
+    """The TE engine, with its async polls that answered "pending" counted."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.pending = 0
+
+    def transfer_check_status(self, batch_id):
+        status = self._engine.transfer_check_status(batch_id)
+        self.pending += status in (0, -2)
+        return status
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
 @pytest.mark.parametrize("wait", ["sleep", "yield", "spin"])
-def test_every_te_wait_moves_and_verifies_the_same_bytes(clean_server, client_factory, wait,
+def test_every_te_wait_moves_and_verifies_the_same_bytes(server_factory, client_factory, wait,
                                                          monkeypatch):
     """``client.te_wait``: each way of waiting for TE (sleeping or yielding between
     polls of streamed pieces, or TE's spinning sync call) writes and reads the exact
     bytes, into a reused buffer and into new memory, and catches no false corruption.
-    These moves are short: the yielding first millisecond is cut to nothing, so that
-    "sleep" does sleep between polls (counted), and only "sleep" does."""
+    The yielding first millisecond is cut to nothing, so that "sleep" naps once at
+    each poll TE answers "pending" (counted), and only "sleep" naps. Whether a poll
+    finds a small move still in flight depends on the machine, so the moves include
+    one of 4 MiB, and that one is repeated (at most 5 times) until a poll has."""
     import time
 
     import kvstore.transport.te as te_mod
@@ -48,11 +66,18 @@ def test_every_te_wait_moves_and_verifies_the_same_bytes(clean_server, client_fa
     real_sleep = time.sleep
     monkeypatch.setattr(te_mod, "STREAM_YIELD_S", 0.0)
     monkeypatch.setattr(te_mod.time, "sleep", lambda s: (naps.append(s), real_sleep(s)))
-    client = client_factory(clean_server, same_node=False, staging_bytes=4 << 20,
+    server = server_factory(dram="64MiB")  # 4 MiB of 512-byte blocks, a page each
+    client = client_factory(server, same_node=False, staging_bytes=16 << 20,
                             config=ClientConfig(te_wait=wait, inline_max_bytes=0))
     assert client._data.engine.wait == wait
+    transport = client._data.engine.te()
+    polls = transport._te = _PollCounter(transport._te)
+    big = (4 << 20) // LAYOUT.nbytes(1)
     buf = np.zeros(LAYOUT.nbytes(96) + 4096, np.uint8)
-    for seed, n in enumerate([96, 17]):
+    sizes = [96, 17, big] + [big] * 4
+    for seed, n in enumerate(sizes):
+        if seed > 2 and (polls.pending or wait == "spin"):
+            break
         kv = make_kv(n, 40 + seed)
         client.insert(prompt(n, 40 + seed), kv)  # a TE write (not on the server's node)
         got = client.drop_select(prompt(n, 40 + seed), into=buf if seed == 0 else None)
@@ -60,7 +85,12 @@ def test_every_te_wait_moves_and_verifies_the_same_bytes(clean_server, client_fa
         assert np.array_equal(got.kv.numpy(), kv)
     assert client.stats()["entries"] == 0
     te_naps = [s for s in naps if s == te_mod.STREAM_NAP_S]
-    assert bool(te_naps) == (wait == "sleep"), (wait, naps[:5])
+    if wait == "spin":  # TE's sync calls: no async polls at all
+        assert polls.pending == 0 and not te_naps, (polls.pending, naps[:5])
+    else:
+        assert polls.pending > 0  # a move was in flight at a poll
+        assert len(te_naps) == (polls.pending if wait == "sleep" else 0), \
+            (wait, polls.pending, naps[:5])
 
 
 def test_get_into_a_torch_tensor_keeps_the_entries(clean_server, client_factory):
