@@ -1,4 +1,5 @@
-"""Shared test set-up: quiet TE logging, GPU tests skipped without CUDA."""
+"""Shared test set-up: quiet TE logging, no Hypothesis deadline, GPU tests skipped
+without CUDA."""
 
 import os
 
@@ -6,6 +7,13 @@ import os
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# No per-example deadline (Hypothesis's default is 200 ms): on a loaded CI machine one
+# example held up by a preemption or a GC pause fails with DeadlineExceeded or
+# "Unreliable test timings", which says nothing about the code under test.
+settings.register_profile("kvstore", deadline=None)
+settings.load_profile("kvstore")
 
 
 def _has_cuda() -> bool:
