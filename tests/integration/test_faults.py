@@ -153,7 +153,9 @@ def test_client_killed_mid_insert_leaves_nothing_visible(server, client_factory)
 
 
 def test_client_killed_mid_drop_select_its_lease_is_reclaimed(server_factory, client_factory):
-    srv = server_factory(read_lease=1.5)
+    # A lease long enough to outlast the worker's TE start, its read and its report on a
+    # loaded machine: the claim must still hold when the admin tries to take the prompt.
+    srv = server_factory(read_lease=5.0)
     admin = client_factory(srv)
     admin.insert(prompt_tokens(8, 40), prompt_kv(8, 40))
     job = {"job": "hang_after_acquire", "servers": [srv.address], "pid": 8, "ntokens": 40,
@@ -172,7 +174,7 @@ def test_client_killed_mid_drop_select_its_lease_is_reclaimed(server_factory, cl
         os.kill(proc.pid, signal.SIGKILL)  # dies between acquire and release
         proc.wait(10)
         proc.stdout.close()
-    _wait(lambda: admin.stats()["leases"] == 0, 10, "the read lease to be reaped")
+    _wait(lambda: admin.stats()["leases"] == 0, 15, "the read lease to be reaped")
     stats = admin.stats()
     assert stats["leases_expired"] == 1 and stats["leased_entries"] == 0
     assert stats["entries"] == 10  # released, not dropped: the consumer never finished

@@ -204,14 +204,18 @@ def test_replies_a_peer_leaves_unread_are_bounded(server_factory, client_factory
     n = 8192  # 1 MiB of KV in 2 048 blocks: each reply carries all of it
     assert LAYOUT.nbytes(n) == cap
     producer.insert(prompt(n, 6), make_kv(n, 6))
-    req = _acquire(producer, prompt(n, 6), inline=cap)
+    req = dataclasses.replace(_acquire(producer, prompt(n, 6), inline=cap), lease_s=60.0)
     asks = 100  # 100 MiB if nothing bounded it; the sockets' buffers take a few
     ch = Channel(srv.address, timeout_s=30.0)
     ctx, sock = _stuck_peer(srv.address)
     try:
         for i in range(asks):
             sock.send(p.encode_request(i + 1, req))
-        time.sleep(1.0)  # the server answers while nothing is read
+        # The server answers every ask while nothing is read (each holds a lease).
+        deadline = time.monotonic() + 30
+        while producer.stats()["leases"] < asks:
+            assert time.monotonic() < deadline, producer.stats()
+            time.sleep(0.05)
         got = []
         while len(got) < asks:
             assert sock.poll(10_000), f"only {len(got)} of {asks} replies"
@@ -255,12 +259,21 @@ def test_an_unsent_reply_holds_its_entries_but_not_its_lease(server_factory, cli
     producer.insert(prompt(n, 7), make_kv(n, 7, PAGED))
     short = dataclasses.replace(_acquire(producer, prompt(n, 7), inline=cap), lease_s=0.2)
     asks = 20  # the first claims the prompt's consumer, as a drop_select does
+    expired = producer.stats()["leases_expired"]
     ctx, sock = _stuck_peer(srv.address)
     try:
         for i in range(asks):
             sock.send(p.encode_request(i + 1, dataclasses.replace(short, claim=i == 0)))
-        time.sleep(1.5)  # the leases ran out long ago
-        assert producer.stats()["leases"] == 0
+        # Every ask was served and its lease has run out (not a fixed sleep: a loaded
+        # machine may serve the 20 late; a lease-free moment before any was served
+        # would prove nothing).
+        deadline = time.monotonic() + 10
+        while True:
+            stats = producer.stats()
+            if stats["leases"] == 0 and stats["leases_expired"] - expired >= asks:
+                break
+            assert time.monotonic() < deadline, ("the leases never ran out", stats)
+            time.sleep(0.05)
         # Its claim went back: another consumer takes the prompt, exactly.
         consumer = reader(client_factory, srv, cap=cap, layout=PAGED)
         res = consumer.drop_select(prompt(n, 7))

@@ -290,10 +290,10 @@ def test_a_peer_that_does_not_read_holds_up_nobody(server_factory, client_factor
         sleeper.sendall(frames)
         other = client_factory(srv)  # over the ZeroMQ port
         other.stats()  # queued behind them: all of them are answered (and unread) now
-        for _ in range(20):
-            start = time.monotonic()
+        for _ in range(20):  # (a serving thread stuck on the sleeper would hold each
+            start = time.monotonic()  # until the sleeper reads: never, in this block)
             other.health()
-            assert time.monotonic() - start < 0.5
+            assert time.monotonic() - start < 3.0
         assert client.health()["status"] == "ok"  # another local connection
         buf, ids = bytearray(), []
         while len(ids) < n:

@@ -127,7 +127,7 @@ def test_above_the_watermark_a_full_map_still_leaves_free_room_usable(make_store
 
 
 def test_a_lease_expiring_while_the_map_is_full_ends_and_leaves_its_idle_entries(
-        tmp_path):
+        tmp_path, monkeypatch):
     """A lease's end drops the entries nobody needs any more (taken by another
     reader meanwhile). With the map full that drop is refused: the lease ends all
     the same and they stay, idle and evictable (before, the lease never ended)."""
@@ -139,12 +139,15 @@ def test_a_lease_expiring_while_the_map_is_full_ends_and_leaves_its_idle_entries
         ids = list(range(500, 508))
         put(store, ids)
         store.demote([key(i) for i in ids])
-        reader = store.acquire([key(i) for i in ids], [toks(i) for i in ids], lease_s=0.3)
+        # A lease that outlives filling the map however slow the disk; then the clock
+        # jumps past it (this store runs no thread of its own).
+        reader = store.acquire([key(i) for i in ids], [toks(i) for i in ids], lease_s=30.0)
         taker = store.acquire([key(i) for i in ids], [toks(i) for i in ids], claim=True)
         store.release(taker.id, drop=True)  # taken: idle once the reader lets go
         fill_index_map(store)
         assert reader.id and store.stats()["leases"] == 1
-        time.sleep(0.4)
+        real_time = time.time
+        monkeypatch.setattr(time, "time", lambda: real_time() + 60.0)
         store.reap()
         assert store.stats()["leases"] == 0
         assert all(key(i) in store.catalog.records for i in ids)  # still stored, idle

@@ -13,11 +13,11 @@ from tests.unit.conftest import key, put, toks
 def test_an_expired_claiming_lease_keeps_the_entry_pending(make_store):
     store = make_store(dram=4)
     put(store, [1])
-    first = store.acquire([key(1)], [toks(1)], lease_s=0.05, claim=True)
+    first = store.acquire([key(1)], [toks(1)], lease_s=0.5, claim=True)
     assert len(first.entries) == 1
     # while the claim is open, a second drop_select finds nothing to claim
     assert store.acquire([key(1)], [toks(1)], claim=True).entries == []
-    time.sleep(0.08)
+    time.sleep(0.6)
     assert store.reap() == 1
     with pytest.raises(LeaseExpiredError):
         store.release(first.id, drop=True)  # too late: counts for nothing
