@@ -18,9 +18,10 @@ Every key (docs/vllm.md lists them with examples):
   [the served model's name]
 * ``salt`` — optional tenant salt, also in the namespace. [""]
 * ``timeout_s`` — bound of every store call; a late answer is a miss. [5.0]
-* ``lookup_timeout_s`` — bound of the scheduler's lookup (prefix-cache mode only: a
-  disaggregated decode needs none); the scheduler must never wait on the network
-  long. [0.25]
+* ``lookup_timeout_s`` — bound of the scheduler's lookup (a request without
+  kv_transfer_params naming the server: prefix-cache mode, or a decode request the
+  proxy sent without them; and a request whose claimed load failed, on its retry);
+  the scheduler must never wait on the network long. [0.25]
 * ``down_s`` — how long a server that timed out or is gone is skipped (every lookup,
   load and save to it is a miss at once) before it is tried again. [10.0]
 * ``load_wait_s`` — how long a decode's load waits for the producer's entries to
