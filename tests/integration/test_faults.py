@@ -153,8 +153,8 @@ def test_client_killed_mid_insert_leaves_nothing_visible(server, client_factory)
 
 
 def test_client_killed_mid_drop_select_its_lease_is_reclaimed(server_factory, client_factory):
-    # A lease long enough to outlast the worker's TE start, its read and its report on a
-    # loaded machine: the claim must still hold when the admin tries to take the prompt.
+    # A lease long enough to outlast the worker's read and report and the checks below
+    # on a loaded machine: the claim must still hold when the admin tries to take it.
     srv = server_factory(read_lease=5.0)
     admin = client_factory(srv)
     admin.insert(prompt_tokens(8, 40), prompt_kv(8, 40))

@@ -198,7 +198,10 @@ def test_dead_server_reports_load_errors_and_never_raises(server_factory):
     server = server_factory()
     prompt = list(range(7, 20))  # 13 tokens
     _, params = prefill(server, prompt, [0, 1, 2, 3])
-    sched, worker, _ = make_connectors("kv_consumer", server=server.address, timeout_s=3.0)
+    # (load_wait_s short: the first load below waits for the dead server's entries that
+    # long, then one timeout_s; then the bound of 10 s has room on a loaded machine.)
+    sched, worker, _ = make_connectors("kv_consumer", server=server.address, timeout_s=3.0,
+                                       load_wait_s=0.5)
     req = request("d3", prompt, params)
     matched, _ = sched.get_num_new_matched_tokens(req, 0)
     assert matched == 12
