@@ -54,13 +54,15 @@ SMALL_CACHE_BLOCKS = 33
 LEASE_S = 3.0  # the server's reservation and read leases: orphans drain fast
 # Short bounds, so a stopped server costs seconds; down_s short, so the test after a
 # fault finds the server tried again.
-TIMEOUTS = dict(timeout_s=4.0, load_wait_s=2.0, down_s=1.0, lookup_timeout_s=0.25)
+TIMEOUTS = dict(timeout_s=8.0, load_wait_s=2.0, down_s=1.0, lookup_timeout_s=0.25)
 PHASE_LENS = {"corrupt_recompute": (100, 300), "corrupt_fail": (100, 300),
               "stopped_load": (100, 300), "stopped_save": (300, 100),
               "late_load": (300,), "late_save": (300,), "reuse_load": (300,) * 3,
               "reuse_save": (300,) * 3, "local_hit": (300,), "head": (200,), "tail": (100,),
               "preempt": (300,) * 6}
-PAUSE_S = 2.5  # a server paused this long: calls hang, but end within timeout_s
+# A paused server goes on when the test's block ends, or after this at the most, so
+# that every call it holds up ends within timeout_s, with room for a loaded machine.
+PAUSE_S = 6.0
 
 
 def prompts(phase: str) -> list[list[int]]:
@@ -131,17 +133,18 @@ def stopped(server: ServerProc) -> Iterator[None]:
 
 @contextlib.contextmanager
 def paused(server: ServerProc, seconds: float) -> Iterator[Callable[[], bool]]:
-    """The server frozen for ``seconds`` from now, however long the block runs (so
-    every call it holds up ends within timeout_s); the block gets a function
-    saying whether it is still frozen. Leaves once it goes on."""
+    """The server frozen from now until the block ends, or for ``seconds`` if the
+    block runs longer (so every call it holds up ends within timeout_s); the block
+    gets a function saying whether it is still frozen. Leaves once it goes on."""
     resumed = threading.Timer(seconds, os.kill, (server.pid, signal.SIGCONT))
     os.kill(server.pid, signal.SIGSTOP)
     resumed.start()
     try:
         yield resumed.is_alive
     finally:
+        resumed.cancel()
         resumed.join()
-        os.kill(server.pid, signal.SIGCONT)  # (again: harmless, and sure)
+        os.kill(server.pid, signal.SIGCONT)  # (again, if the timer did: harmless)
 
 
 def corrupt_at_rest(rig: Rig, tokens: list[int], block: int) -> None:
@@ -343,12 +346,13 @@ def test_server_stopped_during_save_and_an_abort_while_it_is_on_its_way(rig):
 
 
 def test_load_that_lands_after_its_abort_writes_only_blocks_vllm_still_holds(rig):
-    """The server pauses (PAUSE_S, within every timeout); a decode request whose
-    load is hanging is aborted, and three requests fill the decode engine's small
-    cache meanwhile. The load then lands: vLLM kept the aborted request's blocks
-    until the connector reported the load (get_finished), so the three, which got
-    the other blocks, decode the plain engine's tokens; the aborted request's
-    entries were taken, and no lease is left."""
+    """The server pauses (until the block ends, PAUSE_S at the most: within every
+    timeout); a decode request whose load is hanging is aborted, and three requests
+    fill the decode engine's small cache meanwhile. The load then lands: vLLM kept
+    the aborted request's blocks until the connector reported the load
+    (get_finished), so the three, which got the other blocks, decode the plain
+    engine's tokens; the aborted request's entries were taken, and no lease is
+    left."""
     late, reuse = prompts("late_load"), prompts("reuse_load")
     params = rig.prefill(late)
     stored = rig.stats()
@@ -366,11 +370,12 @@ def test_load_that_lands_after_its_abort_writes_only_blocks_vllm_still_holds(rig
 
 
 def test_save_that_lands_after_its_abort_holds_the_aborted_requests_kv(rig):
-    """The server pauses (PAUSE_S, within every timeout); a prefill request is
-    computed, its save hangs on the transfer thread, the request is aborted and its
-    blocks go to three requests prefilled meanwhile. The save then lands: it holds
-    the aborted request's KV (its bytes left the blocks in the step that computed
-    them), so a decode engine loading it gives the plain engine's tokens."""
+    """The server pauses (until the block ends, PAUSE_S at the most: within every
+    timeout); a prefill request is computed, its save hangs on the transfer thread,
+    the request is aborted and its blocks go to three requests prefilled meanwhile.
+    The save then lands: it holds the aborted request's KV (its bytes left the
+    blocks in the step that computed them), so a decode engine loading it gives the
+    plain engine's tokens."""
     late, reuse = prompts("late_save"), prompts("reuse_save")
     before = rig.stats()
     with paused(rig.server, PAUSE_S) as frozen:
