@@ -40,9 +40,11 @@ def _patient(fn, *args):
     raise AssertionError("busy for 5 s")
 
 
-def _behind_a_verify(admin, client) -> tuple[float, threading.Thread, threading.Event]:
+def _behind_a_verify(admin, client) -> tuple[float, bool, threading.Thread,
+                                               threading.Event]:
     """Start an admin verify (slow work on the serving thread) and ask ``client``'s
-    ``stats`` until one is answered busy: how long that answer took, and the verify's
+    ``stats`` until one is answered busy: how long that answer took, whether the
+    verify was still going when it came (its reply not yet in), and the verify's
     thread and done event (it is still running, or just ended). Polled rather than
     after a fixed sleep: on a loaded machine the verify may start late (a fixed
     0.2 s sleep once asked before it had). A verify that ends before any busy answer
@@ -68,7 +70,7 @@ def _behind_a_verify(admin, client) -> tuple[float, threading.Thread, threading.
             try:
                 client._rpc.call(p.Stats())
             except BusyError:
-                return time.monotonic() - asked, worker, done
+                return time.monotonic() - asked, not done.is_set(), worker, done
             time.sleep(0.01)
         worker.join()
     raise AssertionError("no stats was answered busy behind any of 5 verifies")
@@ -93,14 +95,16 @@ def test_a_request_behind_slow_work_is_answered_busy_at_once(server_factory, cli
     neighbour = client_factory(srv, layout=BIG, timeout_s=30.0)
     _patient(neighbour.hello)
     assert neighbour._rpc.local  # over the same-node socket
-    # Both doors push back the same way. At once: soon after busy_after_s, not
-    # when the verify ends (it takes `alone`), and nowhere near the client's 30 s
-    # timeout. (Not a speed target: the point is busy instead of a late answer.)
+    # Both doors push back the same way. At once: while the verify still runs, not
+    # when it ends, and nowhere near the client's 30 s timeout. (Not a speed target:
+    # the point is busy instead of a late answer. A bound on the answer's seconds,
+    # half of `alone`, failed on a machine loaded on purpose, where the verify slows
+    # down as much as the watchdog does.)
     first_busy = time.monotonic()
     for client in (other, neighbour):
-        answered, worker, done = _behind_a_verify(admin, client)
+        answered, during, worker, done = _behind_a_verify(admin, client)
         worker.join()
-        assert done.is_set() and answered < alone / 2, (answered, alone)
+        assert done.is_set() and during and answered < 10, (answered, during, alone)
     stats = _patient(other.stats)
     assert stats["busy"] >= 2 and stats["checksum_failures"] == 0
     # The log says why, at most once per BUSY_NOTE_S: the serving thread was on the
@@ -113,7 +117,7 @@ def test_a_request_behind_slow_work_is_answered_busy_at_once(server_factory, cli
     assert len(notes) <= 1 + (time.monotonic() - first_busy) / BUSY_NOTE_S, notes
     # A release (or abort) is never refused, however long it waits: it only gives
     # back what the server holds, and drop_select sends its last release one-way.
-    _, worker, _ = _behind_a_verify(admin, other)  # a verify in flight again
+    _, _, worker, _ = _behind_a_verify(admin, other)  # a verify in flight again
     with pytest.raises(KVStoreError) as refused:  # no such lease: answered, not busy
         other._rpc.call(p.Release(aid=12345, drop=False))
     assert not isinstance(refused.value, BusyError), refused.value
