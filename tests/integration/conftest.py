@@ -278,6 +278,18 @@ def damage_at_rest(client, keys) -> None:
         arena[where[key]] ^= 0xFF
 
 
+def wait_for(cond, timeout: float, what: str):
+    """``cond()``'s first true value, polled every 0.1 s; AssertionError naming
+    ``what`` if none came within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def wait_checked(client, timeout_s: float = 30.0) -> None:
     """Until the server's scrub has hashed every entry committed unhashed
     (``store.verify_commits = "background"`` checks entries once they are a second

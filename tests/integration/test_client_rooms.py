@@ -19,7 +19,7 @@ import torch
 from kvstore.core.errors import (BusyError, KVStoreError, KVTimeoutError, NotFoundError,
                                  PeerUnavailableError, TierFullError)
 from kvstore.core.layout import KVLayout
-from tests.integration.conftest import LAYOUT, make_kv, record_ops
+from tests.integration.conftest import LAYOUT, make_kv, record_ops, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -304,10 +304,7 @@ def test_an_idle_writers_room_holds_memory_only_until_its_lease_ends(server_fact
     assert stats["rooms"] == 1 and stats["tiers"]["dram"]["used"] == 3 * block
     with pytest.raises(TierFullError):  # 4 MiB more, 2 free, all the rest pinned
         b.insert(_tokens(3, 32), kv(3, 2), pin=True)
-    deadline = time.monotonic() + 10  # A's room goes back
-    while b.stats()["rooms_expired"] < 1:
-        assert time.monotonic() < deadline, "the idle room was never given back"
-        time.sleep(0.1)
+    wait_for(lambda: b.stats()["rooms_expired"] >= 1, 10, "A's idle room to go back")
     assert b.insert(_tokens(3, 32), kv(3, 2), pin=True).new_blocks == 2
     stats = b.stats()
     assert stats["rooms_expired"] == 1 and stats["entries"] == 4

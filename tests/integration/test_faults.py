@@ -14,23 +14,13 @@ import pytest
 from kvstore.core.errors import KVTimeoutError, MissError
 from kvstore.core.layout import KVLayout
 from tests.integration.client_worker import digest, prompt_kv, prompt_tokens
-from tests.integration.conftest import LAYOUT, REPO, server_env
+from tests.integration.conftest import LAYOUT, REPO, server_env, wait_for
 
 # The test layout with 32-token (4 KiB) blocks.
 BIG = KVLayout(num_layers=LAYOUT.num_layers, kv_heads=LAYOUT.kv_heads, head_dim=LAYOUT.head_dim,
                dtype=LAYOUT.dtype, block_tokens=32)
 
 pytestmark = pytest.mark.timeout(150)
-
-
-def _wait(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _kill_when_called(client, method: str, srv, admin, open_field: str) -> dict:
@@ -70,7 +60,7 @@ def test_server_killed_mid_transfer_then_restarted_serves_nvme(server_factory, c
     nblocks, bt = n // BIG.block_tokens, BIG.block_tokens
     for pid in ids:
         client.insert(prompt_tokens(pid, n), prompt_kv(pid, n))
-    _wait(lambda: admin.stats()["tiers"]["nvme"]["entries"] >= 3 * nblocks, 15, "demotion")
+    wait_for(lambda: admin.stats()["tiers"]["nvme"]["entries"] >= 3 * nblocks, 15, "demotion")
     last = [-1]
 
     def settled() -> bool:  # no demotion for longer than a reaper tick (0.5 s here)
@@ -78,7 +68,7 @@ def test_server_killed_mid_transfer_then_restarted_serves_nvme(server_factory, c
         now = admin.stats()["demotions"]
         same, last[0] = now == last[0], now
         return same
-    _wait(settled, 10, "demotion to settle")
+    wait_for(settled, 10, "demotion to settle")
 
     # 1) Killed while an insert's TE write is in flight: a documented miss, in bounded
     # time (client timeout 3 s; TE's own minimum is 5 s).
@@ -134,7 +124,7 @@ def test_client_killed_mid_insert_leaves_nothing_visible(server, client_factory)
                              json.dumps(job)], stdout=subprocess.PIPE, text=True,
                             env=server_env(), cwd=REPO)
     try:
-        line = _wait(lambda: proc.stdout.readline(), 30, "the worker's reservation")
+        line = wait_for(lambda: proc.stdout.readline(), 30, "the worker's reservation")
         assert json.loads(line) == {"reserved": 10}
         assert admin.stats()["reservations"] == 1
         assert admin.stats()["tiers"]["dram"]["used"] > 0
@@ -144,7 +134,7 @@ def test_client_killed_mid_insert_leaves_nothing_visible(server, client_factory)
         proc.wait(10)
         proc.stdout.close()
     # lease 2 s + reaper tick
-    _wait(lambda: admin.stats()["reservations"] == 0, 10, "the lease to be reaped")
+    wait_for(lambda: admin.stats()["reservations"] == 0, 10, "the lease to be reaped")
     stats = admin.stats()
     assert stats["reservations_expired"] == 1 and stats["tiers"]["dram"]["used"] == 0
     assert admin.lookup(prompt_tokens(7, 40)).matched_tokens == 0
@@ -164,7 +154,7 @@ def test_client_killed_mid_drop_select_its_lease_is_reclaimed(server_factory, cl
                              json.dumps(job)], stdout=subprocess.PIPE, text=True,
                             env=server_env(), cwd=REPO)
     try:
-        line = json.loads(_wait(lambda: proc.stdout.readline(), 30, "the worker's acquire"))
+        line = json.loads(wait_for(lambda: proc.stdout.readline(), 30, "the worker's acquire"))
         assert line == {"acquired": 10, "digest": digest(prompt_kv(8, 40))}  # bytes moved
         stats = admin.stats()
         assert stats["leases"] == 1 and stats["leased_entries"] == 10
@@ -174,7 +164,7 @@ def test_client_killed_mid_drop_select_its_lease_is_reclaimed(server_factory, cl
         os.kill(proc.pid, signal.SIGKILL)  # dies between acquire and release
         proc.wait(10)
         proc.stdout.close()
-    _wait(lambda: admin.stats()["leases"] == 0, 15, "the read lease to be reaped")
+    wait_for(lambda: admin.stats()["leases"] == 0, 15, "the read lease to be reaped")
     stats = admin.stats()
     assert stats["leases_expired"] == 1 and stats["leased_entries"] == 0
     assert stats["entries"] == 10  # released, not dropped: the consumer never finished

@@ -25,7 +25,7 @@ from kvstore.core.config import ClientConfig
 from kvstore.core.errors import ChecksumError, TierFullError
 from kvstore.core.layout import KVLayout
 from kvstore.server.loop import INLINE_BACKLOG
-from tests.integration.conftest import LAYOUT, damage_at_rest, make_kv
+from tests.integration.conftest import LAYOUT, damage_at_rest, make_kv, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 # Entries of one page each: a prompt's lie back to back in the arena (LAYOUT's do not).
@@ -212,10 +212,7 @@ def test_replies_a_peer_leaves_unread_are_bounded(server_factory, client_factory
         for i in range(asks):
             sock.send(p.encode_request(i + 1, req))
         # The server answers every ask while nothing is read (each holds a lease).
-        deadline = time.monotonic() + 30
-        while producer.stats()["leases"] < asks:
-            assert time.monotonic() < deadline, producer.stats()
-            time.sleep(0.05)
+        wait_for(lambda: producer.stats()["leases"] >= asks, 30, "every ask to be served")
         got = []
         while len(got) < asks:
             assert sock.poll(10_000), f"only {len(got)} of {asks} replies"
@@ -267,13 +264,8 @@ def test_an_unsent_reply_holds_its_entries_but_not_its_lease(server_factory, cli
         # Every ask was served and its lease has run out (not a fixed sleep: a loaded
         # machine may serve the 20 late; a lease-free moment before any was served
         # would prove nothing).
-        deadline = time.monotonic() + 10
-        while True:
-            stats = producer.stats()
-            if stats["leases"] == 0 and stats["leases_expired"] - expired >= asks:
-                break
-            assert time.monotonic() < deadline, ("the leases never ran out", stats)
-            time.sleep(0.05)
+        wait_for(lambda: (s := producer.stats())["leases"] == 0
+                 and s["leases_expired"] - expired >= asks, 10, "the leases to run out")
         # Its claim went back: another consumer takes the prompt, exactly.
         consumer = reader(client_factory, srv, cap=cap, layout=PAGED)
         res = consumer.drop_select(prompt(n, 7))
