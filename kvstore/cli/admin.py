@@ -50,8 +50,9 @@ class Admin:
     """
 
     def __init__(self, servers: list[str], timeout_s: float, curve: CurveKeys | None,
-                 as_json: bool) -> None:
+                 as_json: bool, config_file: str | None = None) -> None:
         self.servers = servers
+        self.config_file = config_file  # --config: the cluster commands read it too
         self.timeout_s = timeout_s
         self.curve = curve
         self.as_json = as_json
@@ -110,7 +111,7 @@ def _open_admin(server: tuple[str, ...], timeout: float | None, config_file: str
             fail(f"{missing}: missing (CURVE needs both --curve-secret-key and "
                  f"--curve-server-key)")
         curve = CurveKeys.load(cfg.curve_secret_key, cfg.curve_server_public_key)
-    return Admin(servers, cfg.timeout_s, curve, as_json)
+    return Admin(servers, cfg.timeout_s, curve, as_json, config_file)
 
 
 _SERVER_OPTS = [

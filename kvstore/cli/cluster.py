@@ -34,19 +34,24 @@ prefix_option = click.option("--prefix", envvar="KVSTORE_CLUSTER_PREFIX",
                              help="etcd key prefix of node records [cluster.prefix].")
 
 
-def registered_nodes(etcd: str | None, prefix: str | None) -> list[NodeInfo]:
-    """Every node registered under the prefix, by node id (one etcd range read)."""
-    cfg = load_config()
+def registered_nodes(etcd: str | None, prefix: str | None,
+                     config_file: str | None = None) -> list[NodeInfo]:
+    """Every node registered under the prefix, by node id (one etcd range read).
+    ``etcd`` and ``prefix`` (flags or their environment variables) win over
+    ``config_file``'s ``client.etcd`` and ``cluster.prefix``."""
+    cfg = load_config(config_file)
     url = etcd or cfg.client.etcd
     if not url:
-        fail("the cluster view needs --etcd etcd://HOST:PORT (or KVSTORE_CLIENT_ETCD)")
+        fail("the cluster view needs --etcd etcd://HOST:PORT (or KVSTORE_CLIENT_ETCD, or "
+             "client.etcd in --config)")
     nodes = NodeSet(EtcdClient(url, timeout_s=ETCD_TIMEOUT_S), prefix or cfg.cluster.prefix)
     return sorted(nodes.registered().values(), key=lambda n: n.node_id)
 
 
 def node_admin(admin: Admin, nodes: list[NodeInfo]) -> Admin:
     """An Admin over the nodes' control addresses, with the command's CURVE/timeout/json."""
-    return Admin([n.address for n in nodes], admin.timeout_s, admin.curve, admin.as_json)
+    return Admin([n.address for n in nodes], admin.timeout_s, admin.curve, admin.as_json,
+                 admin.config_file)
 
 
 # ------------------------------------------------------------------ nodes
@@ -57,7 +62,7 @@ def node_admin(admin: Admin, nodes: list[NodeInfo]) -> Admin:
 def nodes(admin: Admin, etcd: str | None, prefix: str | None) -> None:
     """Nodes registered in etcd: address, TE segment, tiers, usage, and liveness
     (UP: registered and answering; DOWN: registered but not answering)."""
-    infos = registered_nodes(etcd, prefix)
+    infos = registered_nodes(etcd, prefix, admin.config_file)
     cluster = node_admin(admin, infos)
     try:
         rows = [_node_row(info, cluster) for info in infos]
@@ -132,7 +137,7 @@ def cluster_stats(admin: Admin, etcd: str | None, prefix: str | None = None,
     """``kvstore stats --cluster``: the summed view first, then every node's."""
     shown = 0
     while True:
-        infos = registered_nodes(etcd, prefix)
+        infos = registered_nodes(etcd, prefix, admin.config_file)
         cluster = node_admin(admin, infos)
         try:
             results = [(s, r["stats"]) for s, r in cluster.call_each(lambda: p.Stats())]

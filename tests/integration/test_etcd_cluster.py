@@ -194,7 +194,7 @@ def test_registered_server_serves_both_modes_and_leaves_on_stop(etcd, server_fac
     assert nodes.nodes() == {}
 
 
-def test_nodes_cli_shows_a_registered_silent_node_as_down(etcd):
+def test_nodes_cli_shows_a_registered_silent_node_as_down(etcd, tmp_path):
     info = NodeInfo("ghost", f"tcp://127.0.0.1:{free_port()}", "127.0.0.1:1", {"dram": 1 << 20})
     reg = Registration(EtcdClient(etcd.url), "/ghost/", info, ttl_s=10)
     try:
@@ -207,6 +207,15 @@ def test_nodes_cli_shows_a_registered_silent_node_as_down(etcd):
         assert "ghost" in text and "DOWN" in text
         empty = CliRunner().invoke(cli, ["nodes", "--etcd", etcd.url, "--prefix", "/none/"])
         assert empty.exit_code == 0 and "no nodes registered" in empty.output
+        # Where --etcd and --prefix are not given, --config's client.etcd and
+        # cluster.prefix name them.
+        conf = tmp_path / "kvstore.toml"
+        conf.write_text(f'[client]\netcd = "{etcd.url}"\n[cluster]\nprefix = "/ghost/"\n')
+        from_file = CliRunner().invoke(cli, ["nodes", "--config", str(conf), "--timeout",
+                                             "0.5", "--json"], env={"KVSTORE_CLIENT_ETCD": None,
+                                                                    "KVSTORE_CLUSTER_PREFIX": None})
+        assert from_file.exit_code == 0, from_file.output
+        assert [r["node_id"] for r in json.loads(from_file.output)] == ["ghost"]
     finally:
         reg.close()
 
