@@ -24,6 +24,7 @@ never wrong KV.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,8 +49,8 @@ Writer = Callable[[torch.Tensor, "torch.Tensor | None", torch.Tensor, torch.Tens
 class BlockFormat:
     """Where logical element ``i`` of a block (``[2, N, H, D]`` flattened) sits in the
     layer's per-block view: ``coords[k][i]`` along each view dim after the block dim.
-    ``identity``: the view is truthful (``[H, N, 2D]`` with K then V), so the fast
-    strided path applies."""
+    ``identity``: the view is truthful (``[H, N, 2D]`` with K then V; said in the
+    connector's start-up log)."""
 
     view_shape: tuple[int, ...]  # per-block view shape: (H, N, 2D) or MLA (N, C)
     coords: tuple[torch.Tensor, ...]
@@ -59,6 +60,21 @@ class BlockFormat:
     @property
     def mla(self) -> bool:
         return len(self.view_shape) == 2
+
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:
+        """Where logical element ``i`` sits as a flat (row-major) position in the
+        block's view; a permutation of ``range(2 * N * H * D)`` (``probe`` checked)."""
+        flat = torch.zeros_like(self.coords[0])
+        for coord, size in zip(self.coords, self.view_shape):
+            flat = flat * size + coord
+        return flat
+
+    @functools.cached_property
+    def elements(self) -> torch.Tensor:
+        """Which logical element sits at each flat position of the block's view
+        (``positions`` inverted)."""
+        return torch.argsort(self.positions)
 
     def coords_key(self) -> tuple:
         """Equal for two formats that place every element alike."""

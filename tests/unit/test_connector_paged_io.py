@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.connector.block_format import truthful
-from kvstore.connector.paged_io import gather_blocks, gather_layer, scatter_blocks
+from kvstore.connector.paged_io import _rows, gather_blocks, gather_layer, scatter_blocks
 from kvstore.core.layout import KVLayout, pack_hf
 
 LAYOUT = KVLayout(num_layers=3, kv_heads=2, head_dim=4, dtype="float16", block_tokens=4)
@@ -46,6 +46,43 @@ def test_gather_matches_layout_and_scatter_inverts_it(ntokens, extra, seed, perm
             assert not d[dst_ids[full], :, rest:].any()
         untouched = [b for b in range(12) if b not in dst_ids[:full + bool(rest)]]
         assert not d[untouched].any()
+
+
+@settings(max_examples=20, deadline=None)
+@given(ntokens=st.integers(1, 16), seed=st.integers(0, 99), perm=st.permutations(range(12)))
+def test_blocks_moved_whole_and_element_by_element_agree(ntokens, seed, perm):
+    """A cache whose blocks are each one run of memory, with gaps between them, moves
+    whole blocks (``_rows``); one whose blocks are not (a view permuted over its
+    storage, as an NHD layout gives) places every element by its coordinates. Both
+    hold the same values as the plain cache, so both give the same entry bytes, and a
+    scatter writes the same values into them and nothing into the gaps."""
+    src_ids, dst_ids = list(perm[:4]), list(perm[4:8])
+    plain = _caches(seed)
+    storage = [torch.zeros(12, 64 + 5).half() for _ in plain]
+    gapped = [g[:, :64].view(12, 2, 4, 8) for g in storage]
+    nhd = [c.transpose(1, 2).contiguous().transpose(1, 2) for c in plain]
+    for g, c in zip(gapped, plain):
+        g.copy_(c)
+    assert _rows(gapped[0], 64) is not None and _rows(nhd[0], 64) is None
+    data = gather_blocks(LAYOUT, FMT, plain, src_ids, ntokens)
+    assert torch.equal(gather_blocks(LAYOUT, FMT, gapped, src_ids, ntokens), data)
+    assert torch.equal(gather_blocks(LAYOUT, FMT, nhd, src_ids, ntokens), data)
+    wants = [torch.zeros_like(c) for c in plain]
+    permuted = [torch.zeros_like(c).transpose(1, 2).contiguous().transpose(1, 2)
+                for c in plain]
+    for g in storage:
+        g.fill_(3)
+    for caches in (wants, gapped, permuted):
+        scatter_blocks(LAYOUT, FMT, data, caches, dst_ids, ntokens)
+    full, rest = divmod(ntokens, 4)
+    for want, gap, perm_cache in zip(wants, gapped, permuted):
+        assert torch.equal(perm_cache, want)
+        for b in dst_ids[:full]:
+            assert torch.equal(gap[b], want[b])
+        if rest:
+            assert torch.equal(gap[dst_ids[full], :, :rest], want[dst_ids[full], :, :rest])
+    for g in storage:
+        assert bool((g[:, 64:] == 3).all())
 
 
 def test_first_block_skips_local_prefix_blocks():
