@@ -98,6 +98,7 @@ class _LoadJob:
     layers: list[threading.Event]  # set as each layer is in the cache (same-step loads)
     done: threading.Event = field(default_factory=threading.Event)
     failed_blocks: set[int] = field(default_factory=set)
+    failed: bool = False  # fewer tokens landed in the cache than ordered
     deadline: float | None = None  # waiting for the producer's entries until then
     # Before the next look: 1 ms, growing by half to 20 ms. A save's tail is 10-40 ms
     # (docs/benchmarks.md, "exposed transfer"): finer looks find it sooner, and a
@@ -151,6 +152,9 @@ class WorkerSide:
         self._chunks_failed: set[str] = set()  # requests whose chunk save failed
         self._ready_failed: set[str] = set()  # for this pass's failed_recving
         self._step_loads: list[_LoadJob] = []  # same-step loads of the bound step
+        # What the bound step's same-step loads could not fill: those requests, and
+        # blocks (``_settle_step_loads``). A save touching them is not made.
+        self._step_failed: tuple[set[str], set[int]] = (set(), set())
         self._step_saves: list[_SaveJob] = []
         self._busy = 0  # jobs queued or running (for drain)
         # Taken each step by vLLM (get_kv_connector_stats, build_connector_worker_meta).
@@ -211,6 +215,7 @@ class WorkerSide:
     def bind(self, meta: KVStoreConnectorMetadata) -> None:
         """A step begins (before its forward): its saves get their host buffers."""
         self._step_idle = meta.idle
+        self._step_failed = (set(), set())
         self._step_saves = [_SaveJob(o, self.buffers.take(self.layout.nbytes(len(o.token_ids))))
                             for o in meta.saves]
 
@@ -254,13 +259,21 @@ class WorkerSide:
 
     def finish_step(self) -> None:
         """End of the step's forward: same-step loads are complete (their errors are
-        this pass's), saves' bytes are on the host and go to the thread."""
-        for load in self._step_loads:
-            load.done.wait()
-            with self._lock:
-                self._ready_errors |= load.failed_blocks
-        self._step_loads = []
+        this pass's), saves' bytes are on the host and go to the thread. A save
+        whose request, or any of whose blocks, a same-step load failed to fill is
+        not made: those blocks hold no KV of its prompt, nor does anything computed
+        on top of them in this forward (vLLM recomputes them; stored, they would be
+        every later reader's wrong KV)."""
+        self._settle_step_loads()
+        failed_reqs, failed_blocks = self._step_failed
         for save in self._step_saves:
+            order = save.order
+            ids = set(order.block_ids).union(*order.groups)
+            if order.req_id in failed_reqs or not failed_blocks.isdisjoint(ids):
+                log.warning("save of %s: not made: a load into its blocks failed in this "
+                            "step", order.req_id)
+                save.gathered.add(-1)  # (layer-wise: its open room is given back)
+                continue
             for i in range(len(self.caches)):
                 self._gather(save, i)
         if self._step_saves and self.caches and self.caches[0].device.type == "cuda":
@@ -268,6 +281,22 @@ class WorkerSide:
         for save in self._step_saves:
             self._submit(_OTHER, functools.partial(self._save, save))
         self._step_saves = []
+
+    def _settle_step_loads(self) -> None:
+        """Wait for the bound step's same-step loads to finish (the forward waited for
+        all their layers) and make their failed blocks this pass's load errors.
+        Runs at the first of ``load_errors`` and ``finish_step``: vLLM asks for the
+        errors before ``wait_for_save`` where it finalizes late (speculative
+        decoding), and they are this step's then too."""
+        failed_reqs, failed_blocks = self._step_failed
+        for load in self._step_loads:
+            load.done.wait()
+            if load.failed:
+                failed_reqs.add(load.order.req_id)
+                failed_blocks |= load.failed_blocks
+            with self._lock:
+                self._ready_errors |= load.failed_blocks
+        self._step_loads = []
 
     def _gather(self, job: _SaveJob, layer: int) -> None:
         if layer in job.gathered or -1 in job.gathered:
@@ -372,6 +401,7 @@ class WorkerSide:
             return failed
 
     def load_errors(self) -> set[int]:
+        self._settle_step_loads()
         with self._lock:
             errors, self._ready_errors = self._ready_errors, set()
             return errors
@@ -504,6 +534,7 @@ class WorkerSide:
                     if self.windowed[g] else set(bad)
             log.info("request %s: %d of %d tokens loaded; %d blocks to recompute",
                      order.req_id, got, order.ntokens, nblocks - first_bad)
+            job.failed = True
         with self._lock:
             if job.reported:
                 self._loaded.add(order.req_id)

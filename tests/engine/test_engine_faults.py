@@ -59,7 +59,7 @@ PHASE_LENS = {"corrupt_recompute": (100, 300), "corrupt_fail": (100, 300),
               "stopped_load": (100, 300), "stopped_save": (300, 100),
               "late_load": (300,), "late_save": (300,), "reuse_load": (300,) * 3,
               "reuse_save": (300,) * 3, "local_hit": (300,), "head": (200,), "tail": (100,),
-              "preempt": (300,) * 6}
+              "preempt": (300,) * 6, "poison": (300,), "poison_tail": (100,)}
 # A paused server goes on when the test's block ends, or after this at the most, so
 # that every call it holds up ends within timeout_s, with room for a loaded machine.
 PAUSE_S = 6.0
@@ -73,6 +73,11 @@ def prompts(phase: str) -> list[list[int]]:
 def extended() -> list[int]:
     """A 300-token prompt whose first 200 are the "head" prompt."""
     return prompts("head")[0] + prompts("tail")[0]
+
+
+def poisoned() -> list[int]:
+    """A 400-token prompt whose first 300 are the "poison" prompt."""
+    return prompts("poison")[0] + prompts("poison_tail")[0]
 
 
 def blocks_of(ps: list[list[int]]) -> int:
@@ -216,7 +221,7 @@ def rig(tmp_path_factory) -> Iterator[Rig]:
                   engine("decode-fail", "kv_consumer", failure_policy="fail"),
                   engine("prefix-cache", "kv_both"), {})
         start_all(engines)
-        every = [p for phase in PHASE_LENS for p in prompts(phase)] + [extended()]
+        every = [p for phase in PHASE_LENS for p in prompts(phase)] + [extended(), poisoned()]
         outs = plain.generate(every, LONG_TOKENS)
         rig.reference = {tuple(p): o.token_ids for p, o in zip(every, outs)}
         plain.shutdown()
@@ -257,6 +262,32 @@ def test_corrupt_entry_is_recomputed_with_recompute_policy(rig):
     # end (issue 13): with block 3 gone, its other 9 stay until evicted.
     left = after["entries"] - before["entries"]
     assert left == blocks_of(ps[1:]) - 1, f"{left} entries left behind"
+
+
+def test_a_prefix_cache_engine_saves_nothing_over_a_load_that_failed(rig):
+    """The prefill engine saves a 300-token prompt; block 3 is corrupt at rest. The
+    prefix-cache engine (kv_both) computes a 400-token prompt starting with it: its
+    lookup finds 9 blocks, the same-step load fails at block 3, and in that same step
+    the engine computes the other 112 tokens on top of blocks 3-8, which hold no KV
+    of this prompt. vLLM recomputes them; the step's save of the prompt must not
+    store any of it (block 3's entry would be every later reader's wrong KV). A
+    decode engine then loads the 300-token prompt as the prefill left it, but block 3
+    (dropped as corrupt), and gives the plain engine's tokens."""
+    head, whole = prompts("poison"), [poisoned()]
+    before = rig.stats()
+    params = rig.prefill(head)
+    corrupt_at_rest(rig, head[0], block=3)
+    mark = len(rig.both.log())
+    computed = rig.both.generate(whole, DECODE_TOKENS)
+    log = log_since(rig.both, mark)
+    decoded = rig.recompute.generate(head, DECODE_TOKENS, params)
+    assert not rig.wrong_tokens(whole, computed), rig.wrong_tokens(whole, computed)
+    assert not rig.wrong_tokens(head, decoded), rig.wrong_tokens(head, decoded)
+    assert "Recovered from KV load failure: 1 request(s) rescheduled" in log, log[-3000:]
+    assert "not made: a load into its blocks failed in this step" in log, log[-3000:]
+    after = no_leftovers(rig.stats)
+    assert after["checksum_failures"] - before["checksum_failures"] == 1, after
+    assert (after["leases"], after["reservations"]) == (0, 0), after
 
 
 def test_corrupt_entry_fails_the_request_with_fail_policy(rig):

@@ -305,6 +305,68 @@ def test_entry_lost_between_lookup_and_load_fails_only_the_blocks_from_there(cle
     worker.shutdown(), sched.shutdown()
 
 
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_no_save_in_the_step_of_a_failed_load_into_its_blocks(clean_server, layerwise):
+    """kv_both: the lookup finds the prompt's first 10 tokens, the second block is
+    evicted before the same-step load reaches it. The blocks from there hold no KV of
+    this prompt (here: 7.0 everywhere, a previous request's), and what the forward
+    computes on top of them is wrong too: vLLM recomputes them, and the step's save
+    must not store them. Another prefix-cache engine then finds only the first block,
+    never the junk."""
+    prompt = list(range(520, 531))  # 11 tokens: 10 stored, blocks of 4, 4, 2
+    prefill(clean_server, prompt, [3, 7, 1])
+    sched, worker, caches = make_connectors("kv_both", server=clean_server.address,
+                                            layerwise_saves=layerwise)
+    for c in caches.values():
+        c.fill_(7.0)
+    req = request("j1", prompt)
+    matched, is_async = sched.get_num_new_matched_tokens(req, 0)
+    assert (matched, is_async) == (10, False)
+    client = sched.stores.client(clean_server.address)
+    client.evict(keys=[client.keys_for(prompt)[1]])
+    stored = entries(clean_server)
+    assert schedule(sched, worker, req, [5, 9, 2], matched) == {9, 2}
+    sched.request_finished(req, [5, 9, 2])
+    worker.shutdown(), sched.shutdown()
+    assert entries(clean_server) == stored  # nothing was saved
+    reader, r_worker, _ = make_connectors("kv_both", server=clean_server.address)
+    assert reader.get_num_new_matched_tokens(request("j2", prompt), 0) == (4, False)
+    r_worker.shutdown(), reader.shutdown()
+
+
+def test_same_step_load_errors_are_reported_before_wait_for_save(clean_server):
+    """With speculative decoding vLLM's model runner asks for the load errors right
+    after the target model's forward and calls wait_for_save only after the drafter
+    (``_get_kv_connector_output(defer_finalize=True)``): a same-step load's failed
+    blocks must be in that answer, not the next step's, when the request may
+    already have finished."""
+    prompt = list(range(540, 551))
+    prefill(clean_server, prompt, [3, 7, 1])
+    sched, worker, _ = make_connectors("kv_both", server=clean_server.address)
+    req = request("s1", prompt)
+    matched, _ = sched.get_num_new_matched_tokens(req, 0)
+    client = sched.stores.client(clean_server.address)
+    client.evict(keys=[client.keys_for(prompt)[1]])
+    sched.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(b) for b in (5, 9, 2)],)),
+                                   matched)
+    req.num_computed_tokens = matched
+    out = SchedulerOutput.make_empty()
+    out.scheduled_new_reqs = [NewRequestData.from_request(req, ([5, 9, 2],))]
+    out.num_scheduled_tokens = {"s1": 1}
+    out.total_num_scheduled_tokens = 1
+    worker.bind_connector_metadata(sched.build_connector_meta(out))
+    worker.start_load_kv(None)
+    for name in LAYERS:
+        worker.wait_for_layer_load(name)
+    worker.get_finished(set())
+    assert worker.get_block_ids_with_load_errors() == {9, 2}
+    worker.wait_for_save()  # after the drafter
+    worker.clear_connector_metadata()
+    assert worker.get_block_ids_with_load_errors() == set()  # reported once
+    assert worker.worker.drain(30)
+    worker.shutdown(), sched.shutdown()
+
+
 def test_a_load_moves_no_block_vllm_already_holds(clean_server):
     """vLLM's own prefix cache holds the first block: the load takes all three
     entries but moves only the other two. When vLLM takes nothing from the store
