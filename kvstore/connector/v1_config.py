@@ -121,9 +121,9 @@ class ConnectorSettings:
             staging_bytes=parse_size(extra.get("staging_bytes", "256MiB")),
             same_node=same_node,
             load_mode=str(extra.get("load_mode", "drop" if role == "kv_consumer" else "keep")),
-            save=_flag(extra.get("save", role != "kv_consumer")),
-            load=_flag(extra.get("load", role != "kv_producer")),
-            layerwise_saves=_flag(extra.get("layerwise_saves", True)),
+            save=flag(extra.get("save", role != "kv_consumer")),
+            load=flag(extra.get("load", role != "kv_producer")),
+            layerwise_saves=flag(extra.get("layerwise_saves", True)),
             inline_max_bytes=parse_size(extra.get("inline_max_bytes", "8MiB")),
         )
         settings.check()
@@ -164,7 +164,7 @@ def _addresses(value: Any) -> tuple[str, ...]:
     return tuple(str(v).strip() for v in value if str(v).strip())
 
 
-def _flag(value: Any) -> bool:
+def flag(value: Any) -> bool:
     if isinstance(value, str):
         return value.strip().lower() in ("1", "true", "yes", "on")
     return bool(value)

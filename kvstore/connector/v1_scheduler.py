@@ -21,6 +21,7 @@ drops, which ``events`` keeps until the workers have reported them).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -39,6 +40,8 @@ from kvstore.connector.v1_orders import (
 from kvstore.connector.v1_stats import KVStoreConnectorStats, StoreEvents, TransferReports
 from kvstore.connector.v1_stores import StoreClients
 from kvstore.core.layout import KVLayout
+
+log = logging.getLogger(__name__)
 
 
 _LOOKUP_MEMO_S = 1.0
@@ -87,12 +90,38 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._saved: set[str] = set()  # requests whose save was ordered
         self._held: dict[str, int] = {}  # req -> tokens a keep-mode lookup found stored
+        self._generation = 0  # reset() calls so far: each gives new requests new keys
+
+    def reset(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)`` (after a weight update,
+        ``pause_generation(clear_cache=True)``): KV computed so far must not be loaded
+        again. The store is shared with other engines and keeps what it holds; this
+        engine's requests get keys of a new generation from now on (a ``weights=N``
+        part of their scope, kvstore.connector.v1_orders.request_scope), so nothing
+        stored before is found here, and what it stores from now on is found only
+        by engines reset as many times. Requests in flight are not saved (vLLM
+        recomputes them with the new weights; their earlier chunks carry the old
+        keys). True: done."""
+        self._generation += 1
+        for state in (self._tracked, self._matched, self._scopes, self._looked, self._held):
+            state.clear()
+        log.info("kvstore connector: reset; new requests use keys of generation %d",
+                 self._generation)
+        return True
+
+    def _scope_of(self, request: Any) -> str:
+        scope = request_scope(request)
+        if not self._generation:
+            return scope
+        return f"{scope}\nweights={self._generation}" if scope else f"weights={self._generation}"
 
     # ------------------------------------------------------------ loading
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int, bool]:
         first_sight = request.request_id not in self._scopes
-        scope = self._scopes.setdefault(request.request_id, request_scope(request))
+        scope = self._scopes.get(request.request_id)
+        if scope is None:
+            scope = self._scopes[request.request_id] = self._scope_of(request)
         self._requests.setdefault(request.request_id, request)
         if not self.settings.load:
             return 0, False

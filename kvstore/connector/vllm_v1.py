@@ -45,7 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvstore.connector.v1_backend import block_format_of
-from kvstore.connector.v1_config import ConnectorSettings, kv_groups_of
+from kvstore.connector.v1_config import ConnectorSettings, flag, kv_groups_of
 from kvstore.connector.v1_orders import (  # noqa: F401 - re-exported for users and tests
     PARAM_SERVER,
     PARAM_TOKENS,
@@ -146,6 +146,22 @@ class KVStoreConnectorV1(KVConnectorBase_V1, SupportsHMA):
                                     ) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's hybrid allocator (SupportsHMA): the same answer for every group."""
         return self._scheduler_side.request_finished(request, list(block_ids[0]))
+
+    def reset_cache(self) -> bool | None:
+        """After a weight update: KV stored so far is never loaded by this engine again
+        (``SchedulerSide.reset``). Called on the scheduler's connector."""
+        return self.scheduler.reset() if self.scheduler is not None else None
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """True unless loads are off (``"load": false``, as a producer runs). A
+        same-step load (a prefix-cache hit of ``kv_both``, a decode without
+        kv_transfer_params) is waited for layer by layer in ``wait_for_layer_load``,
+        which a full CUDA graph's replay skips: attention would read blocks still
+        being loaded. vLLM then runs its graphs piecewise, the connector's calls
+        between the pieces. (Layer-wise saves that a replay skips are made at the
+        step's end: no harm.)"""
+        return flag(extra_config.get("load", True))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._scheduler_side.observe_reports(connector_output.kv_connector_worker_meta)

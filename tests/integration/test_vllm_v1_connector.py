@@ -367,6 +367,43 @@ def test_same_step_load_errors_are_reported_before_wait_for_save(clean_server):
     worker.shutdown(), sched.shutdown()
 
 
+def test_a_reset_gives_this_engines_requests_keys_of_their_own(clean_server):
+    """vLLM's reset_prefix_cache(reset_connector=True), as after a weight update,
+    calls the scheduler's reset_cache: from then on this engine finds nothing stored
+    before, what it saves is found by it and not by an engine that was not reset,
+    and the store kept everything."""
+    old, new = list(range(560, 571)), list(range(580, 591))
+    prefill(clean_server, old, [3, 7, 1])
+    sched, worker, caches = make_connectors("kv_both", server=clean_server.address)
+    other, o_worker, _ = make_connectors("kv_both", server=clean_server.address)
+    assert sched.get_num_new_matched_tokens(request("r1", old), 0) == (10, False)
+    stored = entries(clean_server)
+    assert sched.reset_cache() is True
+    assert sched.get_num_new_matched_tokens(request("r2", old), 0) == (0, False)
+    fill_random(caches, seed=11)
+    req = request("r3", new)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert schedule(sched, worker, req, [5, 9, 2], 0) == set()
+    sched.request_finished(req, [5, 9, 2])
+    assert entries(clean_server) == stored + 3  # saved, and nothing dropped
+    assert sched.get_num_new_matched_tokens(request("r4", new), 0) == (10, False)
+    assert other.get_num_new_matched_tokens(request("r5", new), 0) == (0, False)
+    assert other.get_num_new_matched_tokens(request("r6", old), 0) == (10, False)
+    for conn in (worker, sched, o_worker, other):
+        conn.shutdown()
+
+
+def test_full_cuda_graphs_give_way_to_piecewise_unless_loads_are_off():
+    """A same-step load is waited for in wait_for_layer_load, which a full CUDA
+    graph's replay skips; vLLM asks the connector class whether to run piecewise.
+    (What vLLM does with the answer needs CUDA: on CPU it runs no graphs.)"""
+    cls = vllm_v1.KVStoreConnectorV1
+    assert cls.requires_piecewise_for_cudagraph({}) is True
+    assert cls.requires_piecewise_for_cudagraph({"load": True}) is True
+    assert cls.requires_piecewise_for_cudagraph({"load": "false"}) is False
+    assert cls.requires_piecewise_for_cudagraph({"load": False}) is False
+
+
 def test_a_load_moves_no_block_vllm_already_holds(clean_server):
     """vLLM's own prefix cache holds the first block: the load takes all three
     entries but moves only the other two. When vLLM takes nothing from the store
