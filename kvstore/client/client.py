@@ -27,7 +27,7 @@ from numpy.lib.stride_tricks import as_strided
 import torch
 
 from kvstore.core import protocol as p
-from kvstore.core.config import ClientConfig, parse_te_devices
+from kvstore.core.config import ClientConfig, load_config, parse_te_devices
 from kvstore.client.datapath import DataPath, Segment, TeEngine, flat_buffer
 from kvstore.core.errors import (LATE_WRITE, BusyError, ChecksumError, ConfigError,
                                  InvalidRequestError, KVStoreError, KVTimeoutError,
@@ -130,7 +130,8 @@ class KVStoreClient:
                  te_engine: TeEngine | None = None, pp_rank: int = 0,
                  pp_size: int = 1, te_protocol: str | None = None,
                  te_devices: str | None = None) -> None:
-        cfg = config or ClientConfig()
+        # client.* options: the caller's config, else KVSTORE_CLIENT_* (docs/operations.md).
+        cfg = config or load_config().client
         self.server = server or cfg.server
         self.layout = layout
         self.timeout_s = timeout_s or cfg.timeout_s

@@ -17,6 +17,7 @@ recently used closed first), so no stream of addresses grows the process.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -27,7 +28,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kvstore.client.client import KVStoreClient, PendingInsert
-from kvstore.core.config import ClientConfig
+from kvstore.core.config import load_config
 from kvstore.cluster.client import ClusterClient, connect
 from kvstore.client.datapath import TeEngine
 from kvstore.connector.v1_config import ConnectorSettings
@@ -52,8 +53,13 @@ class StoreClients:
         self.pp_rank, self.pp_size = pp_rank, pp_size
         # The scheduler only looks up: its clients never move bytes.
         staging = settings.staging_bytes if worker else 1 << 20
+        # The client.* options the extra config does not set come from KVSTORE_CLIENT_*
+        # (TE piece size and wait, arena prefaulting, ...: docs/operations.md).
+        self._client_cfg = dataclasses.replace(load_config().client,
+                                               inline_max_bytes=settings.inline_max_bytes)
         self._engine = TeEngine(settings.te_host, staging, settings.timeout_s,
-                                settings.te_protocol, settings.te_devices)
+                                settings.te_protocol, settings.te_devices,
+                                self._client_cfg.te_piece_bytes, self._client_cfg.te_wait)
         self._clients: OrderedDict[tuple[str, int, int], KVStoreClient | ClusterClient] = \
             OrderedDict()
         self.worker = worker
@@ -78,7 +84,7 @@ class StoreClients:
                 tp_rank=tp_rank, tp_size=self.tp_size, salt=s.salt,
                 pp_rank=pp_rank, pp_size=self.pp_size,
                 timeout_s=s.timeout_s, same_node=s.same_node, te_engine=self._engine,
-                config=ClientConfig(inline_max_bytes=s.inline_max_bytes))
+                config=self._client_cfg)
             kept = _CLIENTS_KEPT * self.tp_size * self.pp_size
             old = self._clients.popitem(last=False)[1] if len(self._clients) > kept else None
         if old is not None:

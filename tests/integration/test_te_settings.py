@@ -106,3 +106,42 @@ def test_client_with_rdma_and_no_nic_is_refused_when_made():
                                      "RDMA device")
     with pytest.raises(ConfigError, match="client.te_protocol: 'udp' is not a TE protocol"):
         KVStoreClient(f"tcp://127.0.0.1:{free_port()}", layout=LAYOUT, te_protocol="udp")
+
+
+def test_client_options_from_the_environment_reach_library_and_connector_clients(
+        server_factory, monkeypatch):
+    """KVSTORE_CLIENT_* configure a client made without a config (a library user's,
+    the connector's for what its extra config does not set), as docs/operations.md
+    says; a config handed in wins. Seen through a real insert + drop_select over TE."""
+    from kvstore.connector.v1_config import ConnectorSettings
+    from kvstore.connector.v1_stores import StoreClients
+
+    server = server_factory()
+    monkeypatch.setenv("KVSTORE_CLIENT_SERVER", server.address)
+    monkeypatch.setenv("KVSTORE_CLIENT_TE_WAIT", "spin")
+    monkeypatch.setenv("KVSTORE_CLIENT_TE_PIECE_BYTES", "1MiB")
+    monkeypatch.setenv("KVSTORE_CLIENT_PREFAULT_ARENA", "false")
+    monkeypatch.setenv("KVSTORE_CLIENT_TIMEOUT_S", "7")
+    with KVStoreClient(layout=LAYOUT, same_node=False, staging_bytes=1 << 20) as client:
+        assert (client.server, client.timeout_s) == (server.address, 7.0)
+        engine = client._data.engine
+        assert (engine.wait, engine.piece_bytes, client._data.prefault) == ("spin", 1 << 20,
+                                                                           False)
+        tokens = list(range(300, 337))
+        kv = make_kv(len(tokens), seed=9)
+        client.insert(tokens, kv)
+        assert np.array_equal(client.drop_select(tokens).kv.numpy(), kv)
+    with KVStoreClient(config=load_config(env={}).client, layout=LAYOUT) as given:
+        assert given.server != server.address and given._data.engine.wait == "sleep"
+    settings = ConnectorSettings.from_extra("kv_consumer", {"server": server.address,
+                                                             "inline_max_bytes": 0}, "m")
+    stores = StoreClients(settings, LAYOUT, 0, 1, worker=True)
+    try:
+        client = stores.client(server.address)
+        assert (stores._engine.wait, stores._engine.piece_bytes) == ("spin", 1 << 20)
+        assert client._data.prefault is False and client._inline_max == 0
+    finally:
+        stores.close()
+    monkeypatch.setenv("KVSTORE_CLIENT_TE_WAIT", "nap")
+    with pytest.raises(ConfigError, match="te_wait"):
+        KVStoreClient(layout=LAYOUT)
