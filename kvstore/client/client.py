@@ -180,8 +180,10 @@ class KVStoreClient:
         self._inline_part_bytes = cfg.inline_part_bytes
 
     # ------------------------------------------------------------ connection
-    def hello(self) -> dict[str, Any]:
-        """The server's identity; cached. Verifies the peer before any TE transfer."""
+    def hello(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """The server's identity; cached. Verifies the peer before any TE transfer.
+        ``timeout_s``: the bound of saying it (the client's ``timeout_s`` by default;
+        a call with its own deadline passes what is left of it)."""
         hello = self._hello
         if hello is not None:
             return hello
@@ -192,7 +194,7 @@ class KVStoreClient:
             if hello is None:
                 self._rpc.use_local(None)  # hello over the ROUTER: it names the server
                 sent = time.time()
-                info = self._rpc.call(p.Hello())
+                info = self._rpc.call(p.Hello(), timeout_s)
                 clock = self._clock_of(info, sent, time.time())
                 self._rpc.max_bytes = int(info.get("max_message_bytes", self._rpc.max_bytes))
                 self._data.connect(info)
@@ -209,7 +211,8 @@ class KVStoreClient:
                 self._hellos += 1
             return hello
 
-    def _segment(self, current: str | None = None) -> Segment:
+    def _segment(self, current: str | None = None,
+                 timeout_s: float | None = None) -> Segment:
         """The server's data segment; ``current`` is the one a reply just named; if
         it differs from ours the server restarted and we say hello again. If the
         server found then is not ``current``'s either (it restarted once more, or
@@ -218,7 +221,7 @@ class KVStoreClient:
         hello = self._hello  # (read once: another thread may reset it)
         if current is not None and hello is not None and current != hello["segment"]:
             self._hello = None
-        self.hello()
+        self.hello(timeout_s)
         segment = self._data.segment
         assert segment is not None  # hello() connected the data path
         if current is not None and segment.name != current:
@@ -665,7 +668,7 @@ class KVStoreClient:
         prompt = self._prompt(tokens, scope)
         # Blocks only: the hidden-state entry after them is always moved.
         skip = min(max(0, int(skip_blocks)), len(prompt.keys))
-        self._segment()
+        self._segment(timeout_s=_left(deadline))
         keys = [*prompt.keys, hidden_key(prompt.keys[-1])]
         toks = [*prompt.tokens, prompt.tokens[-1]]
         # Rounds: a server without the memory to stage all of a prompt's NVMe
@@ -787,7 +790,8 @@ class KVStoreClient:
             elif "inline" in acq:
                 out = self._data.take_inline(acq, skip, into)
             else:
-                out = (self._data.read(self._segment(acq["segment"]), wanted, into, verify=True)
+                out = (self._data.read(self._segment(acq["segment"], _left(deadline)), wanted,
+                                       into, verify=True)
                        if wanted else np.empty(0, dtype=np.uint8))
             moved = time.perf_counter() - start
         except ChecksumError as exc:

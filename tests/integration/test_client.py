@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvstore.core import protocol as p
-from kvstore.core.errors import (ChecksumError, InvalidRequestError, NotFoundError,
-                            PeerUnavailableError, TierFullError)
+from kvstore.core.errors import (ChecksumError, InvalidRequestError, KVTimeoutError,
+                                 NotFoundError, PeerUnavailableError, TierFullError)
 from kvstore.core.layout import unpack_hf
 from tests.integration.conftest import LAYOUT, damage_at_rest, free_port, make_kv
 
@@ -164,6 +164,18 @@ def test_server_absent_is_peer_unavailable_in_bounded_time(client_factory):
     with pytest.raises(PeerUnavailableError):
         client.lookup(prompt(4))
     assert time.monotonic() - start < 3.0
+
+
+def test_a_calls_timeout_bounds_its_first_hello_too(client_factory):
+    """A client that has not reached its server yet says hello within the call's own
+    timeout, not the client's (a decode worker started while its server is down
+    would wait the client's timeout per request)."""
+    client = client_factory(f"tcp://127.0.0.1:{free_port()}", timeout_s=10.0)
+    for call in (client.drop_select, client.get):
+        start = time.monotonic()
+        with pytest.raises((PeerUnavailableError, KVTimeoutError)):
+            call(prompt(4), timeout=0.5)
+        assert time.monotonic() - start < 3.0
 
 
 def test_concurrent_drop_selects_claim_each_pending_consumer_once(clean_server, client_factory):
