@@ -71,8 +71,9 @@ def _counter_pairs(st: Mapping[str, Any]) -> list[tuple[str, str]]:
         pairs.append(("requests (errors)", f"{format_count(st['requests'])} "
                                            f"({format_count(st.get('errors'))})"))
     if "busy" in st or "late_writes" in st:  # (servers before these counters: neither)
-        pairs.append(("busy / late writes", f"{format_count(st.get('busy'))} / "
-                                            f"{format_count(st.get('late_writes'))}"))
+        pairs.append(("busy / late writes / reads", f"{format_count(st.get('busy'))} / "
+                      f"{format_count(st.get('late_writes'))} / "
+                      f"{format_count(st.get('late_reads'))}"))
     return pairs
 
 

@@ -29,7 +29,7 @@ import torch
 from kvstore.core import protocol as p
 from kvstore.core.config import ClientConfig, load_config, parse_te_devices
 from kvstore.client.datapath import DataPath, Segment, TeEngine, flat_buffer
-from kvstore.core.errors import (LATE_WRITE, BusyError, ChecksumError, ConfigError,
+from kvstore.core.errors import (LATE_READ, LATE_WRITE, BusyError, ChecksumError, ConfigError,
                                  InvalidRequestError, KVStoreError, KVTimeoutError,
                                  LeaseExpiredError, NotFoundError, PeerUnavailableError)
 from kvstore.core.hashing import (block_keys, block_token_bytes, checksummer, hidden_key,
@@ -257,7 +257,8 @@ class KVStoreClient:
             raise
         except BusyError as exc:
             deadline, clock = getattr(req, "deadline", None), self._clock
-            if deadline is not None and clock is not None and LATE_WRITE in str(exc) \
+            late = LATE_WRITE in str(exc) or LATE_READ in str(exc)
+            if deadline is not None and clock is not None and late \
                     and not self._data.uses_shared_memory and time.time() + clock < deadline \
                     and self._hellos == hellos:
                 # Refused as late before its deadline by our reckoning: the server's
@@ -282,6 +283,21 @@ class KVStoreClient:
         if offset is None:  # not measured: no hello quick enough yet
             return None, None
         return time.time() + offset + self.timeout_s, self.timeout_s + _DEADLINE_SLACK_S
+
+    def _read_deadline(self, deadline: float) -> float | None:
+        """An acquire's ``deadline`` on the server's wall clock (as ``_deadline``
+        reckons it): when this call gives up (``deadline``, monotonic), less a margin
+        for the reply's way back (a quarter of what is left, at most
+        ``_DEADLINE_SLACK_S``), so that a reply the server sent in time is not given
+        up on with its lease held. None where the server's clock is not known."""
+        hello = self._hello
+        if hello is None or "now" not in hello:
+            return None
+        offset = 0.0 if self._data.uses_shared_memory else self._clock
+        if offset is None:
+            return None
+        left = deadline - time.monotonic()
+        return time.time() + offset + left - min(_DEADLINE_SLACK_S, max(0.0, left) / 4)
 
     def keys_for(self, tokens: Sequence[int] | np.ndarray,
                  scope: bytes | str = b"") -> list[bytes]:
@@ -690,7 +706,8 @@ class KVStoreClient:
             acq = self._acquire(p.Acquire(keys=tuple(keys[done:]), tokens=tuple(toks[done:]),
                                           claim=drop, optional_tail=True,
                                           spend_rest=drop and done > 0,
-                                          inline=inline, inline_part=part), deadline,
+                                          inline=inline, inline_part=part,
+                                          deadline=self._read_deadline(deadline)), deadline,
                                 None if part is None else functools.partial(
                                     self._data.take_parts, into=round_into))
             short = acq.get("short", "")
@@ -737,14 +754,14 @@ class KVStoreClient:
         try:
             return self._call(req, _left(deadline), take)
         except InvalidRequestError as exc:
-            if req.inline is None or not any(f"unknown field {name!r}" in str(exc)
-                                             for name in ("inline", "inline_part")):
+            if not any(f"unknown field {name!r}" in str(exc)
+                       for name in ("inline", "inline_part", "deadline")):
                 raise
-        log.info("the server at %s refuses inline replies, or parts of them (an older "
-                 "build): reading over TE", self.server)
+        log.info("the server at %s refuses inline replies, parts of them, or an acquire's "
+                 "deadline (an older build): asking without them", self.server)
         self._hello = None
-        return self._call(dataclasses.replace(req, inline=None, inline_part=None),
-                          _left(deadline))
+        return self._call(dataclasses.replace(req, inline=None, inline_part=None,
+                                              deadline=None), _left(deadline))
 
     def _inline(self, skip: int) -> int | None:
         """What an acquire asks to get in its reply (``Acquire.inline``): this client's

@@ -81,6 +81,7 @@ class BusyError(MissError):
 # In the message of a BusyError for a write the store reached after its writer's
 # deadline (kvstore.store.writes): the writer tells it from an overload refusal by this.
 LATE_WRITE = "after its writer stopped waiting"
+LATE_READ = "after its reader stopped waiting"
 
 
 class StorageError(MissError):

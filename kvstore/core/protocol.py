@@ -167,7 +167,7 @@ _rid = lambda name, v: _int(name, v)  # noqa: E731 - reservation / acquisition i
 # The client's measured data move (TE or same-node memcpy), reported with commit /
 # release for the server's transfer metrics; both optional, neither changes the op.
 _XFER = {"xfer_s": _opt(_seconds), "xfer_bytes": _opt(_int, 0, MAX_KEYS * MAX_ENTRY_BYTES)}
-# ``deadline`` (reserve, commit, put): the server's wall clock (``time.time()``) after
+# ``deadline`` (reserve, commit, put; acquire too): the server's wall clock (``time.time()``) after
 # which the writer no longer waits for the reply (a writer on another node knows that
 # clock from hello's ``now``); the store refuses (busy) a request it reaches later, and
 # undoes what a commit or put named, so a server frozen with the request in its socket
@@ -316,7 +316,10 @@ class Acquire(Lookup):
     ``inline_part`` (with ``inline``): those bytes may come in parts of whole
     entries, each about this long, the first in the reply and each other in a
     message of its own (``encode_part``), so the caller copies one while the next
-    is on the wire; ``"parts"`` in the reply lists their lengths."""
+    is on the wire; ``"parts"`` in the reply lists their lengths.
+    ``deadline``: as a write's (``_DEADLINE``): the reader stops waiting then, so an
+    acquire the store reaches later is refused (busy) and leases nothing, rather than
+    holding the prompt for a reader that is gone until its lease runs out."""
 
     lease_s: float | None = None
     claim: bool = False
@@ -324,13 +327,15 @@ class Acquire(Lookup):
     spend_rest: bool = False
     inline: int | None = None
     inline_part: int | None = None
+    deadline: float | None = None
     OP = "acquire"
     CHECKS = {"keys": _keys, "tokens": _tokens, "lease_s": _lease, "claim": _bool,
               "optional_tail": _bool, "spend_rest": _bool,
               "inline": _opt(_int, 0, MAX_INLINE_BYTES),
-              "inline_part": _opt(_int, MIN_INLINE_PART_BYTES, MAX_INLINE_BYTES)}
+              "inline_part": _opt(_int, MIN_INLINE_PART_BYTES, MAX_INLINE_BYTES),
+              **_DEADLINE}
     OPTIONAL = frozenset({"lease_s", "claim", "optional_tail", "spend_rest", "inline",
-                          "inline_part"})
+                          "inline_part", "deadline"})
 
     def validate(self) -> None:
         super().validate()

@@ -91,7 +91,7 @@ def begin_acquire(store: Store, req: p.Acquire) -> Acquisition | Staging:
 
 def _acquire_args(req: p.Acquire) -> tuple:
     return (list(req.keys), list(req.tokens), req.lease_s, req.claim, req.optional_tail,
-            req.spend_rest and req.claim)
+            req.spend_rest and req.claim, req.deadline)
 
 
 def acquired(acq: Acquisition) -> dict:

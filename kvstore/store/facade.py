@@ -80,7 +80,7 @@ SCRUB_AFTER_S = 1.0
 _COUNTED = ("misses", "bytes_in", "bytes_out", "evictions", "demotions", "stagings",
             "checksum_failures", "commit_checksum_failures", "collisions", "commits",
             "aborts", "dropped", "reservations_expired", "rooms_expired", "leases_expired",
-            "storage_errors", "late_writes",
+            "storage_errors", "late_writes", "late_reads",
             "staging_shortfalls", "staging_spent", "transfer_checksum_failures", "writebacks")
 
 
@@ -200,19 +200,21 @@ class Store:
 
     def acquire(self, keys: Sequence[bytes], tokens: Sequence[bytes],
                 lease_s: float | None = None, claim: bool = False,
-                optional_tail: bool = False, spend_rest: bool = False) -> Acquisition:
+                optional_tail: bool = False, spend_rest: bool = False,
+                deadline: float | None = None) -> Acquisition:
         """Longest stored prefix, leased until ``release`` (reads.py, ``Reads.acquire``)."""
-        return self._reads.acquire(keys, tokens, lease_s, claim, optional_tail, spend_rest)
+        return self._reads.acquire(keys, tokens, lease_s, claim, optional_tail, spend_rest,
+                                   deadline)
 
     def begin_acquire(self, keys: Sequence[bytes], tokens: Sequence[bytes],
                       lease_s: float | None = None, claim: bool = False,
-                      optional_tail: bool = False, spend_rest: bool = False
-                      ) -> Acquisition | Staging:
+                      optional_tail: bool = False, spend_rest: bool = False,
+                      deadline: float | None = None) -> Acquisition | Staging:
         """``acquire`` whose NVMe staging the caller runs elsewhere: the Acquisition,
         or a ``Staging`` to ``read()`` without the lock and then ``finish()``
         (reads.py, ``Reads.begin_acquire``)."""
         return self._reads.begin_acquire(keys, tokens, lease_s, claim, optional_tail,
-                                         spend_rest)
+                                         spend_rest, deadline)
 
     def dram_bytes(self, entries: Sequence[EntryInfo]) -> memoryview | bytes | None:
         """The bytes of acquired entries back to back (a server sends a small

@@ -18,9 +18,9 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import Final, cast
+from typing import Callable, Final, cast
 
-from kvstore.core.errors import ChecksumError, InvalidRequestError
+from kvstore.core.errors import LATE_READ, BusyError, ChecksumError, InvalidRequestError
 from kvstore.core.hashing import checksum
 from kvstore.store.index import Record
 from kvstore.store.holds import Lease
@@ -63,10 +63,11 @@ class Staging:
     nothing changed."""
 
     def __init__(self, reads: Reads, aid: int, plan: StagingPlan, found_in: list[str],
-                 lease_s: float, nblocks: int, spend_rest: bool) -> None:
+                 lease_s: float, nblocks: int, spend_rest: bool,
+                 deadline: float | None = None) -> None:
         self._reads, self.aid, self.plan = reads, aid, plan
         self.found_in, self.lease_s, self.nblocks = found_in, lease_s, nblocks
-        self.spend_rest = spend_rest
+        self.spend_rest, self.deadline = spend_rest, deadline
         self.nbytes = sum(plan.recs[i].nbytes for i, _ in plan.staging)
 
     def read(self) -> tuple[dict, dict]:
@@ -79,6 +80,9 @@ class Staging:
             raise
 
     def finish(self, bufs: dict, good: dict) -> Acquisition:
+        """The acquisition; past the reader's deadline the staging is undone and
+        ``BusyError`` raised instead (``Reads.refuse_late``)."""
+        self._reads.refuse_late(self.deadline, self.abandon)
         return self._reads.finish_staging(self, bufs, good)
 
     def abandon(self) -> None:
@@ -99,7 +103,8 @@ class Reads(Operations):
 
     def acquire(self, keys: Sequence[bytes], tokens: Sequence[bytes],
                 lease_s: float | None = None, claim: bool = False,
-                optional_tail: bool = False, spend_rest: bool = False) -> Acquisition:
+                optional_tail: bool = False, spend_rest: bool = False,
+                deadline: float | None = None) -> Acquisition:
         """Longest stored prefix, leased (cannot move or go) until ``release``.
 
         NVMe entries are staged into a memory tier and checksum-verified first; a
@@ -120,16 +125,21 @@ class Reads(Operations):
         drop_select would): with their head gone no whole-prompt read could ever
         reach them, so they would sit stranded until evicted. The caller hears how
         many (``spent``) next to ``short``.
+
+        ``deadline`` (``time.time()``): where the store reaches the acquire later, or
+        finishes its staging later, the reader has stopped waiting: ``BusyError``,
+        nothing leased (``refuse_late``).
         """
-        step = self.begin_acquire(keys, tokens, lease_s, claim, optional_tail, spend_rest)
+        step = self.begin_acquire(keys, tokens, lease_s, claim, optional_tail, spend_rest,
+                                  deadline)
         if isinstance(step, Acquisition):
             return step
         return step.finish(*step.read())
 
     def begin_acquire(self, keys: Sequence[bytes], tokens: Sequence[bytes],
                       lease_s: float | None = None, claim: bool = False,
-                      optional_tail: bool = False, spend_rest: bool = False
-                      ) -> Acquisition | Staging:
+                      optional_tail: bool = False, spend_rest: bool = False,
+                      deadline: float | None = None) -> Acquisition | Staging:
         """``acquire`` in steps, so that the server's request thread never waits on
         NVMe: the Acquisition at once when nothing needs staging, else a ``Staging``
         whose ``read()`` (no lock: NVMe reads and checksums, in a worker) and
@@ -139,6 +149,7 @@ class Reads(Operations):
         tokens = check_tokens(tokens, len(keys))
         lease_s = check_lease(lease_s, self.config.store.read_lease_s)
         with self.lock:
+            self.refuse_late(deadline)
             self.reap_due()
             recs = self._walk(keys, tokens)
             take, end = True, None
@@ -163,7 +174,26 @@ class Reads(Operations):
             # The holds just taken become this lease's; it claims what the reply will.
             self.holds.add_lease(aid, Lease([r.key for r in recs], float("inf"), claim, take,
                                             end))
-            return Staging(self, aid, plan, found_in, lease_s, nblocks, spend_rest)
+            return Staging(self, aid, plan, found_in, lease_s, nblocks, spend_rest, deadline)
+
+    def refuse_late(self, deadline: float | None,
+                    undo: Callable[[], None] | None = None) -> None:
+        """``BusyError`` (after ``undo``) where it is past a reader's ``deadline`` (this
+        server's wall clock, as the reader knows it; checked under the store's lock,
+        so a wait for the lock counts): the reader stopped waiting then (a server
+        frozen with the acquire in its socket buffer reads it only when it goes on),
+        and a lease taken for it would keep its prompt from every other reader until
+        it ran out. Counted in ``late_reads``."""
+        if deadline is None:
+            return
+        late = time.time() - deadline
+        if late <= 0:
+            return
+        if undo is not None:
+            undo()
+        self.counts["late_reads"] += 1
+        raise BusyError(f"acquire reached the store {late:.1f} s {LATE_READ}: nothing "
+                        "acquired")
 
     def finish_staging(self, staging: Staging, bufs: dict | None, good: dict | None
                        ) -> Acquisition:

@@ -96,7 +96,7 @@ def test_stats_table_and_json(filled):
     result = run("stats", "--server", filled.address)
     assert result.exit_code == 0, result.output
     for word in ("TIER", "dram", "nvme", "total", "hits / misses", "open leases",
-                 "checksum failures", "busy / late writes:", filled.address):
+                 "checksum failures", "busy / late writes / reads:", filled.address):
         assert word in result.stdout
     [node] = run_json("stats", "--server", filled.address)
     assert node["server"] == filled.address and node["entries"] == 6

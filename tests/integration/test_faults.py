@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+from kvstore.client.client import KVStoreClient
 from kvstore.core.errors import KVTimeoutError, MissError
 from kvstore.core.layout import KVLayout
 from tests.integration.client_worker import digest, prompt_kv, prompt_tokens
@@ -190,3 +191,32 @@ def test_stalled_server_times_out_then_recovers(server, client_factory):
     assert client.lookup(prompt_tokens(3, 8)).matched_tokens == 8
     got = client.drop_select(prompt_tokens(3, 8))
     assert np.array_equal(got.kv.numpy(), prompt_kv(3, 8))
+
+
+@pytest.mark.parametrize("same_node", [True, False])
+def test_a_drop_select_given_up_on_takes_nothing_when_the_server_goes_on(server_factory,
+                                                                           client_factory,
+                                                                           same_node):
+    """The server is frozen with a drop_select in its socket; the reader times out.
+    When the server goes on it reaches that acquire after its deadline: refused
+    (counted in late_reads), nothing leased, so the next reader gets the prompt at
+    once instead of a miss until the read lease (30 s here) runs out. Both the
+    same-node socket and the ROUTER (over TE, the deadline on the server's clock as
+    the client's hello measured it)."""
+    server = server_factory(read_lease=30.0)
+    client = client_factory(server, timeout_s=5.0, same_node=same_node)
+    tokens, kv = prompt_tokens(11, 40), prompt_kv(11, 40)
+    client.insert(tokens, kv)
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(KVTimeoutError):
+            client.drop_select(tokens, timeout=1.0)
+        time.sleep(0.5)  # past the deadline by this much more when the server goes on
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    with KVStoreClient(server.address, timeout_s=5.0) as admin:
+        wait_for(lambda: admin.stats()["late_reads"] == 1, 10, "the late acquire's refusal")
+        stats = admin.stats()
+        assert (stats["leases"], stats["leased_entries"]) == (0, 0), stats
+    got = client.drop_select(tokens, timeout=5.0)
+    assert got.matched_tokens == 40 and np.array_equal(got.kv.numpy(), kv)

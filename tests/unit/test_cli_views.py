@@ -24,7 +24,7 @@ def test_stats_view_shows_tiers_in_order_with_rates():
     assert "4 / 4 (hit rate 50.0%)" in text
     assert "3.0MiB / 1.0MiB" in text and "7 / 1" in text
     assert "checksum failures:" in text and "2 (6 entries)" in text and "99 (1)" in text
-    assert "busy / late writes:" in text and "5 / 2" in text
+    assert "busy / late writes / reads:" in text and "5 / 2 / -" in text
 
 
 def test_stats_view_tolerates_missing_fields():
