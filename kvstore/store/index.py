@@ -11,12 +11,15 @@ Invariants:
   store's memory until it commits, so a crash can lose nothing committed and can
   reveal nothing uncommitted.
 * The value is the msgpack list of the record's fields in declaration order; a
-  value that does not decode is treated as absent (and dropped by ``load``).
+  value that does not decode, or whose fields are not as the store's own writes
+  make them (``check_record``: types, ranges, ``ntokens`` matching ``tokens``), is
+  treated as absent (and dropped by ``load``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import struct
 import time
@@ -28,7 +31,7 @@ import lmdb
 import msgpack
 
 from kvstore.core.errors import ConfigError, IntegrityError, StorageError, TierFullError
-from kvstore.core.hashing import NAMESPACE_TAG_BYTES
+from kvstore.core.hashing import KEY_BYTES, NAMESPACE_TAG_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +95,8 @@ def encode(rec: Record, packer: msgpack.Packer | None = None) -> bytes:
 
 
 def decode(key: bytes, value: bytes) -> Record:
-    """The record stored under ``key``; raises ``IntegrityError`` on a bad value."""
+    """The record stored under ``key``; raises ``IntegrityError`` on a value that does
+    not decode, or whose fields ``check_record`` refuses."""
     try:
         fields = msgpack.unpackb(value, raw=False)
         if not isinstance(fields, list) or fields[0] != _FORMAT:
@@ -103,9 +107,93 @@ def decode(key: bytes, value: bytes) -> Record:
             # ended here is unknown, so each may end here (the old rule). Left at 0,
             # a drop_select would read such an entry and never take it: stranded.
             rec = rec._replace(ends=rec.pending)
-        return rec
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise IntegrityError(f"undecodable index record {key.hex()}: {exc}") from exc
+    try:
+        check_record(rec)
+    except ValueError as exc:
+        raise IntegrityError(f"damaged index record {key.hex()}: {exc}") from None
+    return rec
+
+
+_INT64 = 1 << 63  # offsets, sizes and counts: what a store ever writes is below this
+_TIME = (int, float)
+
+
+def check_record(rec: Record) -> None:
+    """``ValueError`` naming the first field of ``rec`` that is not as the store's own
+    writes make it (kvstore/store/writes.py, kvstore/store/types.py): a value damaged
+    at rest (a bit flip, a stray writer) that msgpack still decodes. Every field is
+    checked here, once, as the record is decoded, so nothing downstream (the victim
+    heaps, which compare times and counts; the token re-check of a hit; the matched
+    token count a client is told) meets a wrong type or an impossible value.
+
+    Checked: the key's length; tier and state are strings (which tier and state a
+    record may have is ``Index.load``'s business); offset, nbytes, nvme_copy and the
+    counts pins, pending and ends are ints, non-negative (nbytes positive);
+    checksum is a u64; created and last_access finite, non-negative numbers;
+    tokens non-empty int32le bytes and ntokens exactly their count (a hit reports
+    the ntokens of its records as matched tokens: one that disagrees would tell a
+    client of tokens it does not get); meta and namespace bytes of the lengths a
+    writer may give. (Whether nbytes fits the tier, and offset its alignment, is
+    the tier's ``claim`` at recovery; whether the bytes match checksum, the first
+    read's.) The usual, good record costs one expression."""
+    (key, tier, offset, nbytes, ntokens, tokens, checksum, created, last_access, pins,
+     pending, meta, state, nvme_copy, namespace, ends) = rec
+    if (type(key) is bytes and len(key) == KEY_BYTES and type(tier) is str
+            and type(state) is str and type(offset) is int and 0 <= offset < _INT64
+            and type(nbytes) is int and 0 < nbytes < _INT64
+            and type(tokens) is bytes and len(tokens) and not len(tokens) % 4
+            and type(ntokens) is int and ntokens == len(tokens) >> 2
+            and type(checksum) is int and 0 <= checksum < 1 << 64
+            and type(created) in _TIME and 0 <= created < math.inf
+            and type(last_access) in _TIME and 0 <= last_access < math.inf
+            and type(pins) is int and 0 <= pins < _INT64
+            and type(pending) is int and 0 <= pending < _INT64
+            and type(ends) is int and 0 <= ends < _INT64
+            and type(meta) is bytes and len(meta) <= MAX_META_BYTES
+            and type(namespace) is bytes and len(namespace) in (0, NAMESPACE_TAG_BYTES)
+            and (nvme_copy is None or type(nvme_copy) is int and 0 <= nvme_copy < _INT64)):
+        return
+    raise ValueError(_first_bad_field(rec))
+
+
+def _first_bad_field(rec: Record) -> str:
+    """What ``check_record`` found wrong, for the log (the slow path: bad records only)."""
+    def count(v: object, low: int = 0) -> bool:
+        return type(v) is int and low <= v < _INT64  # (not bool: type is int)
+
+    def time_(v: object) -> bool:
+        return type(v) in _TIME and 0 <= v < math.inf  # type: ignore[operator]
+
+    tokens = rec.tokens
+    tokens_ok = type(tokens) is bytes and len(tokens) > 0 and len(tokens) % 4 == 0
+    checks = [
+        ("key", type(rec.key) is bytes and len(rec.key) == KEY_BYTES),
+        ("tier", type(rec.tier) is str),
+        ("state", type(rec.state) is str),
+        ("offset", count(rec.offset)),
+        ("nbytes", count(rec.nbytes, 1)),
+        ("tokens", tokens_ok),
+        ("ntokens", type(rec.ntokens) is int and tokens_ok
+         and rec.ntokens == len(tokens) // 4),
+        ("checksum", type(rec.checksum) is int and 0 <= rec.checksum < 1 << 64),
+        ("created", time_(rec.created)),
+        ("last_access", time_(rec.last_access)),
+        ("pins", count(rec.pins)),
+        ("pending", count(rec.pending)),
+        ("ends", count(rec.ends)),
+        ("meta", type(rec.meta) is bytes and len(rec.meta) <= MAX_META_BYTES),
+        ("namespace", type(rec.namespace) is bytes
+         and len(rec.namespace) in (0, NAMESPACE_TAG_BYTES)),
+        ("nvme_copy", rec.nvme_copy is None or count(rec.nvme_copy)),
+    ]
+    name = next((name for name, ok in checks if not ok), "?")
+    value = getattr(rec, name, None)
+    shown = f"{len(value)} bytes" if isinstance(value, bytes) else f"{value!r:.40}"
+    if name == "ntokens" and tokens_ok:
+        shown += f" for {len(tokens) // 4} tokens"
+    return f"bad {name}: {shown}"
 
 
 # Rows ``Index.drop_strays`` deletes in one transaction, and how long it waits after
@@ -116,7 +204,8 @@ STRAY_RETRY_S = 10.0
 
 class LoadResult(NamedTuple):
     kept: list[Record]
-    dropped: int  # volatile-tier, uncommitted or undecodable records removed
+    dropped: int  # volatile-tier, uncommitted, undecodable or damaged records removed
+    damaged: int = 0  # of those, the undecodable or damaged (decode's IntegrityError)
 
 
 class Index:
@@ -249,19 +338,23 @@ class Index:
             result, doomed = self._load(persistent_tiers)
         except lmdb.Error as exc:
             raise ConfigError(f"cannot load the index at {self.path}: {_reason(exc)}") from exc
-        self.forget(doomed, "undecodable, uncommitted, or of a tier without its bytes")
+        self.forget(doomed, "undecodable, damaged, uncommitted, or of a tier without its "
+                            "bytes")
         return result
 
     def _load(self, persistent_tiers: set[str]) -> tuple[LoadResult, list[bytes]]:
         kept: list[Record] = []
         fallen_back: list[Record] = []
         doomed: list[bytes] = []
+        damaged, first = 0, ""  # undecodable or damaged rows: how many, the first's reason
         with self._env.begin() as txn:
             for key, value in txn.cursor():
                 try:
                     rec = decode(key, value)
-                except IntegrityError as exc:
-                    log.warning("dropping %s", exc)
+                except IntegrityError as exc:  # undecodable, or a field check_record refuses
+                    damaged += 1
+                    first = first or str(exc)
+                    log.debug("dropping %s", exc)
                     doomed.append(bytes(key))
                     continue
                 if rec.state != COMMITTED:
@@ -274,7 +367,11 @@ class Index:
                     doomed.append(bytes(key))
             # (fallen_back rows stay as they are, which means the same: on_disk.
             # Rewriting them could make a full map refuse the start.)
-        return LoadResult(kept + fallen_back, len(doomed)), doomed
+        if damaged:  # one line however many: a damaged index may hold millions
+            log.warning("dropping %d index records that are undecodable or damaged (their "
+                        "entries are lost, their NVMe space is free); first: %s",
+                        damaged, first)
+        return LoadResult(kept + fallen_back, len(doomed), damaged), doomed
 
     def sync(self) -> None:
         self._env.sync(True)
