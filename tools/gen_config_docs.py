@@ -116,7 +116,8 @@ HELP = {
                           "start without one). Clients must use the same.",
     "server.te_devices": "RDMA NICs TE may use, comma-separated (`mlx5_0,mlx5_1`: the ones "
                          "nearest the arenas' memory); empty: every NIC TE finds.",
-    "server.max_message_bytes": "Control messages larger than this are refused.",
+    "server.max_message_bytes": "Control messages larger than this are refused. At least 4KiB "
+                                "(a hello must fit).",
     "server.metrics_port": "Prometheus `/metrics` HTTP port on `server.host`; 0: off.",
     "cluster.prefix": "etcd key prefix under which nodes register.",
     "cluster.ttl_s": "etcd lease TTL of a node's registration; a dead node vanishes "

@@ -163,6 +163,15 @@ def _inline(section: Any) -> None:
 
 MAX_GC_YOUNG = 10**8  # what gc.set_threshold takes is a C int; far above any request
 MAX_PEER_TIMEOUT_S = 86_400.0  # a day: longer is "never", which is 0
+# The least ``server.max_message_bytes`` a server starts with. The limit applies to
+# every request frame (kvstore.core.protocol.decode_request / peek_id), and a frame
+# over it cannot even have its id read, so its error reply carries id 0, which the
+# client drops as stale: below the smallest request the server answers nothing at
+# all. 4 KiB holds every request without keys (hello, health, stats, clear,
+# release, ...: 25 - 100 bytes) and a one-block insert (reserve or put) of 16-token
+# blocks with the full 1 KiB of caller meta (~1.3 KiB), so the server can always say
+# hello (whose reply tells clients the limit, which they then check before sending).
+MIN_MESSAGE_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -173,7 +182,7 @@ class ServerConfig:
     te_metadata: str = "P2PHANDSHAKE"  # or etcd://host:port, http://...
     te_protocol: str = "tcp"  # tcp | rdma
     te_devices: str = ""  # RDMA NICs TE may use, e.g. "mlx5_0,mlx5_1"; empty: all
-    max_message_bytes: Size = 16 << 20
+    max_message_bytes: Size = 16 << 20  # at least MIN_MESSAGE_BYTES (4KiB)
     metrics_port: int = 0  # 0: no Prometheus endpoint
     curve_secret_key: str = ""  # file written by `kvstore keys`; empty: no CURVE
     curve_authorized_keys: str = ""  # directory of client public keys
@@ -193,6 +202,11 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         _sizes(self, "max_message_bytes", "inline_max_bytes")
+        if self.max_message_bytes < MIN_MESSAGE_BYTES:
+            raise ConfigError(f"server.max_message_bytes (--max-message-bytes): "
+                              f"{self.max_message_bytes} is below the minimum of "
+                              f"{MIN_MESSAGE_BYTES} (4KiB) that a hello or health request "
+                              f"needs; the default is 16MiB")
         _inline(self)
         _positive(self, "busy_after_s")
         if isinstance(self.peer_timeout_s, bool) \

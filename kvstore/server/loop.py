@@ -154,45 +154,51 @@ class Server:
         self._requests_done = threading.Event()
         self._ctx = zmq.Context()
         self._auth: ThreadAuthenticator | None = None
+        self._local: LocalDoor | None = None
         try:
             self._sock = self._bind()
+            self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._register_arenas()
+            # Same-node clients' door (kvstore/server/local.py), beside the shared arena.
+            arena = store.dram_shared_path
+            if config.server.local_socket and arena is not None:
+                try:
+                    self._local = LocalDoor(socket_path(arena), 2 * self.max_bytes + 4096)
+                except OSError as exc:
+                    log.warning("no same-node socket at %s (%s): local clients use the ROUTER",
+                                socket_path(arena), exc)
         except BaseException:
-            self._close_zmq()
+            # Whatever step failed: a socket left open would block the context's
+            # termination forever (a hung start instead of the error).
+            self._close_zmq(every_socket=True)
             raise
-        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._register_arenas()
-        # Same-node clients' door (kvstore/server/local.py), beside the shared arena.
-        self._local: LocalDoor | None = None
-        arena = store.dram_shared_path
-        if config.server.local_socket and arena is not None:
-            try:
-                self._local = LocalDoor(socket_path(arena), 2 * self.max_bytes + 4096)
-            except OSError as exc:
-                log.warning("no same-node socket at %s (%s): local clients use the ROUTER",
-                            socket_path(arena), exc)
 
     # ---------------------------------------------------------------- set-up
     def _bind(self) -> zmq.Socket:
         srv = self.config.server
         sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        # Frames between max_message_bytes and this hard cap get a typed error reply;
-        # beyond it libzmq drops the connection before we ever see the frame.
-        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_bytes + 4096)
-        # (ZeroMQ's default, set here because MAX_INLINE_PARTS relies on it.)
-        sock.setsockopt(zmq.SNDHWM, SNDHWM)
-        if srv.peer_timeout_s > 0:  # a peer that answers no heartbeat is let go
-            timeout_ms = max(1, int(srv.peer_timeout_s * 1000))
-            sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, min(timeout_ms // 3, 10_000)))
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
-        if srv.curve_secret_key:
-            self._setup_curve(sock)
         try:
-            sock.bind(f"tcp://{srv.host}:{srv.port}")
-        except zmq.ZMQError as exc:
-            sock.close(0)
-            reason = "port in use" if exc.errno == errno.EADDRINUSE else str(exc)
-            raise ConfigError(f"cannot listen on {srv.host}:{srv.port}: {reason}") from None
+            sock.setsockopt(zmq.LINGER, 0)
+            # Frames between max_message_bytes and this hard cap get a typed error
+            # reply; beyond it libzmq drops the connection before we ever see the frame.
+            sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_bytes + 4096)
+            # (ZeroMQ's default, set here because MAX_INLINE_PARTS relies on it.)
+            sock.setsockopt(zmq.SNDHWM, SNDHWM)
+            if srv.peer_timeout_s > 0:  # a peer that answers no heartbeat is let go
+                timeout_ms = max(1, int(srv.peer_timeout_s * 1000))
+                sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, min(timeout_ms // 3, 10_000)))
+                sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+            if srv.curve_secret_key:
+                self._setup_curve(sock)  # a bad key: ConfigError, the socket closed below
+            try:
+                sock.bind(f"tcp://{srv.host}:{srv.port}")
+            except zmq.ZMQError as exc:
+                reason = "port in use" if exc.errno == errno.EADDRINUSE else str(exc)
+                raise ConfigError(f"cannot listen on {srv.host}:{srv.port}: {reason}") \
+                    from None
+        except BaseException:
+            sock.close(0)  # not self._sock yet: _close_zmq would not see it
+            raise
         return sock
 
     def _setup_curve(self, sock: zmq.Socket) -> None:
@@ -813,7 +819,11 @@ class Server:
                 log.exception("closing %s failed", name)
         self._close_zmq()
 
-    def _close_zmq(self) -> None:
+    def _close_zmq(self, every_socket: bool = False) -> None:
+        """Close the sockets and terminate the context, which waits for every socket
+        of it to be closed. ``every_socket`` (a failed start, when no other thread of
+        ours runs): also close, linger 0, any socket of the context still open, so
+        that wait cannot block the start's error forever, whatever step failed."""
         sock: zmq.Socket | None = getattr(self, "_sock", None)  # unset if _bind failed
         if sock is not None:
             sock.close(0)  # a second close does nothing
@@ -822,9 +832,15 @@ class Server:
             local.close()
             self._local = None
         if self._auth is not None:
-            self._auth.stop()
+            try:
+                self._auth.stop()  # its thread closes its own (ZAP) sockets
+            except Exception:  # noqa: BLE001 - the context must still be terminated
+                log.exception("stopping the CURVE authenticator failed")
             self._auth = None
-        self._ctx.term()
+        if every_socket:
+            self._ctx.destroy(linger=0)
+        else:
+            self._ctx.term()
 
 
 class Inline(bytes):

@@ -5,6 +5,7 @@ Only kvstore/store/facade.py calls this module.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import logging
@@ -36,9 +37,12 @@ class DataDirLock:
     def __init__(self, data_dir: Path) -> None:
         self.path = data_dir / LOCK_NAME
         self._fd: int | None = _lock_file(self.path, data_dir)
-        os.ftruncate(self._fd, 0)
-        os.write(self._fd, f"{os.getpid()}\n".encode())
-        remove_stale_arenas(data_dir)
+        try:
+            _write_pid(self._fd, self.path)
+            remove_stale_arenas(data_dir)
+        except BaseException:
+            self.release()
+            raise
 
     def release(self) -> None:
         """Remove the lock file and let go. Unlinked while still locked: a store
@@ -53,9 +57,30 @@ class DataDirLock:
             self._fd = None
 
 
+# The lock file's PID could not be written for want of space: the lock (the flock)
+# holds all the same, and a full disk must not keep a store from starting.
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _write_pid(fd: int, path: Path) -> None:
+    """This process's PID into the lock file: informational only (the flock is the
+    lock). No space for it is logged; any other OSError is a one-line ConfigError."""
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+    except OSError as exc:
+        if exc.errno in _NO_SPACE:
+            log.warning("cannot write this process's PID into %s (%s); the data dir is "
+                        "locked all the same", path, exc.strerror or exc)
+            return
+        raise ConfigError(f"cannot write the data-dir lock {path}: "
+                          f"{exc.strerror or exc}") from None
+
+
 def _lock_file(path: Path, data_dir: Path) -> int:
     """An fd of ``path`` holding its exclusive flock. The file is removed when its
-    holder lets go, so a lock won on a file that is no longer ``path`` is retried."""
+    holder lets go, so a lock won on a file that is no longer ``path`` is retried.
+    Any OSError is a one-line ``ConfigError`` (never a traceback)."""
     while True:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -67,10 +92,17 @@ def _lock_file(path: Path, data_dir: Path) -> int:
             os.close(fd)
             raise ConfigError(f"data dir {data_dir} is in use by another kvstore store "
                               f"(lock {path} is held)") from None
+        except OSError as exc:  # e.g. ENOLCK: a file system without flock
+            os.close(fd)
+            raise ConfigError(f"cannot lock data dir {data_dir} ({path}): "
+                              f"{exc.strerror or exc}") from None
         try:
             same = os.stat(path).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
             same = False
+        except OSError as exc:
+            os.close(fd)
+            raise ConfigError(f"cannot use data dir {data_dir}: {exc.strerror or exc}") from None
         if same:
             return fd
         os.close(fd)  # its holder removed it after we opened it: take the new one
