@@ -9,6 +9,8 @@ accept ``64GiB``-style strings. Every dataclass validates itself in
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
 import os
 import re
 import tomllib
@@ -18,6 +20,9 @@ from typing import Any, Mapping, get_type_hints
 
 from kvstore.core.errors import ConfigError
 from kvstore.core.protocol import MAX_INLINE_BYTES, MIN_INLINE_PART_BYTES
+
+log = logging.getLogger(__name__)
+_UNKNOWN_ENV_WARNED: set[str] = set()  # KVSTORE_* names warned about (once each)
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20,
@@ -342,12 +347,30 @@ def _type_name(t: Any) -> str:
 
 def _from_env(env: Mapping[str, str]) -> dict[str, dict[str, str]]:
     out: dict[str, dict[str, str]] = {}
+    known: set[str] = set()
     for section, cls in _section_classes().items():
         for f in fields(cls):
             name = f"KVSTORE_{section.upper()}_{f.name.upper()}"
+            known.add(name)
             if name in env:
                 out.setdefault(section, {})[f.name] = env[name]
+    _warn_unknown_env(env, known)
     return out
+
+
+def _warn_unknown_env(env: Mapping[str, str], known: set[str]) -> None:
+    """A ``KVSTORE_<SECTION>_*`` variable that names no option is most likely a typo
+    that would silently leave the option at its default: say so, once per name (a
+    warning, not the error an unknown TOML key is: the environment is shared with
+    other versions and tools)."""
+    prefixes = tuple(f"KVSTORE_{section.upper()}_" for section in _section_classes())
+    for name in env:
+        if name.startswith(prefixes) and name not in known \
+                and name not in _UNKNOWN_ENV_WARNED:
+            _UNKNOWN_ENV_WARNED.add(name)
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            log.warning("environment variable %s names no kvstore option; ignored%s", name,
+                        f" (did you mean {close[0]}?)" if close else "")
 
 
 def _merge(cfg: KVStoreConfig, data: Mapping[str, Any]) -> KVStoreConfig:

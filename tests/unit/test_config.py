@@ -140,6 +140,21 @@ def test_bad_env_is_a_config_error_naming_the_field(name, value, field):
         load_config(env={name: value})
 
 
+def test_a_misspelled_env_variable_is_warned_about_once(caplog):
+    """An unknown KVSTORE_<SECTION>_* name would leave its option at the default
+    without a word: a warning (once per name) suggests the option it resembles.
+    Other KVSTORE_* names (KVSTORE_CONFIG, tools' own) are none of its business."""
+    env = {"KVSTORE_TIERS_DRAM_BYTESS": "1GiB", "KVSTORE_CONFIG": "/etc/kvstore.toml",
+           "KVSTORE_BENCH_TIMELINE": "/tmp/x"}
+    with caplog.at_level("WARNING", logger="kvstore.core.config"):
+        cfg = load_config(env=env)
+        load_config(env=env)
+    assert cfg.tiers.dram_bytes == load_config(env={}).tiers.dram_bytes
+    warned = [r.getMessage() for r in caplog.records]
+    assert warned == ["environment variable KVSTORE_TIERS_DRAM_BYTESS names no kvstore "
+                      "option; ignored (did you mean KVSTORE_TIERS_DRAM_BYTES?)"], warned
+
+
 def test_bad_overrides():
     with pytest.raises(ConfigError, match="unknown config section"):
         load_config(env={}, overrides={"nope": {"x": 1}})
