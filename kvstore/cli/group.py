@@ -3,6 +3,8 @@ server said no or was unreachable, 2 for bad arguments) and per-node output."""
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -61,10 +63,21 @@ class AdminGroup(click.Group):
             raise
         except KVStoreError as exc:
             raise click.ClickException(str(exc)) from None
+        except BrokenPipeError:  # the reader went away (`kvstore stats --watch 1 | head`)
+            _quiet_stdout()
+            ctx.exit(1)
         except Exception as exc:  # the promise is one line, not a traceback
             if ctx.meta.get("kvstore.debug"):
                 raise
             raise click.ClickException(f"unexpected {type(exc).__name__}: {exc}") from None
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null: the pipe it wrote to is closed, and Python's final
+    flush of it at exit would raise BrokenPipeError again (with a traceback)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def emit(admin: Admin, results: list[tuple[str, Any]], render: Callable[[str, Any], str]) -> None:

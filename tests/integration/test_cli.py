@@ -468,6 +468,24 @@ def test_console_script_error_is_one_line_no_traceback():
     assert dead in proc.stderr
 
 
+def test_a_reader_that_goes_away_ends_the_command_quietly(node):
+    """`kvstore stats --watch 1 | head`: the pipe closes under a command still writing.
+    It ends (exit 1) without an error line or a traceback on stderr."""
+    exe = Path(sys.executable).with_name("kvstore")
+    argv = [str(exe)] if exe.exists() else [sys.executable, "-m", "kvstore.cli"]
+    proc = subprocess.Popen([*argv, "stats", "--server", node.address, "--watch", "0.1",
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.read(100)
+        proc.stdout.close()  # what head does once it has its lines
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 1 and err == b"", err
+
+
 def test_shell_completion_script():
     proc = _kvstore(env={"_KVSTORE_COMPLETE": "bash_source"})
     assert proc.returncode == 0 and "_kvstore_completion" in proc.stdout
