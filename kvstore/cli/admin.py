@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -93,8 +94,18 @@ class Admin:
         self._channels.clear()
 
 
+# tcp://HOST:PORT, HOST a name, an IPv4 address or a bracketed IPv6 one.
+_ADDRESS = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(\d{1,5})")
+
+
 def _address(server: str) -> str:
-    return server if "://" in server else f"tcp://{server}"
+    """``server`` as a control address (``tcp://`` added to a bare HOST:PORT); one that
+    is none is a usage error (exit 2), not a node that failed."""
+    address = server if "://" in server else f"tcp://{server}"
+    match = _ADDRESS.fullmatch(address)
+    if match is None or not 0 < int(match.group(2)) < 65536:
+        fail(f"--server {server!r}: need tcp://HOST:PORT")
+    return address
 
 
 def _open_admin(server: tuple[str, ...], timeout: float | None, config_file: str | None,

@@ -443,6 +443,14 @@ def test_bad_arguments_exit_2_with_a_reason(args, message):
     assert "Usage:" not in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1", "127.0.0.1:0", "tcp://host:99999",
+                                     "udp://127.0.0.1:7700", "tcp://a b:7700"])
+def test_a_server_address_that_is_none_is_a_usage_error(address):
+    result = run("stats", "--server", address, "--timeout", "1")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == f"kvstore stats: --server {address!r}: need tcp://HOST:PORT"
+
+
 def test_bad_argument_of_the_console_script_is_one_line_exit_2():
     proc = _kvstore("evict", "--bytes", "lots")
     assert proc.returncode == 2
