@@ -27,7 +27,7 @@ from numpy.lib.stride_tricks import as_strided
 import torch
 
 from kvstore.core import protocol as p
-from kvstore.core.config import ClientConfig, load_config, parse_te_devices
+from kvstore.core.config import ClientConfig, client_config_from_env, parse_te_devices
 from kvstore.client.datapath import DataPath, Segment, TeEngine, flat_buffer
 from kvstore.core.errors import (LATE_READ, LATE_WRITE, BusyError, ChecksumError, ConfigError,
                                  InvalidRequestError, KVStoreError, KVTimeoutError,
@@ -131,7 +131,7 @@ class KVStoreClient:
                  pp_size: int = 1, te_protocol: str | None = None,
                  te_devices: str | None = None) -> None:
         # client.* options: the caller's config, else KVSTORE_CLIENT_* (docs/operations.md).
-        cfg = config or load_config().client
+        cfg = config or client_config_from_env()
         self.server = server or cfg.server
         self.layout = layout
         self.timeout_s = timeout_s or cfg.timeout_s

@@ -46,7 +46,7 @@ import numpy as np
 from kvstore.client.client import InsertResult, KVStoreClient, LookupResult, SelectResult
 from kvstore.cluster.membership import NodeInfo, NodeSet
 from kvstore.cluster.placement import key_at, placement_keys
-from kvstore.core.config import load_config
+from kvstore.core.config import client_config_from_env, load_config
 from kvstore.client.datapath import TeEngine
 from kvstore.core.errors import (InvalidRequestError, KVTimeoutError, NotFoundError,
                                  PeerUnavailableError, TransferError)
@@ -93,7 +93,7 @@ class ClusterClient:
             namespace_of, model_id=model_id, tp_rank=tp_rank, tp_size=tp_size, salt=salt,
             pp_rank=pp_rank, pp_size=pp_size)
         self.namespace = self._namespace_of(layout=layout)
-        cfg = client_opts.get("config") or load_config().client  # else KVSTORE_CLIENT_*
+        cfg = client_opts.get("config") or client_config_from_env()  # else KVSTORE_CLIENT_*
         te_host = client_opts.pop("te_host", None) or cfg.te_host
         staging_bytes = client_opts.pop("staging_bytes", None) or cfg.staging_bytes
         # The TE settings configure the one engine every node's client shares.

@@ -72,7 +72,7 @@ import torch
 
 from kvstore.client.client import KVStoreClient
 from kvstore.cluster.client import ClusterClient, connect
-from kvstore.core.config import load_config
+from kvstore.core.config import client_config_from_env
 from kvstore.connector.v0_record import (decode_record, encode_manifest, encode_record,
                                          manifest_parts, split_record)
 from kvstore.client.datapath import TeEngine
@@ -135,7 +135,7 @@ class KVStoreLookupBuffer:
         self.full_waits = 0  # inserts that found the server full and waited
         self.insert_misses = 0  # inserts skipped: still full after the wait, or unreachable
         self.select_any_calls = 0  # drop_select(None, ...): answered with a miss
-        cfg = client_opts.get("config") or load_config().client  # else KVSTORE_CLIENT_*
+        cfg = client_opts.get("config") or client_config_from_env()  # else KVSTORE_CLIENT_*
         te_host = client_opts.pop("te_host", None) or cfg.te_host
         staging_bytes = client_opts.pop("staging_bytes", None) or cfg.staging_bytes
         protocol = client_opts.pop("te_protocol", None) or cfg.te_protocol

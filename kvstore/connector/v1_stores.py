@@ -17,7 +17,6 @@ recently used closed first), so no stream of addresses grows the process.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -28,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kvstore.client.client import KVStoreClient, PendingInsert
-from kvstore.core.config import load_config
+from kvstore.core.config import ClientConfig, client_config_from_env
 from kvstore.cluster.client import ClusterClient, connect
 from kvstore.client.datapath import TeEngine
 from kvstore.connector.v1_config import ConnectorSettings
@@ -53,10 +52,14 @@ class StoreClients:
         self.pp_rank, self.pp_size = pp_rank, pp_size
         # The scheduler only looks up: its clients never move bytes.
         staging = settings.staging_bytes if worker else 1 << 20
-        # The client.* options the extra config does not set come from KVSTORE_CLIENT_*
-        # (TE piece size and wait, arena prefaulting, ...: docs/operations.md).
-        self._client_cfg = dataclasses.replace(load_config().client,
-                                               inline_max_bytes=settings.inline_max_bytes)
+        # How the clients move bytes, which the extra config does not set, comes from
+        # KVSTORE_CLIENT_* (docs/operations.md); the rest (server, timeouts, TE host
+        # and protocol) is the extra config's, and CURVE is not the connector's.
+        env = client_config_from_env()
+        self._client_cfg = ClientConfig(
+            inline_max_bytes=settings.inline_max_bytes, inline_part_bytes=env.inline_part_bytes,
+            te_piece_bytes=env.te_piece_bytes, te_wait=env.te_wait,
+            prefault_arena=env.prefault_arena, stream_copies=env.stream_copies)
         self._engine = TeEngine(settings.te_host, staging, settings.timeout_s,
                                 settings.te_protocol, settings.te_devices,
                                 self._client_cfg.te_piece_bytes, self._client_cfg.te_wait)

@@ -321,6 +321,15 @@ def load_config(path: str | os.PathLike | None = None,
     return cfg
 
 
+def client_config_from_env(env: Mapping[str, str] | None = None) -> ClientConfig:
+    """The ``[client]`` options from ``KVSTORE_CLIENT_*`` alone: what a client made
+    without a config uses. The other sections' variables (a server's, sharing the
+    node's environment) are not read, so a bad one cannot stop a client."""
+    source = os.environ if env is None else env
+    mine = {k: v for k, v in source.items() if k.startswith("KVSTORE_CLIENT_")}
+    return load_config(env=mine).client
+
+
 def describe_options() -> list[tuple[str, str, str, str]]:
     """(toml key, env var, type, default) for every option; docs are generated from it."""
     rows = []

@@ -110,9 +110,11 @@ def test_client_with_rdma_and_no_nic_is_refused_when_made():
 
 def test_client_options_from_the_environment_reach_library_and_connector_clients(
         server_factory, monkeypatch):
-    """KVSTORE_CLIENT_* configure a client made without a config (a library user's,
-    the connector's for what its extra config does not set), as docs/operations.md
-    says; a config handed in wins. Seen through a real insert + drop_select over TE."""
+    """KVSTORE_CLIENT_* configure a client made without a config (a library user's;
+    the connector's for how bytes move, which its extra config does not set), as
+    docs/operations.md says; a config handed in wins. Other sections' variables (a
+    server's, bad here) are not read by clients; CURVE keys not by the connector.
+    Seen through a real insert + drop_select over TE."""
     from kvstore.connector.v1_config import ConnectorSettings
     from kvstore.connector.v1_stores import StoreClients
 
@@ -122,6 +124,7 @@ def test_client_options_from_the_environment_reach_library_and_connector_clients
     monkeypatch.setenv("KVSTORE_CLIENT_TE_PIECE_BYTES", "1MiB")
     monkeypatch.setenv("KVSTORE_CLIENT_PREFAULT_ARENA", "false")
     monkeypatch.setenv("KVSTORE_CLIENT_TIMEOUT_S", "7")
+    monkeypatch.setenv("KVSTORE_SERVER_MAX_MESSAGE_BYTES", "1")  # a server's, refused there
     with KVStoreClient(layout=LAYOUT, same_node=False, staging_bytes=1 << 20) as client:
         assert (client.server, client.timeout_s) == (server.address, 7.0)
         engine = client._data.engine
@@ -133,6 +136,7 @@ def test_client_options_from_the_environment_reach_library_and_connector_clients
         assert np.array_equal(client.drop_select(tokens).kv.numpy(), kv)
     with KVStoreClient(config=load_config(env={}).client, layout=LAYOUT) as given:
         assert given.server != server.address and given._data.engine.wait == "sleep"
+    monkeypatch.setenv("KVSTORE_CLIENT_CURVE_SECRET_KEY", "/nonexistent/client.key_secret")
     settings = ConnectorSettings.from_extra("kv_consumer", {"server": server.address,
                                                              "inline_max_bytes": 0}, "m")
     stores = StoreClients(settings, LAYOUT, 0, 1, worker=True)
@@ -140,6 +144,7 @@ def test_client_options_from_the_environment_reach_library_and_connector_clients
         client = stores.client(server.address)
         assert (stores._engine.wait, stores._engine.piece_bytes) == ("spin", 1 << 20)
         assert client._data.prefault is False and client._inline_max == 0
+        assert client.hello()["segment"]  # no CURVE: the server answers
     finally:
         stores.close()
     monkeypatch.setenv("KVSTORE_CLIENT_TE_WAIT", "nap")
