@@ -287,17 +287,22 @@ class KVStoreClient:
     def _read_deadline(self, deadline: float) -> float | None:
         """An acquire's ``deadline`` on the server's wall clock (as ``_deadline``
         reckons it): when this call gives up (``deadline``, monotonic), less a margin
-        for the reply's way back (a quarter of what is left, at most
+        for the reply's way back (a quarter of what is left; for a server on another
+        node at least ``_CLOCK_ERROR_S``, its clock's error; at most
         ``_DEADLINE_SLACK_S``), so that a reply the server sent in time is not given
-        up on with its lease held. None where the server's clock is not known."""
+        up on with its lease held. None where the server's clock is not known, or it
+        does not take acquire deadlines (its hello's ``acquire_deadline``)."""
         hello = self._hello
-        if hello is None or "now" not in hello:
-            return None
-        offset = 0.0 if self._data.uses_shared_memory else self._clock
+        if hello is None or not hello.get("acquire_deadline") or "now" not in hello:
+            return None  # (a server older than acquire deadlines: it would refuse one)
+        local = self._data.uses_shared_memory
+        offset = 0.0 if local else self._clock
         if offset is None:
             return None
-        left = deadline - time.monotonic()
-        return time.time() + offset + left - min(_DEADLINE_SLACK_S, max(0.0, left) / 4)
+        left = max(0.0, deadline - time.monotonic())
+        # A remote clock is known to within _CLOCK_ERROR_S: the margin covers that too.
+        margin = left / 4 if local else max(left / 4, _CLOCK_ERROR_S)
+        return time.time() + offset + left - min(_DEADLINE_SLACK_S, margin)
 
     def keys_for(self, tokens: Sequence[int] | np.ndarray,
                  scope: bytes | str = b"") -> list[bytes]:
@@ -703,13 +708,22 @@ class KVStoreClient:
             # The hidden key is optional: a prompt stored without one is no miss.
             # A later round of a drop_select that finds no room spends the rest:
             # with the head taken, no whole-prompt read could reach it again.
-            acq = self._acquire(p.Acquire(keys=tuple(keys[done:]), tokens=tuple(toks[done:]),
-                                          claim=drop, optional_tail=True,
-                                          spend_rest=drop and done > 0,
-                                          inline=inline, inline_part=part,
-                                          deadline=self._read_deadline(deadline)), deadline,
-                                None if part is None else functools.partial(
-                                    self._data.take_parts, into=round_into))
+            try:
+                acq = self._acquire(
+                    p.Acquire(keys=tuple(keys[done:]), tokens=tuple(toks[done:]),
+                              claim=drop, optional_tail=True, spend_rest=drop and done > 0,
+                              inline=inline, inline_part=part,
+                              deadline=self._read_deadline(deadline)), deadline,
+                    None if part is None else functools.partial(self._data.take_parts,
+                                                                into=round_into))
+            except (BusyError, KVTimeoutError, PeerUnavailableError) as exc:
+                if not entries:
+                    raise
+                # The earlier rounds' entries are verified and released (a drop_select's
+                # with drop: gone from the server): they are the caller's, short.
+                log.warning("drop_select: a later round failed (%s): returning the first "
+                            "%d entries", exc, done)
+                break
             short = acq.get("short", "")
             if not acq["entries"]:
                 if acq.get("spent"):
@@ -754,14 +768,19 @@ class KVStoreClient:
         try:
             return self._call(req, _left(deadline), take)
         except InvalidRequestError as exc:
-            if not any(f"unknown field {name!r}" in str(exc)
-                       for name in ("inline", "inline_part", "deadline")):
+            refused = [name for name in ("inline", "inline_part", "deadline")
+                       if f"unknown field {name!r}" in str(exc)]
+            if not refused:
                 raise
-        log.info("the server at %s refuses inline replies, parts of them, or an acquire's "
-                 "deadline (an older build): asking without them", self.server)
+        log.info("the server at %s refuses the acquire's %s (an older build): asking "
+                 "without", self.server, " and ".join(refused))
         self._hello = None
-        return self._call(dataclasses.replace(req, inline=None, inline_part=None,
-                                              deadline=None), _left(deadline))
+        # (inline_part needs inline: a server that refuses either reads over TE.)
+        if refused != ["deadline"]:
+            req = dataclasses.replace(req, inline=None, inline_part=None)
+        if "deadline" in refused:
+            req = dataclasses.replace(req, deadline=None)
+        return self._call(req, _left(deadline))
 
     def _inline(self, skip: int) -> int | None:
         """What an acquire asks to get in its reply (``Acquire.inline``): this client's

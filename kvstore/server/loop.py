@@ -780,7 +780,7 @@ class Server:
                 "block_tokens": self.config.store.block_tokens,
                 "max_message_bytes": self.max_bytes, "te_probe": self._te_probe(),
                 "inline_max": self._inline_max, "inline_parts": True,
-                "now": time.time()}
+                "acquire_deadline": True, "now": time.time()}
 
     def _te_probe(self) -> list[int] | None:
         """[address, nbytes] of one page a TE peer may read: a client's first TE

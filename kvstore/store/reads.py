@@ -72,7 +72,9 @@ class Staging:
 
     def read(self) -> tuple[dict, dict]:
         """The NVMe reads and their checksums; on an I/O error the staging is undone
-        and ``MissError`` raised."""
+        and ``MissError`` raised; past the reader's deadline it is undone and
+        ``BusyError`` raised before any read (``Reads.refuse_late``)."""
+        self._reads.refuse_late(self.deadline, self.abandon)
         try:
             return self._reads.place.read_staging(self.plan)
         except BaseException:
@@ -179,11 +181,13 @@ class Reads(Operations):
     def refuse_late(self, deadline: float | None,
                     undo: Callable[[], None] | None = None) -> None:
         """``BusyError`` (after ``undo``) where it is past a reader's ``deadline`` (this
-        server's wall clock, as the reader knows it; checked under the store's lock,
-        so a wait for the lock counts): the reader stopped waiting then (a server
-        frozen with the acquire in its socket buffer reads it only when it goes on),
-        and a lease taken for it would keep its prompt from every other reader until
-        it ran out. Counted in ``late_reads``."""
+        server's wall clock, as the reader knows it; an acquire's check is made under
+        the store's lock, so a wait for the lock counts): the reader stopped waiting
+        then (a server frozen with the acquire in its socket buffer reads it only when
+        it goes on), and a lease taken for it would keep its prompt from every other
+        reader until it ran out. Counted in ``late_reads``. (A staging's checks, before its NVMe
+        read and before it finishes, run on the staging thread: ``undo`` takes the
+        lock itself.)"""
         if deadline is None:
             return
         late = time.time() - deadline
@@ -191,7 +195,8 @@ class Reads(Operations):
             return
         if undo is not None:
             undo()
-        self.counts["late_reads"] += 1
+        with self.lock:  # (re-entrant: begin_acquire holds it already)
+            self.counts["late_reads"] += 1
         raise BusyError(f"acquire reached the store {late:.1f} s {LATE_READ}: nothing "
                         "acquired")
 

@@ -404,6 +404,42 @@ _OLDER_SERVER = ("import runpy, sys\n"
                  "runpy.run_module('kvstore.server', run_name='__main__')\n")
 
 
+# A server from before acquire deadlines (09fb8dd): its decoder refuses the field and
+# its hello does not offer it.
+_BEFORE_READ_DEADLINES = (
+    "import runpy, sys\n"
+    "from kvstore.core import protocol\n"
+    "from kvstore.server.loop import Server\n"
+    "del protocol.Acquire.CHECKS['deadline']\n"
+    "said = Server.hello\n"
+    "Server.hello = lambda self: {k: v for k, v in said(self).items()\n"
+    "                             if k != 'acquire_deadline'}\n"
+    "sys.argv[0] = 'kvstore-server'\n"
+    "runpy.run_module('kvstore.server', run_name='__main__')\n")
+
+
+@pytest.mark.parametrize("same_node", [True, False])
+def test_a_server_older_than_acquire_deadlines_is_asked_without_one(server_factory,
+                                                                  client_factory, same_node):
+    """A new client and a server from before acquire deadlines (a rolling upgrade,
+    clients first): the client sends none (the hello does not offer them), so no
+    acquire is refused, and small drop_selects still come inline."""
+    srv = server_factory()
+    srv.stop()
+    srv.argv[1:3] = ["-c", _BEFORE_READ_DEADLINES]
+    srv.start()
+    producer = client_factory(srv)
+    consumer = reader(client_factory, srv) if not same_node else client_factory(srv)
+    assert "acquire_deadline" not in consumer.hello()
+    for seed in (5, 6, 7):
+        producer.insert(prompt(21, seed), make_kv(21, seed))
+        got = consumer.drop_select(prompt(21, seed))
+        assert got.matched_tokens == 21 and np.array_equal(got.kv.numpy(), make_kv(21, seed))
+    if not same_node:
+        assert consumer.ops == ["inline_read"] * 3
+    assert consumer.stats()["errors"] == 0
+
+
 def test_a_client_whose_server_was_replaced_by_an_older_one_reads_over_te(
         server_factory, client_factory):
     """The client keeps a server's hello while the server answers; a newer server
