@@ -15,6 +15,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 PARAM_SERVER = "kvstore_server"  # kv_transfer_params: the server holding the prompt's KV
 PARAM_TOKENS = "kvstore_tokens"  # kv_transfer_params: how many tokens the producer stores
+# kv_transfer_params: the producer's key generation (SchedulerSide.reset), when not 0
+PARAM_GENERATION = "kvstore_generation"
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 from kvstore.connector.v1_config import ConnectorSettings
 from kvstore.connector.v1_orders import (
+    PARAM_GENERATION,
     PARAM_SERVER,
     PARAM_TOKENS,
     KVStoreConnectorMetadata,
@@ -90,7 +91,8 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._saved: set[str] = set()  # requests whose save was ordered
         self._held: dict[str, int] = {}  # req -> tokens a keep-mode lookup found stored
-        self._generation = 0  # reset() calls so far: each gives new requests new keys
+        self._generation = 0  # key generation: reset() starts a new one
+        self._seen_since_reset = False  # a request was scoped in this generation
 
     def reset(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)`` (after a weight update,
@@ -98,22 +100,38 @@ class SchedulerSide:
         again. The store is shared with other engines and keeps what it holds; this
         engine's requests get keys of a new generation from now on (a ``weights=N``
         part of their scope, kvstore.connector.v1_orders.request_scope), so nothing
-        stored before is found here, and what it stores from now on is found only
-        by engines reset as many times. Requests in flight are not saved (vLLM
-        recomputes them with the new weights; their earlier chunks carry the old
-        keys). True: done."""
-        self._generation += 1
+        stored before is found here. A reset with no request since the last one (a
+        retried or repeated reset) keeps the generation: engines reset together stay
+        together. A producer's kv_transfer_params carry its generation
+        (``PARAM_GENERATION``), and a decode loads a request with params under the
+        producer's, so the two need not agree; lookups without params (a prefix
+        cache) find what engines of the same generation stored. Requests in flight
+        are not saved, nor are params handed out for saves ordered before (vLLM
+        recomputes them with the new weights). True: done."""
+        if self._seen_since_reset:
+            self._generation += 1
+            self._seen_since_reset = False
         for state in (self._tracked, self._matched, self._scopes, self._looked, self._held):
             state.clear()
+        self._saved.clear()
         log.info("kvstore connector: reset; new requests use keys of generation %d",
                  self._generation)
         return True
 
     def _scope_of(self, request: Any) -> str:
+        """``request_scope`` in this engine's key generation, or, for a request whose
+        kv_transfer_params name the producer's, in that one."""
+        self._seen_since_reset = True
+        generation = self._generation
+        params = getattr(request, "kv_transfer_params", None)
+        if isinstance(params, dict) and PARAM_SERVER in params:
+            named = params.get(PARAM_GENERATION, 0)
+            # (untrusted: an int, else the request's keys are this engine's own)
+            generation = named if type(named) is int and named >= 0 else generation
         scope = request_scope(request)
-        if not self._generation:
+        if not generation:
             return scope
-        return f"{scope}\nweights={self._generation}" if scope else f"weights={self._generation}"
+        return f"{scope}\nweights={generation}" if scope else f"weights={generation}"
 
     # ------------------------------------------------------------ loading
     def get_num_new_matched_tokens(self, request: Any,
@@ -298,7 +316,10 @@ class SchedulerSide:
             return False, None
         self._saved.discard(rid)
         stored = len(stored_part(list(request.prompt_token_ids or [])))
-        return False, {PARAM_SERVER: self.settings.server, PARAM_TOKENS: stored}
+        params = {PARAM_SERVER: self.settings.server, PARAM_TOKENS: stored}
+        if self._generation:
+            params[PARAM_GENERATION] = self._generation
+        return False, params
 
     # ------------------------------------------------------------ observability
     def take_stats(self) -> KVStoreConnectorStats | None:

@@ -36,6 +36,7 @@ from kvstore.client.client import KVStoreClient
 from kvstore.connector import vllm_v1
 from kvstore.connector.block_format import truthful
 from kvstore.connector.paged_io import gather_blocks
+from kvstore.connector.v1_orders import PARAM_GENERATION
 from kvstore.connector.vllm_v1 import PARAM_SERVER, KVStoreConnectorV1
 from tests.integration.conftest import free_port
 
@@ -370,26 +371,37 @@ def test_same_step_load_errors_are_reported_before_wait_for_save(clean_server):
 def test_a_reset_gives_this_engines_requests_keys_of_their_own(clean_server):
     """vLLM's reset_prefix_cache(reset_connector=True), as after a weight update,
     calls the scheduler's reset_cache: from then on this engine finds nothing stored
-    before, what it saves is found by it and not by an engine that was not reset,
-    and the store kept everything."""
+    before, what it saves is found by it and not by an engine that was not reset
+    (a lookup), and the store kept everything. A reset retried with no request
+    between keeps the generation. A decode engine that was not reset loads what
+    the reset engine saved through its kv_transfer_params, which carry the
+    producer's generation."""
     old, new = list(range(560, 571)), list(range(580, 591))
     prefill(clean_server, old, [3, 7, 1])
     sched, worker, caches = make_connectors("kv_both", server=clean_server.address)
     other, o_worker, _ = make_connectors("kv_both", server=clean_server.address)
     assert sched.get_num_new_matched_tokens(request("r1", old), 0) == (10, False)
     stored = entries(clean_server)
-    assert sched.reset_cache() is True
+    assert sched.reset_cache() is True and sched.reset_cache() is True  # (a retry)
     assert sched.get_num_new_matched_tokens(request("r2", old), 0) == (0, False)
     fill_random(caches, seed=11)
     req = request("r3", new)
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
     assert schedule(sched, worker, req, [5, 9, 2], 0) == set()
-    sched.request_finished(req, [5, 9, 2])
+    _, params = sched.request_finished(req, [5, 9, 2])
+    assert params[PARAM_GENERATION] == 1, params
     assert entries(clean_server) == stored + 3  # saved, and nothing dropped
     assert sched.get_num_new_matched_tokens(request("r4", new), 0) == (10, False)
     assert other.get_num_new_matched_tokens(request("r5", new), 0) == (0, False)
     assert other.get_num_new_matched_tokens(request("r6", old), 0) == (10, False)
-    for conn in (worker, sched, o_worker, other):
+    decode, d_worker, d_caches = make_connectors("kv_consumer", server=clean_server.address)
+    claimed = request("d1", new, params)
+    assert decode.get_num_new_matched_tokens(claimed, 0) == (10, True)
+    assert schedule(decode, d_worker, claimed, [6, 8, 4], 10) == set()
+    for name in LAYERS:
+        assert torch.equal(d_caches[name][6], caches[name][5])
+        assert torch.equal(d_caches[name][8], caches[name][9])
+    for conn in (worker, sched, o_worker, other, d_worker, decode):
         conn.shutdown()
 
 
