@@ -104,7 +104,8 @@ def _address(server: str) -> str:
     address = server if "://" in server else f"tcp://{server}"
     match = _ADDRESS.fullmatch(address)
     if match is None or not 0 < int(match.group(2)) < 65536:
-        fail(f"--server {server!r}: need tcp://HOST:PORT")
+        fail(f"server address {server!r} (--server, KVSTORE_CLIENT_SERVER or client.server): "
+             "need tcp://HOST:PORT")
     return address
 
 

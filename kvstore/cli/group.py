@@ -4,6 +4,7 @@ server said no or was unreachable, 2 for bad arguments) and per-node output."""
 from __future__ import annotations
 
 import os
+import select
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -63,13 +64,26 @@ class AdminGroup(click.Group):
             raise
         except KVStoreError as exc:
             raise click.ClickException(str(exc)) from None
-        except BrokenPipeError:  # the reader went away (`kvstore stats --watch 1 | head`)
-            _quiet_stdout()
+        except BrokenPipeError as exc:
+            if not _stdout_closed():  # a socket or pipe of something else: an error
+                raise click.ClickException(f"unexpected BrokenPipeError: {exc}") from None
+            _quiet_stdout()  # the reader went away (`kvstore stats --watch 1 | head`)
             ctx.exit(1)
         except Exception as exc:  # the promise is one line, not a traceback
             if ctx.meta.get("kvstore.debug"):
                 raise
             raise click.ClickException(f"unexpected {type(exc).__name__}: {exc}") from None
+
+
+def _stdout_closed() -> bool:
+    """Whether nobody reads this process's stdout any more (its pipe's reading end is
+    closed: poll says POLLERR on the writing end)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poller.poll(0))
+    except (OSError, ValueError):  # no real file behind stdout
+        return False
 
 
 def _quiet_stdout() -> None:

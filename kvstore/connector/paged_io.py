@@ -48,8 +48,9 @@ def _rows(cache: torch.Tensor, per_block: int) -> torch.Tensor | None:
     """The layer's cache as ``[blocks, per_block]`` same-width integers, where each
     block's view is one contiguous run of its ``per_block`` elements (so a flat view
     position is a memory offset); None where it is not (such caches take the
-    per-element path). Moving whole blocks and permuting within them is several times
-    faster than placing every element by its coordinates (docs/vllm.md)."""
+    per-element path). Moving whole blocks and permuting within them is 2-3x faster
+    than placing every element by its coordinates (docs/benchmarks.md, "Connector
+    inside vLLM")."""
     if cache.shape[0] < 1 or cache[0].numel() != per_block or not cache[0].is_contiguous():
         return None
     return bits(cache).as_strided((cache.shape[0], per_block), (cache.stride(0), 1))

@@ -448,7 +448,9 @@ def test_bad_arguments_exit_2_with_a_reason(args, message):
 def test_a_server_address_that_is_none_is_a_usage_error(address):
     result = run("stats", "--server", address, "--timeout", "1")
     assert result.exit_code == 2, result.output
-    assert result.stderr.strip() == f"kvstore stats: --server {address!r}: need tcp://HOST:PORT"
+    assert result.stderr.strip() == (f"kvstore stats: server address {address!r} (--server, "
+                                     "KVSTORE_CLIENT_SERVER or client.server): need "
+                                     "tcp://HOST:PORT")
 
 
 def test_bad_argument_of_the_console_script_is_one_line_exit_2():

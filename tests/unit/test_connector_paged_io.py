@@ -10,12 +10,16 @@ from kvstore.connector.block_format import truthful
 from kvstore.connector.paged_io import _rows, gather_blocks, gather_layer, scatter_blocks
 from kvstore.core.layout import KVLayout, pack_hf
 
-LAYOUT = KVLayout(num_layers=3, kv_heads=2, head_dim=4, dtype="float16", block_tokens=4)
+# Three heads: with two, the truthful view's permutation of a block is its own inverse,
+# and moving whole blocks could mix up the two directions unseen.
+HEADS = 3
+LAYOUT = KVLayout(num_layers=3, kv_heads=HEADS, head_dim=4, dtype="float16", block_tokens=4)
+PER_BLOCK = 2 * 4 * HEADS * 4  # elements of one layer's block
 
 
 def _caches(seed: int, nblocks: int = 12) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(nblocks, 2, 4, 8, generator=g).half() for _ in range(3)]
+    return [torch.randn(nblocks, HEADS, 4, 8, generator=g).half() for _ in range(3)]
 
 
 FMT = truthful(_caches(0)[0], "view")
@@ -58,12 +62,12 @@ def test_blocks_moved_whole_and_element_by_element_agree(ntokens, seed, perm):
     scatter writes the same values into them and nothing into the gaps."""
     src_ids, dst_ids = list(perm[:4]), list(perm[4:8])
     plain = _caches(seed)
-    storage = [torch.zeros(12, 64 + 5).half() for _ in plain]
-    gapped = [g[:, :64].view(12, 2, 4, 8) for g in storage]
+    storage = [torch.zeros(12, PER_BLOCK + 5).half() for _ in plain]
+    gapped = [g[:, :PER_BLOCK].view(12, HEADS, 4, 8) for g in storage]
     nhd = [c.transpose(1, 2).contiguous().transpose(1, 2) for c in plain]
     for g, c in zip(gapped, plain):
         g.copy_(c)
-    assert _rows(gapped[0], 64) is not None and _rows(nhd[0], 64) is None
+    assert _rows(gapped[0], PER_BLOCK) is not None and _rows(nhd[0], PER_BLOCK) is None
     data = gather_blocks(LAYOUT, FMT, plain, src_ids, ntokens)
     assert torch.equal(gather_blocks(LAYOUT, FMT, gapped, src_ids, ntokens), data)
     assert torch.equal(gather_blocks(LAYOUT, FMT, nhd, src_ids, ntokens), data)
@@ -82,7 +86,7 @@ def test_blocks_moved_whole_and_element_by_element_agree(ntokens, seed, perm):
         if rest:
             assert torch.equal(gap[dst_ids[full], :, :rest], want[dst_ids[full], :, :rest])
     for g in storage:
-        assert bool((g[:, 64:] == 3).all())
+        assert bool((g[:, PER_BLOCK:] == 3).all())
 
 
 def test_first_block_skips_local_prefix_blocks():
