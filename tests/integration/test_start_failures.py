@@ -25,6 +25,7 @@ from kvstore.core import protocol as p
 from kvstore.core.config import MIN_MESSAGE_BYTES, KVStoreConfig, load_config
 from kvstore.core.errors import ConfigError
 from kvstore.store.setup import LOCK_NAME, _arena_prefix
+from tests.faults.conftest import fill, mount_tmpfs, needs_root, umount
 from tests.integration.conftest import REPO, free_port, server_argv, server_env
 
 pytestmark = pytest.mark.timeout(180)
@@ -173,51 +174,19 @@ def test_a_lock_file_that_cannot_be_written_is_one_line_and_exit_2(tmp_path):
              preexec_fn=_no_file_growth)
 
 
-def _mount_tmpfs(path: Path, size: str) -> None:
-    path.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs",
-                           str(path)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-
-
-def _umount(path: Path) -> None:
-    if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)  # busy: detach
-
-
-def _fill(directory: Path) -> None:
-    """Write a file in ``directory`` until its file system has not a byte left."""
-    fd = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    chunk = b"\0" * (64 << 10)
-    try:
-        while True:
-            try:
-                os.write(fd, chunk)
-            except OSError as exc:
-                if exc.errno != errno.ENOSPC:
-                    raise
-                if len(chunk) == 1:
-                    return
-                chunk = chunk[: len(chunk) // 2]
-    finally:
-        os.close(fd)
-
-
+@needs_root
 def test_a_restart_on_a_full_file_system_is_served(tmp_path, server_factory, client_factory):
     """docs/operations.md: a restart with the data dir's file system still full is
     served. The PID in kvstore.lock is only informational (the flock is the lock):
     no room for it is logged, not a crash."""
     mnt = tmp_path / "fs"
-    _mount_tmpfs(mnt, "16m")
+    mount_tmpfs(mnt, "16m")
     try:
         assert os.path.ismount(mnt)
         srv = server_factory(data_dir=mnt / "data", dram="4MiB", nvme="8MiB")
         assert srv.stop() == 0
         assert not (mnt / "data" / LOCK_NAME).exists()  # a clean stop removes it
-        _fill(mnt)
+        fill(mnt)
         assert os.statvfs(mnt).f_bavail == 0
         srv.start()  # fails with the server's log if it exits instead
         out = srv.log()[srv._log_start:]
@@ -231,7 +200,7 @@ def test_a_restart_on_a_full_file_system_is_served(tmp_path, server_factory, cli
     finally:
         for started in server_factory.started:
             started.stop()
-        _umount(mnt)
+        umount(mnt)
 
 
 # --------------------------------------------------------------- --max-message-bytes
