@@ -194,10 +194,11 @@ def test_server_signalled_around_a_drop_select_answered_inline(
     """A prompt in DRAM read by a client off the server's node comes in the acquire's
     reply (``Acquire.inline``). Once that reply is in, the bytes are the caller's: a
     server killed or stopped afterwards changes nothing. One signalled before it
-    answers is a bounded miss (the client gives up on its socket at the timeout, so
-    a stopped server's late reply with the bytes goes nowhere); once continued, that
-    acquire's lease expires and the prompt stays stored. (DRAM lost to SIGKILL is
-    volatile by design and not counted, as in the fault table.)"""
+    answers is a bounded miss (the client gives up on its socket at the timeout); a
+    stopped server, once continued, reaches that acquire after its deadline and
+    refuses it (``late_reads``): no reply with the bytes, nothing leased, the prompt
+    stays stored for the next reader. (DRAM lost to SIGKILL is volatile by design
+    and not counted, as in the fault table.)"""
     from kvstore.core.config import ClientConfig
     from kvstore.core.protocol import Acquire
 
@@ -235,8 +236,9 @@ def test_server_signalled_around_a_drop_select_answered_inline(
     lost = 0
     if when == "acquire":
         assert failed is not None and not taken, "no reply could have come"
-        if sig == signal.SIGSTOP:  # it answered once continued; nobody took the bytes
+        if sig == signal.SIGSTOP:  # refused once continued: late, nothing leased
             lost = 0 if still_there else prompt_kv(target, N).nbytes
+            assert admin.stats()["late_reads"] == 1
     else:  # the reply came before the signal: the bytes are in hand, exact
         assert failed is None and taken
         assert got.matched_tokens == N
@@ -247,7 +249,8 @@ def test_server_signalled_around_a_drop_select_answered_inline(
     _nothing_left_open(admin)
     if sig == signal.SIGSTOP and when != "acquire":  # the one-way release was applied
         assert not admin.lookup(prompt_tokens(target, N)).matched_tokens
-    assert admin.stats()["inline_replies"] == (1 if sig == signal.SIGSTOP else 0)
+    answered = sig == signal.SIGSTOP and when != "acquire"  # (a late acquire: no reply)
+    assert admin.stats()["inline_replies"] == int(answered)
     # The same client goes on after every case, the next prompt exact.
     admin.insert(prompt_tokens(8, N), prompt_kv(8, N))
     again = client.drop_select(prompt_tokens(8, N))
