@@ -12,12 +12,14 @@ store's event counts: every part adds to them, only ``Store.stats`` reads them.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstore.core.config import KVStoreConfig
+from kvstore.core.errors import BusyError
 
 if TYPE_CHECKING:
     from kvstore.store.bytes_io import ByteIO
@@ -59,3 +61,24 @@ class Operations:
         self.hits = parts.counters.hits
         self.tier_bytes = parts.counters.tier_bytes
         self.reap_due = parts.reap_due
+
+    def late(self, deadline: float | None, op: str, reason: str, nothing: str,
+             counter: str, undo: Callable[[], None] | None = None) -> None:
+        """``BusyError`` (after ``undo``: give back what the request named) where it
+        is past a client's ``deadline`` (this server's wall clock, as the client knows
+        it): the client stopped waiting then (a server frozen with the request in its
+        socket buffer reads it only when it goes on), so nothing may be done or held
+        for it. ``reason`` says which (``errors.LATE_WRITE`` / ``LATE_READ``); counted
+        in ``counts[counter]``. Callers check under the store's lock, so a wait for
+        it counts too (the lock is re-entrant; a staging's checks run on the staging
+        thread, and its ``undo`` takes the lock itself)."""
+        if deadline is None:
+            return
+        late = time.time() - deadline
+        if late <= 0:
+            return
+        if undo is not None:
+            undo()
+        with self.lock:
+            self.counts[counter] += 1
+        raise BusyError(f"{op} reached the store {late:.1f} s {reason}: nothing {nothing}")

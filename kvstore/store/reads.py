@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Callable, Final, cast
 
-from kvstore.core.errors import LATE_READ, BusyError, ChecksumError, InvalidRequestError
+from kvstore.core.errors import LATE_READ, ChecksumError, InvalidRequestError
 from kvstore.core.hashing import checksum
 from kvstore.store.index import Record
 from kvstore.store.holds import Lease
@@ -180,25 +180,10 @@ class Reads(Operations):
 
     def refuse_late(self, deadline: float | None,
                     undo: Callable[[], None] | None = None) -> None:
-        """``BusyError`` (after ``undo``) where it is past a reader's ``deadline`` (this
-        server's wall clock, as the reader knows it; an acquire's check is made under
-        the store's lock, so a wait for the lock counts): the reader stopped waiting
-        then (a server frozen with the acquire in its socket buffer reads it only when
-        it goes on), and a lease taken for it would keep its prompt from every other
-        reader until it ran out. Counted in ``late_reads``. (A staging's checks, before its NVMe
-        read and before it finishes, run on the staging thread: ``undo`` takes the
-        lock itself.)"""
-        if deadline is None:
-            return
-        late = time.time() - deadline
-        if late <= 0:
-            return
-        if undo is not None:
-            undo()
-        with self.lock:  # (re-entrant: begin_acquire holds it already)
-            self.counts["late_reads"] += 1
-        raise BusyError(f"acquire reached the store {late:.1f} s {LATE_READ}: nothing "
-                        "acquired")
+        """``Operations.late`` for an acquire: a lease taken for a reader that has
+        gone would keep its prompt from every other reader until it ran out. Counted
+        in ``late_reads``."""
+        self.late(deadline, "acquire", LATE_READ, "acquired", "late_reads", undo)
 
     def finish_staging(self, staging: Staging, bufs: dict | None, good: dict | None
                        ) -> Acquisition:

@@ -30,7 +30,6 @@ from collections.abc import Callable, Sequence
 
 from kvstore.core.errors import (
     LATE_WRITE,
-    BusyError,
     ChecksumError,
     InvalidRequestError,
     NotFoundError,
@@ -400,23 +399,10 @@ class Writes(Operations):
 
     def _refuse_late(self, deadline: float | None, op: str,
                      undo: Callable[[], None] | None = None) -> None:
-        """``BusyError`` (after ``undo``: give back what the request named) where the
-        store reaches a writer's request after its ``deadline`` (this server's wall
-        clock, as the writer knows it), checked under the store's lock, so a
-        request that waited for the lock counts that wait too. The writer stopped
-        waiting then and reported the insert failed (a server frozen with the
-        request in its socket buffer reads it only when it goes on): nothing may be
-        stored or held for it. Counted in ``late_writes``."""
-        if deadline is None:
-            return
-        late = time.time() - deadline
-        if late <= 0:
-            return
-        if undo is not None:
-            undo()
-        self.counts["late_writes"] += 1
-        raise BusyError(f"{op} reached the store {late:.1f} s {LATE_WRITE}: nothing "
-                        f"{'reserved' if op == 'reserve' else 'stored'}")
+        """``Operations.late`` for a writer's request: the writer reported the insert
+        failed, so nothing is stored or held for it. Counted in ``late_writes``."""
+        self.late(deadline, op, LATE_WRITE, "reserved" if op == "reserve" else "stored",
+                  "late_writes", undo)
 
     def abort(self, reservation_id: int) -> None:
         """Forget a reservation, or give a room back; its space is free at once,
