@@ -27,7 +27,8 @@ from numpy.lib.stride_tricks import as_strided
 import torch
 
 from kvstore.core import protocol as p
-from kvstore.core.config import ClientConfig, client_config_from_env, parse_te_devices
+from kvstore.core.config import (ClientConfig, client_config_from_env, parse_te_devices,
+                                 seconds)
 from kvstore.client.datapath import DataPath, Segment, TeEngine, flat_buffer
 from kvstore.core.errors import (LATE_READ, LATE_WRITE, BusyError, ChecksumError, ConfigError,
                                  InvalidRequestError, KVStoreError, KVTimeoutError,
@@ -134,7 +135,7 @@ class KVStoreClient:
         cfg = config or client_config_from_env()
         self.server = server or cfg.server
         self.layout = layout
-        self.timeout_s = timeout_s or cfg.timeout_s
+        self.timeout_s = cfg.timeout_s if timeout_s is None else seconds(timeout_s, "timeout_s")
         self._namespace_of = functools.partial(
             namespace_of, model_id=model_id, tp_rank=tp_rank, tp_size=tp_size, salt=salt,
             pp_rank=pp_rank, pp_size=pp_size)
@@ -685,7 +686,7 @@ class KVStoreClient:
     def _select(self, tokens: Any, drop: bool, timeout: float | None,
                 into: Any = None, scope: bytes | str = b"",
                 skip_blocks: int = 0) -> SelectResult:
-        deadline = time.monotonic() + (timeout or self.timeout_s)
+        deadline = time.monotonic() + _timeout(timeout, self.timeout_s)
         prompt = self._prompt(tokens, scope)
         # Blocks only: the hidden-state entry after them is always moved.
         skip = min(max(0, int(skip_blocks)), len(prompt.keys))
@@ -870,6 +871,7 @@ class KVStoreClient:
                timeout_s: float | None = None) -> LookupResult:
         """How much of ``tokens`` is stored (non-binding). ``timeout_s`` bounds this
         call (default: the client's)."""
+        timeout_s = _timeout(timeout_s, self.timeout_s)
         prompt = self._prompt(tokens, scope)
         res = self._call(p.Lookup(keys=tuple(prompt.keys), tokens=tuple(prompt.tokens)),
                          timeout_s)
@@ -928,6 +930,12 @@ class KVStoreClient:
 
 
 # ------------------------------------------------------------------ helpers
+def _timeout(value: float | None, default: float) -> float:
+    """A call's ``timeout`` argument: ``default`` for None, else a finite number of
+    seconds > 0 (``InvalidRequestError`` before anything is sent)."""
+    return default if value is None else seconds(value, "timeout", InvalidRequestError)
+
+
 def _left(deadline: float) -> float:
     return max(0.001, deadline - time.monotonic())
 

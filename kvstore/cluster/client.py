@@ -46,7 +46,7 @@ import numpy as np
 from kvstore.client.client import InsertResult, KVStoreClient, LookupResult, SelectResult
 from kvstore.cluster.membership import NodeInfo, NodeSet
 from kvstore.cluster.placement import key_at, placement_keys
-from kvstore.core.config import client_config_from_env, load_config
+from kvstore.core.config import client_config_from_env, load_config, seconds
 from kvstore.client.datapath import TeEngine
 from kvstore.core.errors import (InvalidRequestError, KVTimeoutError, NotFoundError,
                                  PeerUnavailableError, TransferError)
@@ -88,7 +88,7 @@ class ClusterClient:
             raise InvalidRequestError(f"placement_blocks must be >= 1, got {placement_blocks}")
         self.layout = layout
         self.placement_blocks = placement_blocks
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s = seconds(timeout_s, "timeout_s")
         self._namespace_of = functools.partial(
             namespace_of, model_id=model_id, tp_rank=tp_rank, tp_size=tp_size, salt=salt,
             pp_rank=pp_rank, pp_size=pp_size)
@@ -234,7 +234,8 @@ class ClusterClient:
         forgotten and the next one tried while time is left; a miss once the deadline
         passes or no node is left. ``probe_answers``: ``call`` is a lookup, so the
         route's own lookup is the answer."""
-        deadline = time.monotonic() + (timeout or self.timeout_s)
+        deadline = time.monotonic() + (self.timeout_s if timeout is None else
+                                       seconds(timeout, "timeout", InvalidRequestError))
         try:
             order, probed = self._route(tokens, scope, deadline)
         except PeerUnavailableError as exc:  # no node registered, or etcd unreachable

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import math
 import os
 import re
 import tomllib
@@ -277,7 +278,7 @@ class ClientConfig:
             raise ConfigError(f"client.inline_part_bytes must be 0 or "
                               f"{MIN_INLINE_PART_BYTES} (64KiB) .. {MAX_INLINE_BYTES} "
                               f"(64MiB), got {self.inline_part_bytes}")
-        _positive(self, "timeout_s")
+        seconds(self.timeout_s, "client.timeout_s")
         if 0 < self.te_piece_bytes < MIN_TE_PIECE_BYTES:
             raise ConfigError(f"client.te_piece_bytes: {self.te_piece_bytes} is below "
                               f"{MIN_TE_PIECE_BYTES} (64KiB); 0 lets te_wait choose")
@@ -442,6 +443,16 @@ def _sizes(obj: Any, *names: str) -> None:
             object.__setattr__(obj, name, parse_size(getattr(obj, name)))
         except ConfigError as exc:
             raise ConfigError(f"{type(obj).__name__}.{name}: {exc}") from exc
+
+
+def seconds(value: Any, name: str, error: type[Exception] = ConfigError) -> float:
+    """``value`` as a timeout: a finite number of seconds > 0, else ``error`` naming
+    ``name`` (NaN, infinity, 0, a negative number or a non-number: each would
+    otherwise end in a traceback deep in a call, or a call that never ends)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 < value < math.inf:
+        raise error(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
 
 
 def _positive(obj: Any, *names: str) -> None:

@@ -140,6 +140,37 @@ def test_bad_input_is_refused_and_reserves_nothing(clean_server, client_factory)
     assert client.lookup(prompt(4)).matched_tokens == 4
 
 
+BAD_TIMEOUTS = [-1, 0, float("nan"), float("inf"), "3", True]
+
+
+@pytest.mark.parametrize("bad", BAD_TIMEOUTS, ids=repr)
+def test_a_bad_timeout_is_refused_before_anything_is_sent(clean_server, client_factory, bad):
+    """NaN and infinity used to end in a ValueError or OverflowError deep in the
+    socket wait, a negative timeout in a late acquire; now each is refused at the
+    call, and the prompt stays stored for the next reader."""
+    from kvstore.client.client import KVStoreClient
+    from kvstore.core.errors import ConfigError
+
+    from kvstore.cluster.client import ClusterClient
+
+    with pytest.raises(ConfigError, match="timeout_s must be a finite number"):
+        KVStoreClient(clean_server.address, layout=LAYOUT, timeout_s=bad)
+    with pytest.raises(ConfigError, match="timeout_s must be a finite number"):
+        ClusterClient("http://127.0.0.1:9", LAYOUT, timeout_s=bad)  # before etcd is asked
+    client = client_factory(clean_server, same_node=False)
+    client.insert(prompt(8, 9), make_kv(8, 9))
+    before = client.stats()
+    for call in (lambda: client.drop_select(prompt(8, 9), timeout=bad),
+                 lambda: client.get(prompt(8, 9), timeout=bad),
+                 lambda: client.lookup(prompt(8, 9), timeout_s=bad)):
+        with pytest.raises(InvalidRequestError, match="timeout must be a finite number"):
+            call()
+    after = client.stats()
+    assert (after["leases"], after["late_reads"]) == (0, before["late_reads"])
+    got = client.drop_select(prompt(8, 9), timeout=5)
+    assert got.matched_tokens == 8 and np.array_equal(got.kv.numpy(), make_kv(8, 9))
+
+
 def test_admin_calls(clean_server, client_factory):
     client = client_factory(clean_server)
     client.insert(prompt(12, 6), make_kv(12, 6))
