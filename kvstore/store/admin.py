@@ -11,9 +11,10 @@ a pinned one only by ``clear``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 
-from kvstore.core.errors import InvalidRequestError, NotFoundError
+from kvstore.core.errors import InvalidRequestError, NotFoundError, StorageError, TierFullError
 from kvstore.core.hashing import checksum
 from kvstore.store.index import Record
 from kvstore.store.parts import Operations
@@ -28,8 +29,16 @@ from kvstore.store.types import (
 )
 
 
+log = logging.getLogger(__name__)
+
 # A page of ``ls`` looks at no more than this many keys per entry it may return.
 LS_SCAN_FACTOR = 8
+# Entries an evict (or clear) the index refuses at once, its disk or map full, removes
+# per change instead: LMDB copies each page a delete changes, so one change of a
+# large part of the index needs pages a full disk does not have. Each chunk's
+# pages come from the index's reserve (kvstore/store/index.py, ``Reserve``), and
+# those it frees serve the chunks after it.
+EVICT_CHUNK = 256
 
 
 class Admin(Operations):
@@ -67,11 +76,12 @@ class Admin(Operations):
             names = [tier] if tier else list(self.place.tiers)
             cands = [c for name in names if name in self.place.tiers for c in self.place.candidates(name)]
             sel = self._select_evictions(cands, nbytes, fraction, wanted, everything)
-            size = sum(self.catalog.records[k].nbytes for k in sel.keys)
-            if not dry_run:
-                self.catalog.apply(drop=sel.keys)
-                self.counts["evictions"] += len(sel.keys)
-            return EvictResult(sel.keys, size, sel.skipped)
+            sizes = {k: self.catalog.records[k].nbytes for k in sel.keys}
+            if dry_run:
+                return EvictResult(sel.keys, sum(sizes.values()), sel.skipped)
+            gone = self._drop(sel.keys)
+            self.counts["evictions"] += len(gone)
+            return EvictResult(gone, sum(sizes[k] for k in gone), sel.skipped)
 
     def demote_entries(self, tier: str | None = None, nbytes: int | None = None,
                        fraction: float | None = None, keys: Sequence[bytes] | None = None,
@@ -144,12 +154,39 @@ class Admin(Operations):
     def clear(self) -> EvictResult:
         """Remove every entry that no reader holds, pinned ones included."""
         with self.lock:
-            gone = [k for k in self.catalog.records if not self.holds.leased.get(k)]
-            size = sum(self.catalog.records[k].nbytes for k in gone)
+            sizes = {k: r.nbytes for k, r in self.catalog.records.items()
+                     if not self.holds.leased.get(k)}
             skipped = [k for k in self.catalog.records if self.holds.leased.get(k)]
-            self.catalog.apply(drop=gone)
+            gone = self._drop(list(sizes))
             self.counts["evictions"] += len(gone)
-            return EvictResult(gone, size, skipped)
+            return EvictResult(gone, sum(sizes[k] for k in gone), skipped)
+
+    def _drop(self, keys: list[bytes]) -> list[bytes]:
+        """Remove the stored entries ``keys`` in one change, or, if the index refuses
+        that (its disk or map full), ``EVICT_CHUNK`` at a time for as long as the
+        index takes them. The keys removed, in order; raises the index's
+        ``StorageError`` / ``TierFullError`` only when not one chunk went."""
+        try:
+            self.catalog.apply(drop=keys)
+            return keys
+        except (StorageError, TierFullError) as exc:
+            if len(keys) <= EVICT_CHUNK:
+                raise
+            log.warning("the index refused removing %d entries at once (%s): removing "
+                        "them %d at a time", len(keys), exc, EVICT_CHUNK)
+        gone: list[bytes] = []
+        for at in range(0, len(keys), EVICT_CHUNK):
+            chunk = keys[at:at + EVICT_CHUNK]
+            try:
+                self.catalog.apply(drop=chunk)
+            except (StorageError, TierFullError) as exc:
+                if not gone:
+                    raise
+                log.error("removed %d of %d entries, then the index refused: %s",
+                          len(gone), len(keys), exc)
+                break
+            gone += chunk
+        return gone
 
     def verify(self, keys: Sequence[bytes] | None = None) -> VerifyResult:
         """Re-check every entry's checksum (or only those of ``keys``; keys not stored are

@@ -14,6 +14,10 @@ Invariants:
   value that does not decode, or whose fields are not as the store's own writes
   make them (``check_record``: types, ranges, ``ntokens`` matching ``tokens``), is
   treated as absent (and dropped by ``load``).
+* A change that only removes rows never fails for want of disk space while the
+  index's reserve (``Reserve``) has bytes left: LMDB copies every page it changes,
+  so a delete needs free pages too, and on a full file system deleting is how an
+  operator (``kvstore evict``) and the store make room.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import math
 import os
 import struct
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -196,10 +200,108 @@ def _first_bad_field(rec: Record) -> str:
     return f"bad {name}: {shown}"
 
 
+# A key no record has (theirs are KEY_BYTES long): ``Index._turn`` writes and deletes it.
+_TURN_KEY = b"\0" * (KEY_BYTES - 1)
+
 # Rows ``Index.drop_strays`` deletes in one transaction, and how long it waits after
 # the index refused before it tries again.
 STRAY_CHUNK = 4096
 STRAY_RETRY_S = 10.0
+
+
+# The reserve: a ballast file beside LMDB's files, given back RESERVE_STEP at a time
+# to a delete the file system refuses for want of space. 4 MiB is a thousand 4 KiB
+# pages: a delete of a few hundred rows copies at most a page per row and the pages
+# above them (``Admin`` evicts in chunks of EVICT_CHUNK rows on a full disk, each
+# chunk's freed pages serving the chunks after it).
+RESERVE_NAME = "reserve"
+RESERVE_BYTES = 4 << 20
+RESERVE_STEP = 1 << 20
+RESERVE_RETRY_S = 10.0  # a short reserve is made whole again at most this often
+
+
+class Reserve:
+    """Up to ``nbytes`` of allocated blocks in the file ``path`` (on the index's file
+    system), kept so that deleting index rows works on a full disk. Owned by one
+    ``Index``, used under the store's lock.
+
+    ``give_back`` frees one ``step`` (the delete that needed it is then retried),
+    and the reserve is ``drawn`` on until ``refill`` makes it whole again: once the
+    file system has room for the missing part and ``nbytes`` more, so the space a
+    delete just freed stays for writes while the disk is still full. Neither ever
+    raises: an index without its reserve works as before, and a full disk must not
+    keep a store from starting."""
+
+    def __init__(self, path: Path, nbytes: int = RESERVE_BYTES,
+                 step: int = RESERVE_STEP) -> None:
+        self.path, self.nbytes, self.step = path, nbytes, step
+        self.retry_s = RESERVE_RETRY_S
+        self._retry_at = 0.0
+        self.held = _allocated(path)
+        self.drawn = False  # some given back, and not made whole since
+        self.refill()
+        if self.held < nbytes:
+            log.warning("index reserve %s holds %s of %s bytes (its file system is "
+                        "nearly full); made whole once there is room", path, self.held,
+                        nbytes)
+
+    def give_back(self, why: str) -> bool:
+        """Free one ``step`` of the reserve for a delete refused with ``why``; False
+        when there is nothing left to give."""
+        if self.held <= 0:
+            return False
+        try:
+            os.truncate(self.path, max(0, self.held - self.step))
+        except OSError as exc:
+            log.error("cannot shrink the index reserve %s: %s", self.path, exc)
+            return False
+        held, self.held = self.held, _allocated(self.path)
+        self.drawn = True
+        self._retry_at = time.monotonic() + self.retry_s
+        log.warning("index reserve: freed %d bytes for a delete on a full file system "
+                    "(%s); %d bytes left", held - self.held, why, self.held)
+        return True
+
+    def refill(self) -> None:
+        """Make the reserve whole if the file system has room for the missing part and
+        ``nbytes`` more; after a try, not again for ``retry_s``."""
+        missing = self.nbytes - self.held
+        now = time.monotonic()
+        if missing <= 0 or now < self._retry_at:
+            return
+        self._retry_at = now + self.retry_s
+        try:
+            fs = os.statvfs(self.path.parent)
+            if fs.f_bavail * fs.f_frsize < missing + self.nbytes:
+                return
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, self.nbytes)
+            finally:
+                os.close(fd)
+        except OSError as exc:  # raced to full, or no fallocate: it stays short
+            log.debug("cannot refill the index reserve %s: %s", self.path, exc)
+        self.held = _allocated(self.path)
+        if self.held >= self.nbytes and self.drawn:
+            self.drawn = False
+            log.info("index reserve %s is whole again", self.path)
+
+
+def _allocated(path: Path) -> int:
+    """Bytes of ``path`` backed by blocks (a sparse tail reserves nothing)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return 0
+    return min(st.st_size, st.st_blocks * 512)
+
+
+def _no_space(exc: lmdb.Error) -> bool:
+    """Did LMDB fail for want of space: ENOSPC (``DiskError``), EDQUOT, or the EIO it
+    makes of a short write (the file system filled up under it)?"""
+    text = str(exc)
+    return (isinstance(exc, lmdb.DiskError) or "Input/output" in text
+            or "quota" in text.lower())
 
 
 class LoadResult(NamedTuple):
@@ -229,6 +331,7 @@ class Index:
         except lmdb.Error as exc:
             raise ConfigError(f"cannot open index at {path}: {exc}") from exc
         self.path = str(path)
+        self.reserve = Reserve(Path(path) / RESERVE_NAME)
         self._packer = msgpack.Packer(use_bin_type=True)
         # Rows the store does not hold that the index could not delete when it should
         # have (its map or disk full: ``forget``); ``drop_strays`` tries again. A
@@ -259,29 +362,61 @@ class Index:
     # -------------------------------------------------------------- writes
     def apply(self, put: Iterable[Record] = (), delete: Iterable[bytes] = ()) -> None:
         """Write ``put`` and remove ``delete`` in one transaction (deletes first).
-        All or nothing; a full map is ``TierFullError`` (grow store.index_map_bytes)."""
+        All or nothing; a full map is ``TierFullError`` (grow store.index_map_bytes).
+        A change that only deletes draws on the reserve when the disk is full."""
         delete = list(delete)
+        pack = self._packer.pack
+        items = []
+        for rec in put:
+            if rec.state != COMMITTED:
+                raise IntegrityError(f"refusing to persist a {rec.state} record")
+            items.append((rec.key, pack((_FORMAT, *rec[1:]))))
+
+        def change(txn: lmdb.Transaction) -> None:
+            for key in delete:
+                txn.delete(key)
+            if items:
+                txn.cursor().putmulti(items)  # one C loop for the batch
+
+        self._write(change, frees=not items)
+        if self.strays:
+            self.strays.difference_update(delete)
+            self.strays.difference_update(key for key, _ in items)
+
+    def _write(self, change: Callable[[lmdb.Transaction], None], frees: bool) -> None:
+        """Run ``change`` in one write transaction. One that only removes rows
+        (``frees``) and that the file system refuses for want of space is tried
+        again with a step of the reserve given back, until it commits or the reserve
+        is gone. LMDB errors become ``TierFullError`` / ``StorageError``."""
+        while True:
+            try:
+                with self._env.begin(write=True) as txn:
+                    change(txn)
+                break
+            except lmdb.MapFullError as exc:
+                raise TierFullError(f"index map is full ({self.path}): raise "
+                                    f"store.index_map_bytes") from exc
+            except lmdb.Error as exc:  # DiskError (ENOSPC, EIO), ReadonlyError, ...
+                if frees and _no_space(exc) and self.reserve.give_back(_reason(exc)):
+                    continue
+                raise StorageError(f"cannot write the index at {self.path}: "
+                                   f"{_reason(exc)}; nothing was changed") from exc
+        if self.reserve.held < self.reserve.nbytes:
+            if frees and self.reserve.drawn:  # the disk is, or was, full
+                self._turn()
+            self.reserve.refill()
+
+    def _turn(self) -> None:
+        """Commit a transaction that changes no row. LMDB reuses the pages a
+        transaction frees only from the second transaction after it (the snapshot
+        before it stays readable until then): on a full disk, the pages a delete
+        freed would not serve the very next write, only the one after this."""
         try:
-            pack = self._packer.pack
             with self._env.begin(write=True) as txn:
-                for key in delete:
-                    txn.delete(key)
-                items = []
-                for rec in put:
-                    if rec.state != COMMITTED:
-                        raise IntegrityError(f"refusing to persist a {rec.state} record")
-                    items.append((rec.key, pack((_FORMAT, *rec[1:]))))
-                if items:
-                    txn.cursor().putmulti(items)  # one C loop for the batch
-            if self.strays:
-                self.strays.difference_update(delete)
-                self.strays.difference_update(key for key, _ in items)
-        except lmdb.MapFullError as exc:
-            raise TierFullError(f"index map is full ({self.path}): raise "
-                                f"store.index_map_bytes") from exc
-        except lmdb.Error as exc:  # DiskError (ENOSPC, EIO), ReadonlyError, ...
-            raise StorageError(f"cannot write the index at {self.path}: {_reason(exc)}; "
-                               f"nothing was changed") from exc
+                txn.put(_TURN_KEY, b"")
+                txn.delete(_TURN_KEY)
+        except lmdb.Error as exc:  # no room even for this: the next write may fail once
+            log.debug("index %s: no turn after a delete: %s", self.path, exc)
 
     def put_many(self, records: Iterable[Record]) -> None:
         self.apply(put=records)
@@ -321,13 +456,9 @@ class Index:
         return len(self.strays)
 
     def clear(self) -> None:
-        try:
-            with self._env.begin(write=True) as txn:
-                txn.drop(self._env.open_db(txn=txn), delete=False)
-            self.strays.clear()
-        except lmdb.Error as exc:
-            raise StorageError(f"cannot write the index at {self.path}: {_reason(exc)}; "
-                               f"nothing was changed") from exc
+        self._write(lambda txn: txn.drop(self._env.open_db(txn=txn), delete=False),
+                    frees=True)
+        self.strays.clear()
 
     def load(self, persistent_tiers: set[str]) -> LoadResult:
         """Start-up pass: keep committed records of ``persistent_tiers``, delete the
@@ -381,7 +512,8 @@ class Index:
         info = self._env.info()
         return {"entries": stat["entries"], "map_size": info["map_size"],
                 "used_bytes": stat["psize"] * (stat["leaf_pages"] + stat["branch_pages"]
-                                               + stat["overflow_pages"])}
+                                               + stat["overflow_pages"]),
+                "reserve_bytes": self.reserve.held}
 
     def close(self) -> None:
         self._env.close()
