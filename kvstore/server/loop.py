@@ -55,6 +55,7 @@ import collections
 import gc
 import itertools
 import logging
+import os
 import threading
 import time
 from typing import TYPE_CHECKING, Callable, cast
@@ -215,6 +216,7 @@ class Server:
             raise ConfigError(f"cannot load CURVE key {srv.curve_secret_key}: {exc}") from None
         if secret is None:
             raise ConfigError(f"{srv.curve_secret_key} holds no secret key")
+        _check_authorized_keys(srv.curve_authorized_keys)
         self._auth = auth = ThreadAuthenticator(self._ctx)
         auth.start()
         auth.configure_curve(domain="*", location=srv.curve_authorized_keys)
@@ -916,6 +918,30 @@ class _Slot:
             log.error("an inline reply was never sent; giving back its slot")
             self.handed = False
         return self.tracker is None or self.tracker.done
+
+
+def _check_authorized_keys(directory: str) -> None:
+    """``ConfigError`` unless ``directory`` holds client public keys (``NAME.key``) that
+    all load. pyzmq's authenticator only logs a directory it cannot use, and then
+    refuses every client: such a server would run, and no client could ever get in."""
+    import zmq.auth
+
+    what = f"server.curve_authorized_keys {directory}"
+    if not os.path.isdir(directory):
+        reason = "is not a directory" if os.path.exists(directory) else "does not exist"
+        raise ConfigError(f"{what} {reason}: no client could connect (it must be a "
+                          f"directory of client public keys, NAME.key from `kvstore keys`)")
+    try:
+        os.listdir(directory)  # (glob, in pyzmq, reads an unreadable directory as empty)
+        keys = zmq.auth.load_certificates(directory)
+    except OSError as exc:  # unreadable: the directory, or one of its NAME.key files
+        raise ConfigError(f"cannot read the client keys in {what}: "
+                          f"{exc.strerror or exc}: {exc.filename or directory}") from None
+    except ValueError as exc:  # a NAME.key without a public key: pyzmq drops them all
+        raise ConfigError(f"{what}: {exc}; no client could connect") from None
+    if not keys:
+        raise ConfigError(f"{what} holds no client public keys (NAME.key): no client could "
+                          f"connect; copy each client's NAME.key from `kvstore keys` into it")
 
 
 def _reap_interval(config: KVStoreConfig) -> float:

@@ -3,11 +3,13 @@ nothing left behind (no /dev/shm arena, no ``kvstore.lock``).
 
 Faults are real: a data dir that is a regular file, a read-only tmpfs, a /dev/shm
 smaller than the DRAM tier (a private mount namespace with a small tmpfs on
-/dev/shm, as in a container), a DRAM tier larger than the machine.
+/dev/shm, as in a container), a DRAM tier larger than the machine, a CURVE
+authorized-keys directory no client could use.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -79,6 +81,46 @@ def test_failed_start_leaves_no_lock_and_no_arena(tmp_path, fault_log):
     assert not (data / "kvstore.lock").exists()
     assert shm_files(data) == set()
     fault_log("failed start after the store opened (bad --te-host)", 1, 1, 0)
+
+
+@pytest.mark.parametrize("case", ["missing", "a file", "empty", "a key without its public key",
+                                  "secret keys only"])
+def test_curve_authorized_keys_no_client_could_use(tmp_path, fault_log, case):
+    """pyzmq's authenticator only logs a directory it cannot load, so such a server
+    ran and refused every client, with no clue on either side."""
+    import zmq.auth
+
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    _, secret = zmq.auth.create_certificates(str(keys), "server")
+    authorized = tmp_path / "clients"
+    if case == "a file":
+        authorized.write_text("not a directory\n")
+    elif case != "missing":
+        authorized.mkdir()
+    if case == "a key without its public key":
+        zmq.auth.create_certificates(str(authorized), "good")
+        (authorized / "broken.key").write_text("# a key file cut short\n")
+    if case == "secret keys only":  # the secret halves copied in, not the NAME.key
+        zmq.auth.create_certificates(str(keys), "client")
+        (authorized / "client.key_secret").write_bytes((keys / "client.key_secret").read_bytes())
+    words = {"missing": ("does not exist",), "a file": ("is not a directory",),
+             "empty": ("holds no client public keys",),
+             "a key without its public key": ("No public key found", "broken.key"),
+             "secret keys only": ("holds no client public keys",)}[case]
+    data = tmp_path / "data"
+    argv = _argv(data, nvme="0", extra=("--curve-secret-key", secret,
+                                        "--curve-authorized-keys", str(authorized)))
+    try:
+        proc = _run(argv, timeout=30)  # a refusal takes a second or two
+    except subprocess.TimeoutExpired:  # it started (run() killed it): clean up after it
+        for path in shm_files(data):
+            os.unlink(path)
+        pytest.fail(f"kvstore-server started with --curve-authorized-keys {case}")
+    line = _one_line_exit_2(proc, "curve_authorized_keys", str(authorized),
+                            "no client could connect", *words)
+    assert shm_files(data) == set() and not (data / "kvstore.lock").exists(), line
+    fault_log(f"--curve-authorized-keys: {case} (server start)", 1, 1, 0)
 
 
 def test_dram_larger_than_the_machine(tmp_path, fault_log):
