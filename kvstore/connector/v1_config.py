@@ -34,6 +34,12 @@ Every key (docs/vllm.md lists them with examples):
 * ``te_devices`` — the RDMA NICs this worker's TE may use, e.g. "mlx5_0,mlx5_1"
   (the ones nearest its GPU); empty: every NIC TE finds. [""]
 * ``staging_bytes`` — the worker's registered TE staging buffer. [256MiB]
+* ``save_queue_bytes`` — the most host memory a worker's saves may hold while they
+  wait for the transfer thread (each holds a host copy of its prompt's KV from its
+  step until it is sent): a save that would take the queue past it is not made
+  (counted as ``saves_skipped``, logged), unless nothing else is queued, so a prompt
+  larger than the cap is still saved, alone. A server slower than the prefill rate
+  then costs saves, not the engine's host memory. [4GiB]
 * ``inline_max_bytes`` — a load of at most this many bytes from a server on another
   node asks for them in the acquire's reply instead of a TE read (TCP only; the
   client's ``client.inline_max_bytes``); 0: always TE. [8MiB]
@@ -66,7 +72,7 @@ SERVER_SCHEMES = ("tcp://", "etcd://")  # one server / a cluster's registry
 _KEYS = {"server", "allowed_servers", "cluster_prefix", "model_id", "salt", "timeout_s",
          "lookup_timeout_s", "load_wait_s", "down_s", "te_host", "te_protocol", "te_devices",
          "staging_bytes", "same_node", "load_mode", "save", "load", "layerwise_saves",
-         "inline_max_bytes"}
+         "inline_max_bytes", "save_queue_bytes"}
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,10 @@ class ConnectorSettings:
     load: bool
     layerwise_saves: bool = True
     inline_max_bytes: int = 8 << 20
+    # A backlog, not a prompt size (a larger prompt is still saved, alone): 32k tokens
+    # of a 7-8B model's KV at TP 1 (128 KiB a token), four 8k-token prompts; eight
+    # GPU workers of a node pin 32 GiB at most.
+    save_queue_bytes: int = 4 << 30
 
     @classmethod
     def from_extra(cls, role: str | None, extra: Mapping[str, Any] | None,
@@ -125,6 +135,7 @@ class ConnectorSettings:
             load=flag(extra.get("load", role != "kv_producer")),
             layerwise_saves=flag(extra.get("layerwise_saves", True)),
             inline_max_bytes=parse_size(extra.get("inline_max_bytes", "8MiB")),
+            save_queue_bytes=parse_size(extra.get("save_queue_bytes", "4GiB")),
         )
         settings.check()
         return settings
@@ -151,6 +162,8 @@ class ConnectorSettings:
         if not 0 <= self.inline_max_bytes <= MAX_INLINE_BYTES:
             raise ConfigError(f"inline_max_bytes must be 0 .. {MAX_INLINE_BYTES} (64MiB), "
                               f"got {self.inline_max_bytes}")
+        if self.save_queue_bytes <= 0:
+            raise ConfigError(f"save_queue_bytes must be > 0, got {self.save_queue_bytes}")
         if self.same_node not in (True, False, "auto"):
             raise ConfigError(f"same_node must be true, false or 'auto', got {self.same_node!r}")
 

@@ -63,6 +63,8 @@ COUNTERS = {
     "saved_bytes": "Entry bytes handed to kvstore by committed saves (every rank).",
     "save_failures": "Saves that were not stored: copy, network or server failures "
                      "(every rank).",
+    "saves_skipped": "Saves not made: the worker's queued saves held save_queue_bytes of "
+                     "host memory already (every rank).",
     "hits": "Requests the scheduler found (or the producer claimed) stored in kvstore.",
     "misses": "Requests the scheduler asked kvstore for that it held nothing of.",
     "rejected_servers": "Request-named servers refused: not configured (kv_transfer_params).",
@@ -114,6 +116,9 @@ class KVStoreConnectorStats(KVConnectorStats):
         d["saved_bytes"] += nbytes
         d["save_seconds"].append(seconds)
 
+    def record_skipped_save(self) -> None:
+        self.data["saves_skipped"] += 1
+
     def record_lookup(self, stored_tokens: int) -> None:
         self.data["hits" if stored_tokens > 0 else "misses"] += 1
 
@@ -149,6 +154,7 @@ class KVStoreConnectorStats(KVConnectorStats):
             "Saves": d["saves"], "Saved tokens": d["saved_tokens"],
             "Saved MiB": round(d["saved_bytes"] / 2**20, 3),
             "Avg save ms": _avg_ms(d["save_seconds"]), "Save failures": d["save_failures"],
+            "Saves skipped": d["saves_skipped"],
             "Hits": d["hits"], "Misses": d["misses"],
             "Rejected servers": d["rejected_servers"],
         }

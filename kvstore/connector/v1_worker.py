@@ -16,12 +16,15 @@ else in arrival order.
 * Saves: ``save_kv_layer`` copies layer i of every prompt saved this step into host
   memory as soon as layer i is computed; ``wait_for_save`` copies what no layer
   hook covered and hands the bytes to the thread. From then on the blocks are not
-  needed: vLLM may free or reuse them at once.
+  needed: vLLM may free or reuse them at once. The host bytes of saves not yet sent
+  are capped (``QueuedSaves``, ``save_queue_bytes``): past it a save is not made.
 
 Invariants: nothing writes into a block after the step in which it stops being the
 request's (same-step loads finish inside their step; background loads write only
 into blocks vLLM holds for the waiting request until ``get_finished`` reports it);
-every background load is reported exactly once; no kvstore error reaches vLLM.
+every background load is reported exactly once; no kvstore error reaches vLLM;
+every save ordered is reported once (its committed tokens, 0 if not stored), made or
+not, so the scheduler's KV events never wait for it.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from kvstore.connector.block_format import BlockFormat
 from kvstore.connector.paged_io import gather_layer, scatter_layer
 from kvstore.connector.v1_config import ConnectorSettings
 from kvstore.connector.v1_orders import KVStoreConnectorMetadata, LoadOrder, SaveOrder
+from kvstore.connector.v1_requests import RequestStates
 from kvstore.connector.v1_stats import KVStoreConnectorStats, TransferReports
 from kvstore.client.client import PendingInsert
 from kvstore.connector.v1_stores import StoreClients
@@ -59,6 +63,7 @@ _KEEP_BUFFERS = 4  # host buffers kept for reuse
 # torch and socket calls: on 2 cores a 25 ms scatter took 0.4-1.5 s that way
 # (docs/benchmarks.md, "connector"). A load that finishes wakes the step at once.
 IDLE_STEP_WAIT_S = 0.02
+SKIP_LOG_EVERY_S = 10.0  # saves not made for the cap: one warning per interval at most
 
 
 class HostBuffers:
@@ -92,6 +97,37 @@ class HostBuffers:
         self._free = [b for b in self._free if b is not buf]
 
 
+class QueuedSaves:
+    """The host bytes saves hold from their step's start (``bind`` takes their
+    buffers) until the transfer thread is done with them (sent, failed, or not made):
+    at most ``limit``, except that a save always gets into an empty queue (a prompt
+    larger than the limit is saved alone: the queue holds at most the larger of the
+    limit and one prompt, which the KV cache bounds). Without it a server slower than
+    the prefill rate grows the worker's host memory without bound."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._queued = 0
+        self._lock = threading.Lock()
+
+    def admit(self, nbytes: int) -> bool:
+        """Count a save of ``nbytes`` in, if it fits; False: it is not to be made."""
+        with self._lock:
+            if self._queued and self._queued + nbytes > self.limit:
+                return False
+            self._queued += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self._queued -= nbytes
+            assert self._queued >= 0, "a save's bytes released twice"
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+
 @dataclass
 class _LoadJob:
     order: LoadOrder
@@ -114,8 +150,9 @@ class _LoadJob:
 @dataclass
 class _SaveJob:
     order: SaveOrder
-    host: torch.Tensor
-    gathered: set[int] = field(default_factory=set)  # layers already copied
+    host: torch.Tensor  # (empty when not admitted)
+    admitted: bool = True  # False: over save_queue_bytes, not made (no host bytes)
+    gathered: set[int] = field(default_factory=set)  # layers already copied; -1: not made
     first_block: int = 0  # the blocks before it are on the server: not copied, not sent
     # Layer-wise saves to a server on this node: the room is reserved while the
     # forward goes on and each copied layer goes into it at once (thread only).
@@ -137,19 +174,21 @@ class WorkerSide:
         self.caches: list[torch.Tensor] = []
         self.fmt: BlockFormat | None = None
         self.buffers = HostBuffers(pinned=False)
+        self.queued_saves = QueuedSaves(settings.save_queue_bytes)
+        self._skips_unlogged = 0  # saves not made for the cap since the last warning
+        self._skip_logged_at = -SKIP_LOG_EVERY_S
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = itertools.count()
         self._lock = threading.Lock()
         self._loaded: set[str] = set()  # background loads done, not yet reported
         self._load_errors: dict[str, set[int]] = {}  # their failed blocks
-        # Tokens a keep-mode load found stored, per request, until its save starts
-        # copying or it finishes: a save never skips more than its own load saw.
-        self._held_by_load: dict[str, int] = {}
+        # What a keep-mode load found stored, whether a chunk save failed: per request,
+        # until it finishes and its last job ends (v1_requests).
+        self.requests = RequestStates()
         self._ready_errors: set[int] = set()  # for get_block_ids_with_load_errors
         # With several KV cache groups block ids are not unique, so a failed load is
         # reported by request (failed_recving) and vLLM recomputes all of it.
         self._failed_loads: set[str] = set()  # background loads done, failed
-        self._chunks_failed: set[str] = set()  # requests whose chunk save failed
         self._ready_failed: set[str] = set()  # for this pass's failed_recving
         self._step_loads: list[_LoadJob] = []  # same-step loads of the bound step
         # What the bound step's same-step loads could not fill: those requests, and
@@ -213,19 +252,53 @@ class WorkerSide:
 
     # ------------------------------------------------------------ per step
     def bind(self, meta: KVStoreConnectorMetadata) -> None:
-        """A step begins (before its forward): its saves get their host buffers."""
+        """A step begins (before its forward): its saves get their host buffers, as
+        far as ``save_queue_bytes`` allows."""
         self._step_idle = meta.idle
         self._step_failed = (set(), set())
-        self._step_saves = [_SaveJob(o, self.buffers.take(self.layout.nbytes(len(o.token_ids))))
-                            for o in meta.saves]
+        if self._step_saves:  # a step vLLM never finished (no wait_for_save): not made
+            log.warning("kvstore connector: a step ended without wait_for_save; its %d "
+                        "save(s) not made", len(self._step_saves))
+            for unfinished in self._step_saves:
+                unfinished.gathered.add(-1)
+            self._hand_over_saves()
+        self._step_saves = [self._save_job(order) for order in meta.saves]
+
+    def _save_job(self, order: SaveOrder) -> _SaveJob:
+        """A save with its host buffer; or, when the saves queued already hold
+        ``save_queue_bytes``, one that is not made: no buffer, no copy, no room on the
+        server (layer-wise saves open theirs at the first layer copied). It still goes
+        through the thread like a save that failed (``_save``): reported as 0 tokens
+        stored, so the scheduler's KV events do not wait for it, and a chunk's later
+        orders are dropped. A decode that already has the prompt's params misses and
+        recomputes it (after ``load_wait_s``: the params went out when the save was
+        ordered)."""
+        nbytes = self.layout.nbytes(len(order.token_ids))
+        if self.queued_saves.admit(nbytes):
+            return _SaveJob(order, self.buffers.take(nbytes))
+        self._skipped_for_cap(order, nbytes)
+        return _SaveJob(order, torch.empty(0, dtype=torch.uint8), admitted=False,
+                        gathered={-1})
+
+    def _skipped_for_cap(self, order: SaveOrder, nbytes: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._skips_unlogged += 1
+            if now - self._skip_logged_at < SKIP_LOG_EVERY_S:
+                return
+            skipped, self._skips_unlogged, self._skip_logged_at = self._skips_unlogged, 0, now
+        log.warning("save of %s (%d bytes): not made: saves holding %d bytes of host memory "
+                    "wait for the server already (save_queue_bytes %d); %d save(s) not made "
+                    "since the last warning. The server is slower than this engine's "
+                    "prefills", order.req_id, nbytes, self.queued_saves.queued,
+                    self.queued_saves.limit, skipped)
 
     def _skippable(self, job: _SaveJob) -> int:
         """The blocks of a save the server holds: what the scheduler's lookup found,
         but no more than this request's load found (same-step loads have fetched
         before any layer is saved: each layer waits for its load first)."""
         order = job.order
-        with self._lock:
-            held = self._held_by_load.pop(order.req_id, None)
+        held = self.requests.take_held(order.req_id)
         if held is None or held >= len(order.token_ids):
             return order.first_block
         return min(order.first_block, held // self.layout.block_tokens)
@@ -235,6 +308,7 @@ class WorkerSide:
         same-step loads, else after it)."""
         for order in meta.loads:
             job = _LoadJob(order, [threading.Event() for _ in self.caches])
+            self.requests.job_queued(order.req_id)
             same_step = not order.background and bool(order.block_ids)
             if same_step:
                 self._step_loads.append(job)
@@ -278,7 +352,13 @@ class WorkerSide:
                 self._gather(save, i)
         if self._step_saves and self.caches and self.caches[0].device.type == "cuda":
             torch.cuda.current_stream(self.caches[0].device).synchronize()
+        self._hand_over_saves()
+
+    def _hand_over_saves(self) -> None:
+        """The bound step's saves go to the thread, made or not (``_save`` reports
+        each, gives back its buffer and its room)."""
         for save in self._step_saves:
+            self.requests.job_queued(save.order.req_id)
             self._submit(_OTHER, functools.partial(self._save, save))
         self._step_saves = []
 
@@ -338,8 +418,7 @@ class WorkerSide:
         return job.host[lay.nbytes(min(ntokens, job.first_block * lay.block_tokens)):]
 
     def _open(self, job: _SaveJob) -> None:
-        with self._lock:
-            broken = job.order.continues and job.order.req_id in self._chunks_failed
+        broken = job.order.continues and self.requests.chunks_failed(job.order.req_id)
         if -1 not in job.gathered and not broken:
             job.pending = self.stores.begin_insert(job.order, job.first_block)
 
@@ -382,9 +461,7 @@ class WorkerSide:
         with self._lock:
             if self._step_idle and self._reported_pending and not self._loaded:
                 self._load_finished.wait(IDLE_STEP_WAIT_S)
-            for rid in finished_req_ids:
-                self._held_by_load.pop(rid, None)
-                self._chunks_failed.discard(rid)
+            self.requests.finished(finished_req_ids)
             done, self._loaded = self._loaded, set()
             for rid in done:
                 self._ready_errors |= self._load_errors.pop(rid, set())
@@ -474,8 +551,7 @@ class WorkerSide:
             host = self.buffers.take(lay.nbytes(len(order.token_ids)))
             held, moved = self.stores.fetch(order, host)
             if self.settings.load_mode == "keep":
-                with self._lock:
-                    self._held_by_load[order.req_id] = held
+                self.requests.hold(order.req_id, held)
             got = self._scatter(job, host, held) if order.block_ids else held
         except Exception:  # noqa: BLE001 - reported as load errors, never raised
             log.exception("load of %s failed", order.req_id)
@@ -544,6 +620,7 @@ class WorkerSide:
                     self._load_errors[order.req_id] = job.failed_blocks
                 self._reported_pending -= 1
                 self._load_finished.notify_all()
+        self.requests.job_ended(order.req_id)
         job.done.set()
 
     def _save(self, job: _SaveJob) -> None:
@@ -551,8 +628,7 @@ class WorkerSide:
         lay, ntokens = self.layout, len(job.order.token_ids)
         skipped = lay.nbytes(min(ntokens, job.first_block * lay.block_tokens))
         order = job.order
-        with self._lock:
-            broken = order.continues and order.req_id in self._chunks_failed
+        broken = order.continues and self.requests.chunks_failed(order.req_id)
         try:
             if -1 in job.gathered or broken:
                 # (after a failed chunk the rest would be stored unreachable)
@@ -563,19 +639,25 @@ class WorkerSide:
             else:
                 ok = self.stores.insert(job.order, job.host[skipped:], job.first_block)
         finally:
-            self.buffers.give(job.host)
+            if job.admitted:
+                self.buffers.give(job.host)
+                self.queued_saves.release(lay.nbytes(ntokens))
             last = job.order.last
+            if last:
+                self.requests.chunks_done(order.req_id)
+            elif not ok:
+                self.requests.fail_chunks(order.req_id)
             with self._lock:
-                if last:
-                    self._chunks_failed.discard(order.req_id)
-                elif not ok:
-                    self._chunks_failed.add(order.req_id)
-                self._stats.record_save(ntokens, lay.nbytes(ntokens) - skipped,
-                                        time.perf_counter() - start, ok,
-                                        count_request=self._first_rank and last)
+                if job.admitted:
+                    self._stats.record_save(ntokens, lay.nbytes(ntokens) - skipped,
+                                            time.perf_counter() - start, ok,
+                                            count_request=self._first_rank and last)
+                else:
+                    self._stats.record_skipped_save()
                 if last:  # a chunk's save is not the prompt's (its KV events wait)
                     self._reports.saved.setdefault(job.order.req_id, []).append(
                         ntokens if ok else 0)
+            self.requests.job_ended(order.req_id)
 
     # ------------------------------------------------------------ lifecycle
     def drain(self, timeout_s: float) -> bool:

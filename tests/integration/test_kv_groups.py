@@ -15,6 +15,7 @@ prefill goes on, and a loading request gets the null block (id 0) for them.
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -315,6 +316,45 @@ def test_a_prompt_whose_window_blocks_vllm_freed_is_not_saved(server):
     assert sched.request_finished_all_groups(req, (full_ids, slide_ids)) == (False, None)
     worker.shutdown(), sched.shutdown()
     assert entries(server) == before
+
+
+def test_a_chunk_save_that_fails_after_its_abort_leaves_no_state_behind(server):
+    """The first chunk of a sliding-window model's prompt is saved in its own step;
+    the server is frozen, so that save hangs on the transfer thread, and the request
+    is aborted meanwhile (the next step names it in finished_req_ids). The save then
+    fails (timeout_s): the failure, which would drop the request's later chunk
+    orders, comes after vLLM is done with the request, and must not stay behind."""
+    sched, worker, _ = connectors("kv_producer", server, timeout_s=1.0)
+    n = 4 * BS + 5
+    req = Request("c1", list(range(800, 800 + n)), SamplingParams(max_tokens=1), None)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, KVCacheBlocks(([], [])), 0)
+    full_ids, slide_ids = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]
+    out = SchedulerOutput.make_empty()
+    out.scheduled_new_reqs = [NewRequestData.from_request(req, (full_ids[:2], slide_ids[:2]))]
+    out.num_scheduled_tokens = {"c1": 2 * BS}
+    out.total_num_scheduled_tokens = 2 * BS
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        meta = sched.build_connector_meta(out)
+        assert [o.last for o in meta.saves] == [False]  # a chunk's save
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        for name in LAYERS:
+            worker.save_kv_layer(name, None, None)
+        worker.wait_for_save()
+        worker.get_transfer_results(set())
+        worker.clear_connector_metadata()
+        sched.request_finished_all_groups(req, (full_ids[:2], slide_ids[:2]))  # aborted
+        worker.get_transfer_results({"c1"})  # the next step says so
+        assert worker.worker.drain(30)  # the save failed meanwhile
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    stats = worker.get_kv_connector_stats()
+    assert stats is not None and stats.data["save_failures"] == 1, stats
+    assert worker.worker.requests.tracked() == set()
+    worker.worker.requests.check_integrity()
+    worker.shutdown(), sched.shutdown()
 
 
 def entries(server) -> int:

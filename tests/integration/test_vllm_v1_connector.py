@@ -819,3 +819,45 @@ def test_saves_layer_by_layer_or_at_the_steps_end_store_the_same_bytes(clean_ser
     want = gather_blocks(sched.layout, truthful(caches[LAYERS[0]], "test-view"),
                          [caches[n] for n in LAYERS], blocks, len(prompt) - 1)
     assert torch.equal(torch.as_tensor(got.kv).reshape(-1).view(torch.uint8), want)
+
+
+def test_a_keep_mode_load_that_lands_after_its_abort_leaves_no_state_behind(clean_server):
+    """kv_both with a producer's params: the load runs in the background, waiting for
+    the producer's entries. The request is aborted meanwhile (vLLM's next step names
+    it in finished_req_ids at once, and keeps its blocks until the load is reported);
+    then the entries land and the load reads them. What it found stored is kept for
+    a save that will never come: the worker must still let go of the request, as it
+    does for one that finishes after its load."""
+    prompt = list(range(3100, 3111))
+    sched, worker, _ = make_connectors("kv_both", server=clean_server.address,
+                                       load_wait_s=20.0)
+    params = {PARAM_SERVER: clean_server.address, "kvstore_tokens": 10}
+    req = request("ab1", prompt, params)
+    assert sched.get_num_new_matched_tokens(req, 0) == (10, True)
+    sched.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(b) for b in (5, 9, 2)],)),
+                                   10)
+    worker.bind_connector_metadata(sched.build_connector_meta(SchedulerOutput.make_empty()))
+    worker.start_load_kv(None)
+    worker.wait_for_save()
+    assert worker.get_finished(set()) == (None, set())  # waiting for the producer
+    worker.clear_connector_metadata()
+    sched.request_finished(req, [5, 9, 2])  # aborted
+    assert worker.get_finished({"ab1"}) == (None, set())  # the next step says so
+    prefill(clean_server, prompt, [3, 7, 1])  # the entries land; the load reads them
+    done: set[str] = set()
+    deadline = time.monotonic() + 30
+    while "ab1" not in done and time.monotonic() < deadline:
+        done |= worker.get_finished(set())[1] or set()
+        time.sleep(0.01)
+    assert done == {"ab1"} and worker.get_block_ids_with_load_errors() == set()
+    assert worker.worker.requests.tracked() == set()
+    worker.worker.requests.check_integrity()
+
+    # The same, finished after its load instead: nothing left either.
+    req = request("ab2", prompt, params)
+    assert sched.get_num_new_matched_tokens(req, 0) == (10, True)
+    assert schedule(sched, worker, req, [4, 6, 8], 10) == set()
+    sched.request_finished(req, [4, 6, 8])
+    worker.get_finished({"ab2"})
+    assert worker.worker.requests.tracked() == set()
+    worker.shutdown(), sched.shutdown()
