@@ -72,7 +72,18 @@ HELP = {
         "(`client.inline_part_bytes`) they beat a TE read up to 16 MiB here; 8 MiB keeps "
         "that copy, when it happens, near 1 - 2 ms of the serving thread. 0: always TE "
         "(docs/benchmarks.md, \"Small drop_selects in one round trip\", \"Inline bytes in "
-        "parts\"). At most 64MiB.",
+        "parts\"). Over the stream door (`server.stream_socket`) they follow the reply "
+        "whole, from the arena or that copy alike. At most 64MiB.",
+    "server.stream_socket": "The stream door: a TCP port of its own (`server.stream_port`) "
+        "where clients on other nodes send their requests, framed as on the same-node "
+        "socket, instead of the ZeroMQ port; an acquire's bytes follow its reply there and "
+        "land straight in the client's destination (docs/benchmarks.md, \"The stream "
+        "door\"). Opened only without CURVE: it bypasses CURVE, as the ZeroMQ port without "
+        "CURVE admits anyone who reaches it. A client that cannot connect goes on over "
+        "the ZeroMQ port (a warning; it tries the door again every 30 s).",
+    "server.stream_port": "The stream door's port on `server.host`; 0: any free port, "
+        "named in the start line (`stream door port N`) and in the hello, as TE takes its "
+        "own. A port set here that cannot be bound stops the start.",
     "server.peer_timeout_s": "The server sends every client connection a ZeroMQ "
         "heartbeat and closes one that answers none for this long, dropping what was "
         "queued for it: a stopped or vanished client then holds nothing, such as the "
@@ -169,6 +180,11 @@ HELP = {
         "(ZeroMQ would encrypt the bytes: slower than TE), when the client reads "
         "over TE (a client that maps the server's arena copies from it), and not "
         "when the caller skips blocks. With RDMA the TE read is used always. 0: always TE.",
+    "client.stream_socket": "A client on another node than its server, taking bytes in "
+        "replies (`client.inline_max_bytes`, so TCP and no CURVE), sends its requests over "
+        "the server's stream door (`server.stream_socket`) when its hello names one: "
+        "acquired bytes land in their destination with no copy out of a message. false: "
+        "the ZeroMQ port, as before the door.",
     "client.inline_part_bytes": "Bytes that come in an acquire's reply "
         "(`client.inline_max_bytes`) come in parts of about this many, whole entries "
         "each, from servers that send them so: the client copies and verifies each part "

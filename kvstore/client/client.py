@@ -36,7 +36,7 @@ from kvstore.core.errors import (LATE_READ, LATE_WRITE, BusyError, ChecksumError
 from kvstore.core.hashing import (block_keys, block_token_bytes, checksummer, hidden_key,
                                   namespace_of, tokens_to_array)
 from kvstore.core.layout import KVLayout, dtype_name, pack_hf
-from kvstore.client.local import Control
+from kvstore.client.local import Control, door_address
 from kvstore.client.rpc import Channel, CurveKeys, Take
 
 log = logging.getLogger(__name__)
@@ -179,6 +179,7 @@ class KVStoreClient:
         # (hello's ``inline_parts``): each part is copied and verified while the next
         # is on the wire (docs/benchmarks.md, "Inline bytes in parts").
         self._inline_part_bytes = cfg.inline_part_bytes
+        self._stream = cfg.stream_socket  # the stream door, where a hello names one
 
     # ------------------------------------------------------------ connection
     def hello(self, timeout_s: float | None = None) -> dict[str, Any]:
@@ -186,13 +187,15 @@ class KVStoreClient:
         ``timeout_s``: the bound of saying it (the client's ``timeout_s`` by default;
         a call with its own deadline passes what is left of it)."""
         hello = self._hello
-        if hello is not None:
+        if hello is not None and not self._rpc.lost:
             return hello
         # One hello at a time: threads sharing this client wait for it instead of
-        # each saying its own (every hello voids the room the others hold).
+        # each saying its own (every hello voids the room the others hold). A socket
+        # of the server's found closed (``Control.lost``): it may be another process
+        # now, with another socket: ask.
         with self._hello_lock:
             hello = self._hello
-            if hello is None:
+            if hello is None or self._rpc.lost:
                 self._rpc.use_local(None)  # hello over the ROUTER: it names the server
                 sent = time.time()
                 info = self._rpc.call(p.Hello(), timeout_s)
@@ -200,9 +203,9 @@ class KVStoreClient:
                 self._rpc.max_bytes = int(info.get("max_message_bytes", self._rpc.max_bytes))
                 self._data.connect(info)
                 # A client that writes into the server's arena is on its node: its
-                # requests take the server's Unix socket from now on.
-                self._rpc.use_local(info.get("local") if self._data.uses_shared_memory
-                                    else None)
+                # requests take the server's Unix socket from now on; one on another
+                # node, the stream door, where it gets bytes in replies (_inline_max).
+                self._rpc.use_local(self._door(info))
                 # Set with the hello, once connected: a late write's reset of the
                 # offset meanwhile is overwritten by this fresh one, not left half-done.
                 self._clock, self._hello_host = clock, info.get("host_id")
@@ -211,6 +214,20 @@ class KVStoreClient:
                 # segment is no longer the data path's, _take_room).
                 self._hellos += 1
             return hello
+
+    def _door(self, info: dict[str, Any]) -> str | tuple[str, int] | None:
+        """The socket a hello's server names for this client's requests: its Unix
+        socket (``local``) to a client that writes into its arena; its stream door
+        (``stream_port``, at the host this client reaches the server by) to one on
+        another node that takes bytes in replies (TCP, no CURVE) and
+        ``client.stream_socket``; else None (the ROUTER)."""
+        if self._data.uses_shared_memory:
+            return info.get("local")
+        port = info.get("stream_port")
+        if not self._stream or not self._inline_max or type(port) is not int \
+                or not 0 < port < 65536:
+            return None
+        return door_address(self.server, port)
 
     def _segment(self, current: str | None = None,
                  timeout_s: float | None = None) -> Segment:
@@ -715,8 +732,8 @@ class KVStoreClient:
                               claim=drop, optional_tail=True, spend_rest=drop and done > 0,
                               inline=inline, inline_part=part,
                               deadline=self._read_deadline(deadline)), deadline,
-                    None if part is None else functools.partial(self._data.take_parts,
-                                                                into=round_into))
+                    None if inline is None else functools.partial(self._data.take_parts,
+                                                                  into=round_into))
             except (BusyError, KVTimeoutError, PeerUnavailableError) as exc:
                 if not entries:
                     raise

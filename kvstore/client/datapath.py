@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
 import numpy as np
 
 from kvstore.client.checks import LandedChecks, first_bad, use_background
+from kvstore.client.rpc import Incoming
 from kvstore.client.shm import copy_in, copy_out
 from kvstore.core.config import MIN_TE_PIECE_BYTES, TE_WAITS
 from kvstore.core.errors import ChecksumError, ConfigError, InvalidRequestError
@@ -394,7 +395,10 @@ class DataPath:
         """``take_inline`` of bytes that come in parts (``Acquire.inline_part``), each
         part copied and verified as ``parts`` yields it, while the next is still on the
         wire (``kvstore.client.rpc.Requests.call``'s ``take``). Each part must hold
-        whole entries, in order, and together exactly all of them."""
+        whole entries, in order, and together exactly all of them. From the stream
+        door (``parts`` an ``Incoming``): ``_take_stream``."""
+        if isinstance(parts, Incoming):
+            return self._take_stream(acq, parts, into, skip)
         entries = acq["entries"]
         wanted = entries[skip:]
         out = _output(into, sum(e[_NBYTES] for e in wanted))
@@ -421,6 +425,39 @@ class DataPath:
             if i != len(entries):
                 raise InvalidRequestError(f"malformed reply: parts for {i} of "
                                           f"{len(entries)} entries")
+        return out
+
+    def _take_stream(self, acq: dict[str, Any], incoming: Incoming, into: Any = None,
+                     skip: int = 0) -> np.ndarray:
+        """``take_parts`` of bytes that come over the stream door: received straight
+        into the output, as many at a time as have arrived, each entry verified as
+        soon as all of it is in, while the rest is still on the wire. A bad entry
+        (``ChecksumError``, the first) is named once all bytes are in, so the
+        connection stays in step."""
+        entries = acq["entries"]
+        wanted = entries[skip:]
+        if incoming.nbytes != sum(e[_NBYTES] for e in entries):
+            raise InvalidRequestError(f"malformed reply: {incoming.nbytes} bytes follow it "
+                                      f"for entries of {sum(e[_NBYTES] for e in entries)}")
+        out = _output(into, sum(e[_NBYTES] for e in wanted))
+        with self._timed("inline_read"):
+            if skip:  # (never asked so by this client: a skipping read asks no bytes)
+                dropped = memoryview(bytearray(sum(e[_NBYTES] for e in entries[:skip])))
+                got = 0
+                while got < len(dropped):
+                    got += incoming.read_some(dropped[got:])
+            view = out.data
+            bad = None
+            got = start = k = 0
+            while got < out.size:
+                got += incoming.read_some(view[got:])
+                while k < len(wanted) and start + wanted[k][_NBYTES] <= got:
+                    end = start + wanted[k][_NBYTES]
+                    if bad is None and checksum(out[start:end]) != wanted[k][_CHECKSUM]:
+                        bad = wanted[k]
+                    start, k = end, k + 1
+        if bad is not None:
+            raise _corrupt(bad, wanted)
         return out
 
     @contextlib.contextmanager

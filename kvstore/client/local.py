@@ -21,16 +21,17 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import socket
 import struct
 import threading
 import time
 from typing import Any
 
-from kvstore.client.rpc import REPLY_CAP, Channel, Requests, Take
+from kvstore.client.rpc import REPLY_CAP, Channel, Incoming, Requests, Take
 from kvstore.core import protocol as p
-from kvstore.core.errors import (AuthError, BusyError, KVStoreError, KVTimeoutError,
-                                 PeerUnavailableError)
+from kvstore.core.errors import (AuthError, BusyError, InvalidRequestError, KVStoreError,
+                                 KVTimeoutError, PeerUnavailableError)
 
 log = logging.getLogger(__name__)
 
@@ -48,26 +49,42 @@ class Refused(NotSent):
 
 
 _PROBE_TIMEOUT_S = 2.0  # the health call that proves a new connection, and a settle
+_CONNECT_S = 0.5  # a TCP connect to the stream door (a firewall that drops: no stall)
+_READ_BYTES = 1 << 20  # reply bytes a take left unread are dropped this many at a time
 
 
 class LocalChannel(Requests):
-    """Request/reply over one Unix stream socket. Thread-safe (one call at a time)."""
+    """Request/reply over one stream socket: the server's same-node Unix socket
+    (``address`` its path) or its stream door (``address`` (host, port), TCP).
+    Thread-safe (one call at a time)."""
 
-    def __init__(self, path: str, timeout_s: float, max_bytes: int) -> None:
-        super().__init__(path, timeout_s, max_bytes)
-        self.path = path
+    def __init__(self, address: str | tuple[str, int], timeout_s: float,
+                 max_bytes: int) -> None:
+        where = address if isinstance(address, str) else \
+            f"stream door {_host_port(*address)}"
+        super().__init__(where, timeout_s, max_bytes)
+        self.path = where
+        self.stream = not isinstance(address, str)
         self._buf = bytearray()
         self._pid = os.getpid()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(min(timeout_s, _PROBE_TIMEOUT_S))
+        probe_s = min(timeout_s, _PROBE_TIMEOUT_S)
         try:
-            sock.connect(path)
+            if isinstance(address, str):
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(probe_s)
+                try:
+                    sock.connect(address)
+                except OSError:
+                    sock.close()
+                    raise
+            else:
+                sock = socket.create_connection(address, timeout=min(probe_s, _CONNECT_S))
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError as exc:
-            sock.close()
-            raise PeerUnavailableError(f"cannot connect to {path}: {exc}") from None
+            raise PeerUnavailableError(f"cannot connect to {where}: {exc}") from None
         self._sock: socket.socket | None = sock
         try:
-            self.call(p.Health(), timeout_s=min(timeout_s, _PROBE_TIMEOUT_S))
+            self.call(p.Health(), timeout_s=probe_s)
         except BusyError:
             pass  # answered: the connection works
         except KVStoreError:
@@ -85,7 +102,7 @@ class LocalChannel(Requests):
 
     def _exchange(self, req: p.Request, timeout_s: float | None,
                   wait_reply: bool, take: Take | None = None) -> dict[str, Any] | None:
-        # (``take``: never used here, the server sends no bytes over this socket.)
+        # (``take``: an acquire's bytes that follow its reply, over the stream door.)
         frame_id, frame, timeout = self._frame(req, timeout_s)
         with self._lock:
             sock = self._sock
@@ -94,6 +111,10 @@ class LocalChannel(Requests):
             if self._pid != os.getpid():
                 raise NotSent(f"local connection {self.path} belongs to process {self._pid}")
             deadline = time.monotonic() + timeout
+            if self.stream and self._closed_by_peer(sock):
+                self._close()  # (TCP takes a send to a closed peer; a Unix socket fails it)
+                raise NotSent(f"{self.path} was closed by the server (stopped, or "
+                              "restarted)")
             try:
                 sock.settimeout(timeout)
                 sock.sendall(_HEADER.pack(len(frame)) + frame)
@@ -120,7 +141,15 @@ class LocalChannel(Requests):
                         if isinstance(result["error"], AuthError):
                             raise Refused(str(result["error"]))
                         return result
-                    if self._is_reply(rid, result, frame_id):
+                    inline = "inline" in result and "error" not in result
+                    if inline and not self.stream:
+                        raise PeerUnavailableError(f"{self.path} sent bytes after a reply, "
+                                                   "which only a stream door may")
+                    mine = self._is_reply(rid, result, frame_id)
+                    if inline:  # (a stale reply's too: the stream goes on after them)
+                        self._bytes_after(sock, result, deadline, req.OP,
+                                          take if mine else None)
+                    if mine:
                         return result
             except (KVTimeoutError, PeerUnavailableError):
                 self._close()
@@ -129,6 +158,59 @@ class LocalChannel(Requests):
                 self._close()
                 raise PeerUnavailableError(f"local connection {self.path} failed during "
                                            f"{req.OP}: {exc}") from None
+
+    @staticmethod
+    def _closed_by_peer(sock: socket.socket) -> bool:
+        """Whether the peer closed its side: the connection's end is here to read
+        (any reply waiting before it is read first, and stays)."""
+        try:
+            sock.settimeout(0.0)  # (with a timeout, Python would wait for a byte first)
+            return sock.recv(1, socket.MSG_PEEK) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:  # reset
+            return True
+
+    def _bytes_after(self, sock: socket.socket, result: dict[str, Any], deadline: float,
+                     op: str, take: Take | None) -> None:
+        """The bytes that follow an acquire's reply on the stream door (``inline`` of
+        them), handed to ``take`` as they arrive (its result ``"taken"``, what it
+        raised ``"take_error"``, the seconds ``"take_s"``: ``Channel``'s contract),
+        else read into ``"inline_data"``. What ``take`` leaves unread is read and
+        dropped, so the next reply is found. A connection that fails on the way is
+        closed, the error the reply's ``"take_error"`` (it keeps its lease, for the
+        caller to release another way)."""
+        nbytes = result.get("inline")
+        if type(nbytes) is not int or not 0 <= nbytes <= REPLY_CAP or "parts" in result:
+            raise PeerUnavailableError(f"{self.path} sent a malformed reply: inline "
+                                       f"{str(nbytes)[:20]}, parts {'parts' in result}")
+        incoming = _Incoming(self, sock, nbytes, deadline, op)
+        start = time.perf_counter()
+        try:
+            if take is None:
+                data = memoryview(bytearray(nbytes))
+                got = 0
+                while got < nbytes:
+                    got += incoming.read_some(data[got:])
+                result["inline_data"] = data
+            else:
+                result["taken"] = take(result, incoming)
+        except Exception as exc:  # noqa: BLE001 - the caller releases the lease, then raises
+            result["take_error"] = exc
+            result.pop("inline_data", None)
+        if take is not None:
+            result["take_s"] = time.perf_counter() - start
+        if incoming.broken is None and incoming.left:
+            scratch = memoryview(bytearray(min(incoming.left, _READ_BYTES)))
+            try:
+                while incoming.left:
+                    incoming.read_some(scratch)
+            except KVStoreError:
+                pass  # (broken)
+        if incoming.broken is not None:
+            self._close()
+            result.setdefault("take_error", incoming.broken)
+            result.pop("inline", None)
 
     def _refusal(self, sock: socket.socket) -> Refused | None:
         """The server's refusal, if that is what it left on a connection it closed."""
@@ -178,19 +260,96 @@ class LocalChannel(Requests):
             self._close()
 
 
+class _Incoming(Incoming):
+    """``Incoming`` of one reply on a ``LocalChannel``: what was read past the reply
+    first (the channel's buffer), then straight from the socket. An error on the way
+    is kept (``broken``) for the channel, which closes the connection."""
+
+    def __init__(self, channel: LocalChannel, sock: socket.socket, nbytes: int,
+                 deadline: float, op: str) -> None:
+        self.channel, self.sock, self.deadline, self.op = channel, sock, deadline, op
+        self.nbytes = self.left = nbytes
+        self.broken: KVStoreError | None = None
+        # Reads that find bytes here cost one recv each; a wait polls first (a socket
+        # with a timeout would poll before every recv).
+        sock.settimeout(0.0)
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN)
+
+    def read_some(self, view: memoryview) -> int:
+        want = min(len(view), self.left)
+        if not want:
+            raise InvalidRequestError(f"read past the {self.nbytes} bytes of a reply")
+        buf = self.channel._buf
+        if buf:
+            got = min(len(buf), want)
+            view[:got] = buf[:got]
+            del buf[:got]
+            self.left -= got
+            return got
+        if self.broken is not None:
+            raise self.broken
+        try:
+            while True:
+                try:
+                    got = self.sock.recv_into(view, want)
+                    break
+                except (BlockingIOError, InterruptedError):
+                    left = self.deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError from None
+                    self._poll.poll(max(1, int(left * 1000)))
+        except TimeoutError:
+            self.broken = KVTimeoutError(f"the bytes of the reply from {self.channel.path} "
+                                         f"to {self.op} stopped coming: {self.left} of "
+                                         f"{self.nbytes} not here within the timeout")
+            raise self.broken from None
+        except OSError as exc:
+            self.broken = PeerUnavailableError(f"{self.channel.path} failed while the bytes "
+                                               f"of its reply to {self.op} came: {exc}")
+            raise self.broken from None
+        if not got:
+            self.broken = PeerUnavailableError(
+                f"{self.channel.path} closed the connection with {self.left} of the "
+                f"{self.nbytes} bytes of its reply to {self.op} still to come")
+            raise self.broken
+        self.left -= got
+        return got
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def door_address(server: str, port: int) -> tuple[str, int] | None:
+    """The stream door at ``port`` of the server at ``server`` (``tcp://host:port``,
+    the address this client reaches its ROUTER by); None for another transport."""
+    if not server.startswith("tcp://"):
+        return None
+    host = server[len("tcp://"):].rsplit(":", 1)[0]
+    return (host[1:-1] if host.startswith("[") else host), port
+
+
 class Control:
     """The client's control path: ``rpc`` (the ROUTER), or the server's local socket
     once ``use_local`` named one. ``call`` / ``send`` as ``Channel``'s."""
 
     RETRY_S = 1.0  # a local socket that failed is tried again after this long
+    # ... the stream door: a port a firewall closes would cost each try a connect
+    # timeout (the ROUTER carries the requests meanwhile, as it did before the door)
+    STREAM_RETRY_S = 30.0
 
     def __init__(self, rpc: Channel) -> None:
         self.rpc = rpc
-        self._path: str | None = None  # the socket the last hello named, if usable
+        # The socket the last hello named, if usable: a path, or the stream door.
+        self._path: str | tuple[str, int] | None = None
         self._local: LocalChannel | None = None
         self._retry_at = 0.0
         self._one_way_on: Requests | None = None  # a one-way send, no call since
         self._lock = threading.Lock()  # the fields above
+        # The socket the hello named was found closed by its server (stopped, or
+        # restarted: a new one may name another): the client says hello again.
+        self.lost = False
 
     @property
     def max_bytes(self) -> int:
@@ -207,12 +366,20 @@ class Control:
         local = self._local
         return local is not None and local.open
 
-    def use_local(self, path: str | None) -> None:
-        """After a hello: talk over ``path`` from now on (None: over the ROUTER). A
-        socket that cannot be opened leaves the ROUTER in use (logged) until a later
-        request opens it."""
+    @property
+    def stream(self) -> bool:
+        """Whether requests go over the stream door now."""
+        local = self._local
+        return local is not None and local.open and local.stream
+
+    def use_local(self, path: str | tuple[str, int] | None) -> None:
+        """After a hello: talk over ``path`` from now on, the same-node socket's path
+        or the stream door's (host, port) (None: over the ROUTER). A socket that
+        cannot be opened leaves the ROUTER in use (logged) until a later request
+        opens it."""
         with self._lock:
             old, self._local, self._path, self._retry_at = self._local, None, path, 0.0
+            self.lost = False
         if old is not None:
             self._leave(old)
             old.close()
@@ -237,8 +404,15 @@ class Control:
                     log.warning("%s: requests go over %s", exc, self.rpc.address)
                     self._path = None
                 except KVStoreError as exc:
-                    log.info("same-node socket unusable (%s): requests go over %s for now",
-                             exc, self.rpc.address)
+                    if isinstance(path, str):
+                        log.info("same-node socket unusable (%s): requests go over %s for "
+                                 "now", exc, self.rpc.address)
+                    else:
+                        self._retry_at = time.monotonic() + self.STREAM_RETRY_S
+                        log.warning("stream door unusable (%s): requests go over %s, the "
+                                    "door tried again in %.0f s (is its port open? "
+                                    "client.stream_socket = false stops trying)", exc,
+                                    self.rpc.address, self.STREAM_RETRY_S)
                 if fresh is not None:
                     self._local = local = fresh
             chosen: Requests = local if local is not None and local.open else self.rpc
@@ -270,6 +444,7 @@ class Control:
             result = channel.call(req, timeout_s, take)
         except NotSent as exc:
             log.info("%s; %s goes over %s", exc, req.OP, self.rpc.address)
+            self.lost = True
             channel = self.rpc
             result = channel.call(req, timeout_s, take)
         with self._lock:
@@ -283,6 +458,7 @@ class Control:
             channel.send(req, timeout_s)
         except NotSent as exc:
             log.info("%s; %s goes over %s", exc, req.OP, self.rpc.address)
+            self.lost = True
             channel = self.rpc
             channel.send(req, timeout_s)
         with self._lock:

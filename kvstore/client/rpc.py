@@ -41,10 +41,26 @@ _CLOSE_LINGER_MS = 1000
 _SLICE_MS = 20
 # Errors after which a channel's socket is made anew.
 _RESET = (KVTimeoutError, PeerUnavailableError, AuthError)
-# What a caller does with an acquire's inline bytes that come in parts
-# (``Acquire.inline_part``), while they arrive: ``take(result, parts)``, where ``parts``
-# yields each part's bytes in order, the next one once it is here.
-Take = Callable[[dict[str, Any], Iterator[memoryview]], Any]
+
+
+class Incoming:
+    """An acquire's bytes as they come over the stream door, right after its reply
+    (kvstore.client.local): ``read_some`` puts the next of them straight into the
+    caller's memory, as many as are here (waiting for at least one), so nothing is
+    copied on the way. ``nbytes``: all of them; ``left``: those still to come."""
+
+    nbytes: int
+    left: int
+
+    def read_some(self, view: memoryview) -> int:
+        raise NotImplementedError
+
+
+# What a caller does with an acquire's inline bytes while they arrive: ``take(result,
+# parts)``, where ``parts`` yields each part's bytes in order, the next one once it
+# is here (``Acquire.inline_part`` over the ROUTER), or is an ``Incoming`` (the stream
+# door).
+Take = Callable[[dict[str, Any], "Iterator[memoryview] | Incoming"], Any]
 
 
 class CurveKeys(NamedTuple):

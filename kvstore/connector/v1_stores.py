@@ -59,7 +59,8 @@ class StoreClients:
         self._client_cfg = ClientConfig(
             inline_max_bytes=settings.inline_max_bytes, inline_part_bytes=env.inline_part_bytes,
             te_piece_bytes=env.te_piece_bytes, te_wait=env.te_wait,
-            prefault_arena=env.prefault_arena, stream_copies=env.stream_copies)
+            prefault_arena=env.prefault_arena, stream_copies=env.stream_copies,
+            stream_socket=env.stream_socket)
         self._engine = TeEngine(settings.te_host, staging, settings.timeout_s,
                                 settings.te_protocol, settings.te_devices,
                                 self._client_cfg.te_piece_bytes, self._client_cfg.te_wait)

@@ -196,6 +196,11 @@ class ServerConfig:
     # A Unix socket beside the shared DRAM arena for clients on this node
     # (kvstore/server/local.py); off, or without a shared arena, they use the ROUTER.
     local_socket: bool = True
+    # The stream door: the same framing over TCP, for clients on other nodes; an
+    # acquire's bytes follow its reply there (kvstore/server/local.py). Opened only
+    # without CURVE (it bypasses it, as the ROUTER without CURVE admits anyone).
+    stream_socket: bool = True
+    stream_port: int = 0  # 0: any free port (the hello names it), as TE takes its own
     # The serving process's young-generation GC threshold (kvstore.server.loop.tune_gc;
     # what start-up made is frozen out of every collection). 0: Python's own settings.
     gc_young: int = 50_000
@@ -224,7 +229,8 @@ class ServerConfig:
                 or not 0 <= self.gc_young <= MAX_GC_YOUNG:
             raise ConfigError(f"ServerConfig.gc_young must be an int in 0..{MAX_GC_YOUNG}")
         _te_settings(self, "server")
-        if not 0 < self.port < 65536 or not 0 <= self.metrics_port < 65536:
+        if not 0 < self.port < 65536 or not 0 <= self.metrics_port < 65536 \
+                or not 0 <= self.stream_port < 65536:
             raise ConfigError("server: ports must be in 1..65535")
 
 
@@ -265,6 +271,10 @@ class ClientConfig:
     # A drop_select / get of at most this many bytes asks for them in the acquire's
     # reply (one round trip, no TE read) when te_protocol is tcp; 0: always TE.
     inline_max_bytes: Size = 8 << 20
+    # A client on another node than its server, without CURVE, sends its requests
+    # over the server's stream door (server.stream_socket) when its hello names one;
+    # acquired bytes then come straight into their destination. false: the ROUTER.
+    stream_socket: bool = True
     # ... in parts of about this many bytes (whole entries), each copied and verified
     # while the next is on the wire; 0: in one part.
     inline_part_bytes: Size = 512 << 10

@@ -37,6 +37,7 @@ _FLAGS = {
     "dram": ("tiers", "dram_bytes"), "dram_shared": ("tiers", "dram_shared"),
     "dram_prefault": ("tiers", "dram_prefault"),
     "local_socket": ("server", "local_socket"), "gc_young": ("server", "gc_young"),
+    "stream_socket": ("server", "stream_socket"), "stream_port": ("server", "stream_port"),
     "inline_max_bytes": ("server", "inline_max_bytes"),
     "peer_timeout": ("server", "peer_timeout_s"), "busy_after": ("server", "busy_after_s"),
     "nvme": ("tiers", "nvme_bytes"), "nvme_path": ("tiers", "nvme_path"),
@@ -103,7 +104,8 @@ def open_server(cfg: KVStoreConfig):
 def _describe(server, cfg: KVStoreConfig) -> str:
     tiers = ", ".join(f"{name} {format_size(cap)}" for name, cap in server.capacities().items())
     auth = "CURVE" if cfg.server.curve_secret_key else "no auth"
-    return (f"kvstore-server listening on {server.endpoint} ({auth}), TE segment "
+    door = f", stream door port {server.stream_port}" if server.stream_port else ""
+    return (f"kvstore-server listening on {server.endpoint} ({auth}){door}, TE segment "
             f"{server.transport.segment}, tiers: {tiers or 'none'}, data dir {cfg.store.data_dir}")
 
 
@@ -159,6 +161,11 @@ def _serve(cfg: KVStoreConfig) -> int:
               help="Map every DRAM page into the server in the background from start. [on]")
 @click.option("--local-socket/--no-local-socket", default=None,
               help="A Unix socket beside that file for same-node clients' requests. [on]")
+@click.option("--stream-socket/--no-stream-socket", default=None,
+              help="The stream door: requests (and acquired bytes) over a TCP port of its "
+                   "own, for clients on other nodes; off under CURVE. [on]")
+@click.option("--stream-port", type=int,
+              help="The stream door's port; 0: any free one (the start line names it). [0]")
 @click.option("--gc-young", type=int,
               help="Young-generation GC threshold of this process; 0: Python's. [50000]")
 @click.option("--inline-max-bytes",

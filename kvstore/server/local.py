@@ -25,10 +25,21 @@ every accepted connection (``SO_PEERCRED``); others get one ``auth`` error frame
 and are closed. The socket file is 0600 too. Those are the processes that can open
 the arena file and read the server's CURVE key anyway, so this door bypasses CURVE
 without widening who can talk to the server.
+
+The stream door: the same frames over TCP, for clients on other nodes
+(``server.stream_port``), opened only by a server without CURVE, whose ROUTER
+admits anyone who can reach it anyway. Over it an acquire's bytes come right after
+its reply (``send``'s ``data``: the reply says how many, ``inline``), sent from the
+arena without a copy, and the client receives them straight into their
+destination. Against the ROUTER, a small drop_select between two network
+namespaces spares two I/O threads' wake-ups each way, the client's copy of each
+part out of ZeroMQ's messages, and pyzmq's thread that frees zero-copy messages
+(docs/benchmarks.md, "The stream door").
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -58,6 +69,7 @@ _ACCEPT_PAUSE_S = 1.0  # after a failed accept (out of fds): stop polling the li
 # most this often (a serving thread that never polls under load still takes new
 # connections): not once per request.
 _ACCEPT_EVERY_S = 0.01
+_SEND_BUFFERS = 64  # buffers of a connection's backlog given to one sendmsg
 
 
 def socket_path(arena_path: str) -> str:
@@ -69,24 +81,58 @@ def is_local(envelope: bytes) -> bool:
     return envelope.startswith(LOCAL_TAG)
 
 
-class _Conn:
-    __slots__ = ("sock", "buf", "out", "peer", "stuck_since", "polled_out")
+class Sent:
+    """Whether the bytes ``LocalDoor.send`` took as ``data`` are out of its hands:
+    all handed to the kernel, or the connection closed (``done``). It has
+    ``zmq.MessageTracker``'s ``done`` and ``wait``; nothing but the serving thread
+    moves a door's bytes, so ``wait`` cannot make them go and returns at once."""
 
-    def __init__(self, sock: socket.socket, peer: int) -> None:
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def wait(self, timeout: float | None = None) -> None:
+        return None
+
+
+class _Conn:
+    __slots__ = ("sock", "buf", "out", "queued", "done", "sent", "peer", "stuck_since",
+                 "polled_out", "stream")
+
+    def __init__(self, sock: socket.socket, peer: int | str, stream: bool = False) -> None:
         self.sock = sock
         self.buf = bytearray()  # read, not yet a whole frame
-        self.out = bytearray()  # replies the peer has not taken yet
-        self.peer = peer  # the client's pid, for logs
+        # Replies the peer has not taken yet, in order: frames (bytes) and an
+        # acquire's bytes (views of the arena, not copied).
+        self.out: collections.deque[memoryview] = collections.deque()
+        self.queued = 0  # bytes ever put in ``out``
+        self.done = 0  # bytes ever sent from it
+        # (``queued`` just after a view's last byte, its Sent), in order
+        self.sent: collections.deque[tuple[int, Sent]] = collections.deque()
+        self.peer = peer  # the client's pid (Unix) or address (TCP), for logs
         self.stuck_since = 0.0  # when ``out`` last stopped moving
         self.polled_out = False  # the serving thread polls it for POLLOUT
+        self.stream = stream  # over TCP: an acquire's bytes may follow its reply
+
+    def close(self) -> None:
+        self.sock.close()
+        self.out.clear()
+        while self.sent:  # the views are let go: their entries may go
+            self.sent.popleft()[1].done = True
 
 
 class LocalDoor:
-    """The listening socket and its connections. Not thread-safe: the server uses
-    it under its socket lock (the serving thread, or the watchdog while it works)."""
+    """The listening sockets and their connections: the same-node Unix socket at
+    ``path`` and the stream door on TCP ``stream`` ((host, port)), either or both.
+    Not thread-safe: the server uses it under its socket lock (the serving thread,
+    or the watchdog while it works)."""
 
-    def __init__(self, path: str, max_frame: int) -> None:
-        self.path = path
+    def __init__(self, path: str | None, max_frame: int,
+                 stream: tuple[str, int] | None = None) -> None:
+        """Listens on each of ``path`` and ``stream`` given; one that cannot listen is
+        logged and left out (``path`` None, ``stream_port`` None: its clients use the
+        ROUTER), and ``listening`` says whether any does."""
         self.max_frame = max_frame
         self._ids = itertools.count(1)
         self._conns: dict[int, _Conn] = {}
@@ -94,39 +140,64 @@ class LocalDoor:
         self._accept_paused_until = 0.0
         self._accepted_at = 0.0  # when accept() was last tried
         self.changed = True  # the set of sockets to poll changed since sockets() was read
-        if os.path.exists(path):
-            # The name carries this process's pid (setup.dram_shared_path): an old one
-            # was left by a dead process that had the same pid.
-            os.unlink(path)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            listener.bind(path)
-            os.chmod(path, 0o600)  # (the peer check at accept is the gate)
-            listener.listen(64)
-        except OSError:
-            listener.close()
-            raise
-        listener.setblocking(False)
-        self._listener = listener
+        self._listeners: list[socket.socket] = []
+        self.path: str | None = None
+        self.stream_port: int | None = None  # the stream door's, once it listens
+        self.stream_requests = 0  # read from stream door connections, ever
+        if path is not None:
+            try:
+                self._listeners.append(_unix_listener(path))
+                self.path = path
+            except OSError as exc:
+                log.warning("no same-node socket at %s (%s): local clients use the ROUTER",
+                            path, exc)
+        self.stream_error: str | None = None  # why the stream door does not listen
+        if stream is not None:
+            try:
+                listener = _tcp_listener(*stream)
+            except OSError as exc:
+                self.stream_error = exc.strerror or str(exc)
+                log.warning("no stream door on %s (%s): clients on other nodes use the "
+                            "ROUTER (server.stream_port; server.stream_socket = false turns "
+                            "it off)", _where(*stream), self.stream_error)
+            else:
+                self._listeners.append(listener)
+                self.stream_port = listener.getsockname()[1]
         self._uid = os.getuid()
         self.admitted = {self._uid, 0}  # users whose processes may connect
 
     def sockets(self) -> list[tuple[socket.socket, bool]]:
-        """What the serving thread polls: (socket, also for POLLOUT) for the listener
+        """What the serving thread polls: (socket, also for POLLOUT) for the listeners
         (unless paused) and every connection."""
         self.changed = False
         for conn in self._conns.values():
             conn.polled_out = bool(conn.out)
-        out = [] if self._accept_paused_until else [(self._listener, False)]
+        out = [] if self._accept_paused_until else [(s, False) for s in self._listeners]
         return out + [(c.sock, c.polled_out) for c in self._conns.values()]
 
     @property
+    def listening(self) -> bool:
+        return bool(self._listeners)
+
+    @property
     def connections(self) -> int:
-        return len(self._conns)
+        """Connections on the same-node socket."""
+        return sum(1 for c in self._conns.values() if not c.stream)
+
+    @property
+    def stream_connections(self) -> int:
+        """Connections on the stream door."""
+        return sum(1 for c in self._conns.values() if c.stream)
+
+    def streams(self, envelope: bytes) -> bool:
+        """Whether ``envelope`` names a stream door connection (an acquire's bytes
+        may follow its reply there)."""
+        conn = self._conns.get(_cid(envelope))
+        return conn is not None and conn.stream
 
     def polled_ready(self, ready: list) -> bool:
-        """Whether the listener is among the sockets a poll found ready."""
-        return any(sock is self._listener for sock, _ in ready)
+        """Whether a listener is among the sockets a poll found ready."""
+        return any(sock in self._listeners for sock, _ in ready)
 
     def read(self, listener_ready: bool = False) -> Iterator[list[bytes]]:
         """Send what replies wait, accept what is waiting (when ``listener_ready``,
@@ -150,7 +221,7 @@ class LocalDoor:
                 except (BlockingIOError, InterruptedError):
                     break
                 except OSError as exc:
-                    log.debug("local connection %s (pid %s) failed: %s", cid, conn.peer, exc)
+                    log.debug("local connection %s (%s) failed: %s", cid, conn.peer, exc)
                     closed = True
                     break
                 if not n:
@@ -170,7 +241,7 @@ class LocalDoor:
         while len(buf) - at >= _HEADER.size:
             (n,) = _HEADER.unpack_from(buf, at)
             if n > self.max_frame:
-                log.warning("local connection %s (pid %s) sent a %d-byte frame, over the "
+                log.warning("local connection %s (%s) sent a %d-byte frame, over the "
                             "cap of %d: closing it", cid, conn.peer, n, self.max_frame)
                 self._last_words(conn, p.encode_error(0, InvalidRequestError(
                     f"frame of {n} bytes exceeds the server's limit of {self.max_frame}; "
@@ -181,34 +252,48 @@ class LocalDoor:
             if len(buf) - at - _HEADER.size < n:
                 break
             start = at + _HEADER.size
+            self.stream_requests += conn.stream
             yield [envelope, bytes(buf[start:start + n])]
             at = start + n
         del buf[:at]
 
-    def send(self, envelope: bytes, body: bytes) -> None:
+    def send(self, envelope: bytes, body: bytes,
+             data: memoryview | bytes | None = None) -> Sent | None:
         """The reply ``body`` to the connection ``envelope`` names, without waiting:
         what the socket does not take now is kept and sent as its peer reads.
-        Dropped (logged) if the connection is gone or its backlog is over the cap."""
-        try:
-            cid = int(envelope[len(LOCAL_TAG):])
-        except ValueError:
-            log.warning("reply to an unroutable local envelope %r dropped", envelope[:40])
-            return
+        Dropped (logged) if the connection is gone or its backlog is over the cap.
+        ``data`` (a stream door connection's only): an acquire's bytes, sent right
+        after the reply, not copied; the ``Sent`` says when the door is done with
+        them (None: dropped, never taken)."""
+        cid = _cid(envelope)
         conn = self._conns.get(cid)
         if conn is None:
-            log.debug("reply to a closed local connection dropped")
-            return
-        if len(conn.out) + len(body) > _BACKLOG_CAP:
-            log.warning("local connection %s (pid %s) has %d bytes of replies unread: "
-                        "closing it", cid, conn.peer, len(conn.out))
+            log.debug("reply to a closed or unroutable local connection %r dropped",
+                      envelope[:40])
+            return None
+        size = len(body) + (0 if data is None else len(data))
+        if conn.queued - conn.done + size > _BACKLOG_CAP:
+            log.warning("local connection %s (%s) has %d bytes of replies unread: "
+                        "closing it", cid, conn.peer, conn.queued - conn.done)
             self._drop(cid)
-            return
+            return None
+        if data is not None and not conn.stream:
+            raise AssertionError("an acquire's bytes go over the stream door only")
         waiting = bool(conn.out)
-        conn.out += _HEADER.pack(len(body))
-        conn.out += body
+        conn.out.append(memoryview(_HEADER.pack(len(body)) + body))
+        conn.queued += size
+        sent = None
+        if data is not None:
+            sent = Sent()
+            if len(data):
+                conn.out.append(memoryview(data).cast("B"))
+                conn.sent.append((conn.queued, sent))
+            else:
+                sent.done = True
         if not waiting:
             conn.stuck_since = time.monotonic()
             self._push(cid, conn)
+        return sent
 
     def _flush(self) -> None:
         for cid, conn in list(self._conns.items()):
@@ -218,21 +303,23 @@ class LocalDoor:
     def _push(self, cid: int, conn: _Conn) -> None:
         """Send what ``conn`` can take now of its pending replies."""
         try:
-            sent = conn.sock.send(conn.out, socket.MSG_DONTWAIT)
+            sent = conn.sock.sendmsg(list(itertools.islice(conn.out, _SEND_BUFFERS)), (),
+                                     socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
             sent = 0
         except OSError as exc:
-            log.debug("local connection %s (pid %s) gone while replying: %s",
+            log.debug("local connection %s (%s) gone while replying: %s",
                       cid, conn.peer, exc)
             self._drop(cid)
             return
         now = time.monotonic()
         if sent:
-            del conn.out[:sent]
+            _consume(conn, sent)
             conn.stuck_since = now
         elif now - conn.stuck_since > _STUCK_S:
-            log.warning("local connection %s (pid %s) took none of its %d bytes of replies "
-                        "for %.0f s: closing it", cid, conn.peer, len(conn.out), _STUCK_S)
+            log.warning("local connection %s (%s) took none of its %d bytes of replies "
+                        "for %.0f s: closing it", cid, conn.peer, conn.queued - conn.done,
+                        _STUCK_S)
             self._drop(cid)
             return
         if bool(conn.out) != conn.polled_out:
@@ -246,17 +333,31 @@ class LocalDoor:
             pass
 
     def _accept(self) -> None:
+        for listener in self._listeners:
+            if not self._accept_from(listener):
+                return
+
+    def _accept_from(self, listener: socket.socket) -> bool:
+        """Take every connection waiting on ``listener``; False after a failed accept
+        (accepting paused)."""
         while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, address = listener.accept()
             except (BlockingIOError, InterruptedError):
-                return
+                return True
             except OSError as exc:  # out of fds, say: try again in a while
                 log.warning("accepting a local connection failed: %s; not accepting for "
                             "%.0f s", exc, _ACCEPT_PAUSE_S)
                 self._accept_paused_until = time.monotonic() + _ACCEPT_PAUSE_S
                 self.changed = True
-                return
+                return False
+            if listener.family != socket.AF_UNIX:  # the stream door: no CURVE here
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.setblocking(False)
+                peer = f"{address[0]}:{address[1]}"
+                self._conns[next(self._ids)] = _Conn(sock, peer, stream=True)
+                self.changed = True
+                continue
             pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                        _CRED.size))
             if uid not in self.admitted:
@@ -268,20 +369,86 @@ class LocalDoor:
                     "use the server's TCP port")))
                 sock.close()
                 continue
-            self._conns[next(self._ids)] = _Conn(sock, pid)
+            self._conns[next(self._ids)] = _Conn(sock, f"pid {pid}")
             self.changed = True
 
     def _drop(self, cid: int) -> None:
         conn = self._conns.pop(cid, None)
         if conn is not None:
-            conn.sock.close()
+            conn.close()
             self.changed = True
 
     def close(self) -> None:
         for cid in list(self._conns):
             self._drop(cid)
-        self._listener.close()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        for listener in self._listeners:
+            listener.close()
+        if self.path is not None:
+            _unlink(self.path)
+
+
+def _cid(envelope: bytes) -> int:
+    """The connection id a local envelope names (0, which none has, if none)."""
+    try:
+        return int(envelope[len(LOCAL_TAG):]) if is_local(envelope) else 0
+    except ValueError:
+        return 0
+
+
+def _consume(conn: _Conn, nbytes: int) -> None:
+    """``nbytes`` of ``conn.out`` went to the kernel: drop them, and mark done each
+    view whose last byte went."""
+    conn.done += nbytes
+    out = conn.out
+    while nbytes:
+        head = out[0]
+        if nbytes >= len(head):
+            nbytes -= len(head)
+            out.popleft()
+        else:
+            out[0] = head[nbytes:]
+            nbytes = 0
+    while conn.sent and conn.sent[0][0] <= conn.done:
+        conn.sent.popleft()[1].done = True
+
+
+def _unix_listener(path: str) -> socket.socket:
+    if os.path.exists(path):
+        # The name carries this process's pid (setup.dram_shared_path): an old one
+        # was left by a dead process that had the same pid.
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(path)
+        os.chmod(path, 0o600)  # (the peer check at accept is the gate)
+        listener.listen(64)
+    except OSError:
+        listener.close()
+        raise
+    listener.setblocking(False)
+    return listener
+
+
+def _tcp_listener(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host.strip("[]"), port))
+        listener.listen(64)
+    except OSError:
+        listener.close()
+        raise
+    listener.setblocking(False)
+    return listener
+
+
+def _where(host: str, port: int) -> str:
+    return f"{host} port {port}" if port else f"{host} (any free port)"
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

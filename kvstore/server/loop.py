@@ -68,7 +68,7 @@ from kvstore.core.errors import BusyError, ConfigError, InvalidRequestError, KVS
 from kvstore.core.nodeid import host_id
 from kvstore.server import handlers
 from kvstore.server.handlers import ANSWER_FIRST, HANDLERS
-from kvstore.server.local import LocalDoor, is_local, socket_path
+from kvstore.server.local import LocalDoor, Sent, is_local, socket_path
 from kvstore.store.reads import Staging
 from kvstore.store.types import Acquisition
 from kvstore.store.writes import Later
@@ -127,6 +127,7 @@ class Server:
         self._stop = False
         self._started = time.time()
         self.counters = {"requests": 0, "errors": 0, "busy": 0, "local_requests": 0,
+                         "stream_requests": 0,
                          "inline_replies": 0, "inline_bytes": 0, "inline_views": 0}
         # Acquires answered with their bytes (``Acquire.inline``): at most this many
         # bytes per reply, and INLINE_BACKLOG replies handed to ZeroMQ and not sent
@@ -160,14 +161,20 @@ class Server:
             self._sock = self._bind()
             self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
             self._register_arenas()
-            # Same-node clients' door (kvstore/server/local.py), beside the shared arena.
+            # Same-node clients' door (kvstore/server/local.py), beside the shared
+            # arena, and the stream door for the others.
             arena = store.dram_shared_path
-            if config.server.local_socket and arena is not None:
-                try:
-                    self._local = LocalDoor(socket_path(arena), 2 * self.max_bytes + 4096)
-                except OSError as exc:
-                    log.warning("no same-node socket at %s (%s): local clients use the ROUTER",
-                                socket_path(arena), exc)
+            path = socket_path(arena) if config.server.local_socket and arena is not None \
+                else None
+            stream = self._stream_address()
+            door = LocalDoor(path, 2 * self.max_bytes + 4096, stream)
+            self._local = door if door.listening else None
+            if door.stream_error is not None and config.server.stream_port:
+                door.close()
+                self._local = None
+                raise ConfigError(f"cannot listen on {srv_where(*cast(tuple, stream))} for "
+                                  f"the stream door (server.stream_port): "
+                                  f"{door.stream_error}; 0 takes any free port")
         except BaseException:
             # Whatever step failed: a socket left open would block the context's
             # termination forever (a hung start instead of the error).
@@ -201,6 +208,18 @@ class Server:
             sock.close(0)  # not self._sock yet: _close_zmq would not see it
             raise
         return sock
+
+    def _stream_address(self) -> tuple[str, int] | None:
+        """Where the stream door listens: the ROUTER's host, at ``server.stream_port``
+        (0: any free port, as TE's; the hello names it); None when it is off, or under
+        CURVE, which it would bypass."""
+        srv = self.config.server
+        if not srv.stream_socket:
+            return None
+        if srv.curve_secret_key:
+            log.info("no stream door: the server uses CURVE, which only its ROUTER checks")
+            return None
+        return ("0.0.0.0" if srv.host == "*" else srv.host), srv.stream_port
 
     def _setup_curve(self, sock: zmq.Socket) -> None:
         import zmq.auth
@@ -373,8 +392,17 @@ class Server:
         """A reply, to the ROUTER peer or the local connection its envelope names.
         Holds the socket (``_sock_lock``)."""
         if is_local(frames[0]):
-            if self._local is not None:
-                self._local.send(frames[0], frames[-1])
+            last = frames[-1]
+            if type(last) is not _Slot:
+                if self._local is not None:
+                    self._local.send(frames[0], last)
+                return
+            slot = cast(_Slot, last)
+            try:  # (the stream door's: no parts; its Sent tracks the bytes as a tracker)
+                slot.tracker = None if self._local is None else \
+                    self._local.send(frames[0], frames[-2], cast(bytes, slot.data))
+            finally:
+                slot.handed = False
         elif type(frames[-1]) is _Slot:  # an acquire's bytes (``_inline``)
             slot = cast(_Slot, frames[-1])
             try:  # zero-copy: the slot is busy until ZeroMQ is done with the bytes
@@ -431,10 +459,13 @@ class Server:
                 continue
             batch.append(frames)
         if self._local is not None:
+            streamed = self._local.stream_requests
             local = list(self._local.read(listener_ready))
             if local:
+                streamed = self._local.stream_requests - streamed
                 with self._counters_lock:
-                    self.counters["local_requests"] += len(local)
+                    self.counters["local_requests"] += len(local) - streamed
+                    self.counters["stream_requests"] += streamed
                 batch += local
         for frames in self._gives_back_first(batch) if len(batch) > 1 else batch:
             self._admit(frames)
@@ -542,10 +573,15 @@ class Server:
                 self._staging.append((envelope, rid, req, staging, arrived))
                 self._staging_wake.notify()
 
-        # Parts only to a DEALER (envelope: its routing id alone): a REQ socket takes
-        # one message per request, and would read a part as its next reply.
-        reply = self.handle(body, defer, later, inline=not (envelope and is_local(envelope[0])),
-                            parts=len(envelope) == 1)
+        # Bytes in the reply over the ROUTER, and the stream door (not the same-node
+        # socket: its clients copy from the arena). Parts only to a DEALER (envelope:
+        # its routing id alone): a REQ socket takes one message per request, and
+        # would read a part as its next reply; the stream door sends them whole.
+        local = bool(envelope) and is_local(envelope[0])
+        door = self._local
+        reply = self.handle(body, defer, later,
+                            inline=not local or (door is not None and door.streams(envelope[0])),
+                            parts=len(envelope) == 1 and not local)
         if reply is None:
             return None
         slot = getattr(reply, "data", None)
@@ -769,6 +805,11 @@ class Server:
             result["segment"] = self.transport.segment  # see _acquired
         return result
 
+    @property
+    def stream_port(self) -> int | None:
+        """The stream door's port; None when it is closed."""
+        return None if self._local is None else self._local.stream_port
+
     def hello(self) -> dict:
         path = self.store.dram_shared_path
         local = None if self._local is None else self._local.path
@@ -779,6 +820,7 @@ class Server:
                 "dram": None if path is None else {"path": path,
                                                    "nbytes": self.capacities()["dram"]},
                 "local": local,
+                "stream_port": self.stream_port,
                 "block_tokens": self.config.store.block_tokens,
                 "max_message_bytes": self.max_bytes, "te_probe": self._te_probe(),
                 "inline_max": self._inline_max, "inline_parts": True,
@@ -798,8 +840,10 @@ class Server:
 
     def stats(self) -> dict:
         """The store's stats plus this server's request counters (metrics read this)."""
-        local = 0 if self._local is None else self._local.connections
+        door = self._local
+        local = 0 if door is None else door.connections
         return {**self.store.stats(), **self.counters, "local_connections": local,
+                "stream_connections": 0 if door is None else door.stream_connections,
                 "uptime_s": time.time() - self._started}
 
     def _reap(self) -> None:
@@ -843,6 +887,10 @@ class Server:
             self._ctx.destroy(linger=0)
         else:
             self._ctx.term()
+
+
+def srv_where(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class Inline(bytes):
@@ -898,7 +946,7 @@ class _Slot:
         self.aid = 0
         self.parts: list[int] | None = None
         self.handed = False
-        self.tracker: zmq.MessageTracker | None = None
+        self.tracker: zmq.MessageTracker | Sent | None = None
         self.taken_at = 0.0
 
     @property

@@ -187,10 +187,11 @@ INLINE_STEPS = [("acquire", "as the acquire is sent"),
                 ("after", "after they were copied, before release")]
 
 
+@pytest.mark.parametrize("door", [False, True], ids=["ZeroMQ port", "stream door"])
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
 @pytest.mark.parametrize("when,step", INLINE_STEPS, ids=[s[1] for s in INLINE_STEPS])
 def test_server_signalled_around_a_drop_select_answered_inline(
-        server_factory, client_factory, fault_log, when, step, sig):
+        server_factory, client_factory, fault_log, when, step, sig, door):
     """A prompt in DRAM read by a client off the server's node comes in the acquire's
     reply (``Acquire.inline``). Once that reply is in, the bytes are the caller's: a
     server killed or stopped afterwards changes nothing. One signalled before it
@@ -198,7 +199,8 @@ def test_server_signalled_around_a_drop_select_answered_inline(
     stopped server, once continued, reaches that acquire after its deadline and
     refuses it (``late_reads``): no reply with the bytes, nothing leased, the prompt
     stays stored for the next reader. (DRAM lost to SIGKILL is volatile by design
-    and not counted, as in the fault table.)"""
+    and not counted, as in the fault table.) The same over the stream door, where
+    the bytes are taken (received) as they come after the reply."""
     from kvstore.core.config import ClientConfig
     from kvstore.core.protocol import Acquire
 
@@ -208,12 +210,13 @@ def test_server_signalled_around_a_drop_select_answered_inline(
     setup.insert(prompt_tokens(target, N), prompt_kv(target, N))
     ops: list[str] = []
     client = client_factory(srv, timeout_s=2.0, same_node=False,
-                            config=ClientConfig(inline_max_bytes=4 << 20),
+                            config=ClientConfig(inline_max_bytes=4 << 20, stream_socket=door),
                             observer=lambda op, s, ok: ops.append(op))
-    assert client.hello()["inline_max"] > 0
+    assert client.hello()["inline_max"] > 0 and client._rpc.stream is door
+    take = "take_parts" if door else "take_inline"
     taken = []
-    real_take = client._data.take_inline
-    client._data.take_inline = lambda *a, **kw: taken.append(1) or real_take(*a, **kw)
+    real_take = getattr(client._data, take)
+    setattr(client._data, take, lambda *a, **kw: taken.append(1) or real_take(*a, **kw))
     fault = Fault(srv, sig)
     if when == "acquire":
         real_call = client._rpc.call
@@ -225,7 +228,7 @@ def test_server_signalled_around_a_drop_select_answered_inline(
 
         client._rpc.call = call
     else:
-        fault.wrap(client, "take_inline", when)
+        fault.wrap(client, take, when)
 
     got, failed = fault.around("drop_select",
                                lambda: client.drop_select(prompt_tokens(target, N)))
@@ -243,7 +246,8 @@ def test_server_signalled_around_a_drop_select_answered_inline(
         assert failed is None and taken
         assert got.matched_tokens == N
         assert np.array_equal(got.kv.numpy(), prompt_kv(target, N))
-    fault_log(f"server {signal.Signals(sig).name} around an inline drop_select, {step}", 1,
+    over = ", over the stream door" if door else ""
+    fault_log(f"server {signal.Signals(sig).name} around an inline drop_select, {step}{over}", 1,
               int(srv.proc.poll() is None), lost)
     assert lost == 0
     _nothing_left_open(admin)

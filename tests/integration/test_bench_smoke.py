@@ -149,12 +149,15 @@ def test_verify_cost_times_both_reads_and_the_hash():
     assert all(len(v) == 2 and all(ms > 0 for ms in v) for v in res.values()), res
 
 
-def test_timeline_stamps_the_consumer_and_the_server_of_every_get(tmp_path):
+@pytest.mark.parametrize("door", [True, False], ids=["stream door", "ZeroMQ port"])
+def test_timeline_stamps_the_consumer_and_the_server_of_every_get(tmp_path, monkeypatch, door):
     from tools.bench import timeline
 
+    monkeypatch.setenv("KVSTORE_CLIENT_STREAM_SOCKET", str(door).lower())  # (the workers')
     res = timeline.run("small", 512, reps=3, raw=False, out=tmp_path)
-    # 2 MiB in 64 KiB blocks, in the reply in parts of 512 KiB (the defaults)
-    assert (res["gets"], res["left out"], res["parts"]) == (3, 0, 4)
+    # 2 MiB in 64 KiB blocks: after the reply over the stream door (the default), in
+    # the reply in parts of 512 KiB over the ZeroMQ port
+    assert (res["gets"], res["left out"], res["parts"]) == (3, 0, 1 if door else 4)
     phases = res["phases ms"]
     assert list(phases) == [name for name, _, _ in (*timeline.PHASES, *timeline.INSIDE,
                                                     timeline.TOTAL)]

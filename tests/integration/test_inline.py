@@ -3,8 +3,11 @@
 A client off the server's node asks for up to ``client.inline_max_bytes`` of a prompt
 in the acquire's reply; the server sends them as a frame after the reply when they
 are all in DRAM, fit its ``server.inline_max_bytes`` and the request came over the
-ZeroMQ port. Everything else reads over TE, as before. The client verifies every
-entry as it copies it out of the reply.
+ZeroMQ port, or as the bytes after it when it came over the stream door (where such
+a client sends its requests by default: tests/integration/test_stream_door.py).
+Everything else reads over TE, as before. The client verifies every entry as it
+copies it out of the reply (receives it, over the door). The tests marked
+``DOORS`` run both ways.
 """
 
 import dataclasses
@@ -36,14 +39,21 @@ def prompt(n: int, seed: int = 0) -> list[int]:
     return np.random.default_rng(2000 + seed).integers(0, 50_000, n).tolist()
 
 
-def reader(client_factory, server, cap: int = 4 << 20, **opts):
-    """A client off the server's node (TE), asking for up to ``cap`` bytes inline; the
-    data-path operations it ran are in its ``.ops``."""
+def reader(client_factory, server, cap: int = 4 << 20, stream: bool = True, **opts):
+    """A client off the server's node (TE), asking for up to ``cap`` bytes inline, its
+    requests over the stream door (``stream``) or the ROUTER; the data-path
+    operations it ran are in its ``.ops``."""
     ops: list[str] = []
-    client = client_factory(server, same_node=False, config=ClientConfig(inline_max_bytes=cap),
+    client = client_factory(server, same_node=False,
+                            config=ClientConfig(inline_max_bytes=cap, stream_socket=stream),
                             observer=lambda op, s, ok: ops.append(op), **opts)
     client.ops = ops
+    client.hello()
+    assert client._rpc.stream is (stream and bool(client.hello().get("stream_port")))
     return client
+
+
+DOORS = pytest.mark.parametrize("stream", [True, False], ids=["stream door", "router"])
 
 
 def inline_views(client) -> int:
@@ -56,9 +66,10 @@ def inline_stats(client) -> tuple[int, int]:
     return stats["inline_replies"], stats["inline_bytes"]
 
 
-def test_a_small_drop_select_comes_in_its_acquires_reply(clean_server, client_factory):
+@DOORS
+def test_a_small_drop_select_comes_in_its_acquires_reply(clean_server, client_factory, stream):
     producer = client_factory(clean_server)  # same node: writes through the arena
-    consumer = reader(client_factory, clean_server)
+    consumer = reader(client_factory, clean_server, stream=stream)
     assert consumer.hello()["inline_max"] == 8 << 20
     before = inline_stats(producer)
     views = inline_views(producer)
@@ -86,9 +97,10 @@ def test_a_small_drop_select_comes_in_its_acquires_reply(clean_server, client_fa
     assert stats["entries"] == 0 and stats["leases"] == 0
 
 
-def test_into_a_reused_buffer_and_a_get_that_keeps_the_entries(clean_server, client_factory):
+@DOORS
+def test_into_a_reused_buffer_and_a_get_that_keeps_the_entries(clean_server, client_factory, stream):
     producer = client_factory(clean_server)
-    consumer = reader(client_factory, clean_server)
+    consumer = reader(client_factory, clean_server, stream=stream)
     kv = make_kv(40, 7)
     producer.insert(prompt(40, 7), kv)
     out = torch.zeros(LAYOUT.nbytes(40) + 4096, dtype=torch.uint8)
@@ -100,12 +112,13 @@ def test_into_a_reused_buffer_and_a_get_that_keeps_the_entries(clean_server, cli
     assert "te_read" not in consumer.ops and consumer.stats()["entries"] == 0  # (as above)
 
 
+@DOORS
 def test_over_either_limit_or_skipping_blocks_the_bytes_go_over_te(server_factory,
-                                                                    client_factory):
+                                                                    client_factory, stream):
     srv = server_factory(dram="16MiB", env={"KVSTORE_SERVER_INLINE_MAX_BYTES": "16KiB"})
     producer = client_factory(srv)
-    small = reader(client_factory, srv, cap=8 << 10)  # under the prompt below
-    big = reader(client_factory, srv)  # asks for 4 MiB: the server sends at most 16 KiB
+    small = reader(client_factory, srv, cap=8 << 10, stream=stream)  # under the prompt below
+    big = reader(client_factory, srv, stream=stream)  # asks for 4 MiB: the server sends at most 16 KiB
     kv = make_kv(200, 8)  # 25 KiB of KV: over both limits
     assert LAYOUT.nbytes(200) > 16 << 10
     for client in (small, big):
@@ -135,10 +148,11 @@ def test_a_server_that_sends_none_is_never_asked(server_factory, client_factory)
     assert consumer.ops == ["te_read"] and inline_stats(producer) == (0, 0)
 
 
+@DOORS
 def test_bytes_bad_at_rest_are_a_checksum_miss_reported_and_dropped(clean_server,
-                                                                      client_factory):
+                                                                      client_factory, stream):
     producer = client_factory(clean_server)
-    consumer = reader(client_factory, clean_server)
+    consumer = reader(client_factory, clean_server, stream=stream)
     producer.insert(prompt(12, 5), make_kv(12, 5))
     keys = producer.keys_for(prompt(12, 5))
     damage_at_rest(producer, keys[1:])
@@ -389,6 +403,8 @@ def test_a_curve_client_reads_over_te(server_factory, client_factory, tmp_path):
     producer = client_factory(srv, **keys)
     consumer = reader(client_factory, srv, **keys)
     assert consumer.hello()["inline_max"] == 8 << 20 and consumer._inline(0) is None
+    # Nor is there a stream door, which CURVE would not cover.
+    assert consumer.hello()["stream_port"] is None and "stream door port" not in srv.log()
     producer.insert(prompt(9, 2), make_kv(9, 2))
     assert np.array_equal(consumer.drop_select(prompt(9, 2)).kv.numpy(), make_kv(9, 2))
     assert consumer.ops == ["te_read"] and inline_stats(producer) == (0, 0)

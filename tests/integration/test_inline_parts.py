@@ -29,11 +29,13 @@ PART = 64 << 10  # the smallest part a client may ask for
 
 
 def reader(client_factory, server, part: int = PART, **opts):
-    """A client off the server's node asking for every prompt inline, in ``part``s."""
+    """A client off the server's node asking for every prompt inline, in ``part``s
+    (over the ROUTER: the stream door sends the bytes whole)."""
     ops: list[str] = []
     client = client_factory(server, same_node=False,
                             config=ClientConfig(inline_max_bytes=4 << 20,
-                                                inline_part_bytes=part),
+                                                inline_part_bytes=part,
+                                                stream_socket=False),
                             observer=lambda op, s, ok: ops.append(op), **opts)
     client.ops = ops
     return client

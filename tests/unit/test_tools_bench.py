@@ -333,12 +333,12 @@ def test_the_timeline_splits_a_get_into_its_phases_across_processes(tmp_path):
             "request until the serving thread has it": 0.2,
             "server: queue, store lock, until the handling": 0.02,
             "server: decode, acquire, encode": 0.18,
-            "reply and first part: handed to ZeroMQ, in transit": 0.4,
-            "the other parts, until the last is in": 0.7,
-            "after the last part: its copy and checks": 0.1,
+            "reply (and first part): sent, in transit": 0.4,
+            "the bytes after it, until the last is in": 0.7,
+            "after the last byte: the last copy and checks": 0.1,
             "release (one-way) and the result": 0.1,
             "client: keys (hashing the tokens)": 0.05,
-            "server: reply and parts handed to ZeroMQ": 0.09,
+            "server: reply and bytes handed to the socket": 0.09,
             "drop_select": 1.8}
     assert set(got) == set(want)
     for name, ms in want.items():
@@ -370,6 +370,20 @@ def test_the_timeline_takes_the_reply_not_a_stale_message_read_late(tmp_path):
     get = found.gets[0].at
     assert get["reply"] == get["last part"] == pytest.approx(0.9)
     assert get["S:arr"] == pytest.approx(0.3)  # (p3 never sent a reply: not the server)
+
+
+def test_the_timeline_ends_a_stream_doors_bytes_where_their_reading_ends(tmp_path):
+    from tools.bench import timeline
+
+    # over the stream door: the reply frame (msg), then the bytes after it (rp), read
+    # in no message of their own
+    consumer = [("sel0", 0.0), ("ex0", 0.1), ("msg0", 0.12), ("msg1", 0.8),
+                ("rp0", 0.81), ("rp1", 1.5), ("ex1", 1.52), ("sel1", 1.7)]
+    _stamp_files(tmp_path, p1=consumer, p2=_ACQUIRE)
+    found = timeline.windows(timeline.load(tmp_path))
+    assert found.missed == 0 and [g.parts for g in found.gets] == [1]
+    get = found.gets[0].at
+    assert get["reply"] == pytest.approx(0.8) and get["last part"] == pytest.approx(1.5)
 
 
 def test_the_timeline_refuses_to_time_a_function_that_is_gone(tmp_path):

@@ -52,6 +52,10 @@ HOOKS = (
     ("kvstore.client.rpc", "Channel._message", "msg"),
     ("kvstore.client.rpc", "Channel._receive_parts", "rp"),
     ("kvstore.client.datapath", "copy_out", "cp"),
+    # The stream door (kvstore.client.local): its reply frame, then the bytes after it.
+    ("kvstore.client.local", "LocalChannel._exchange", "ex"),
+    ("kvstore.client.local", "LocalChannel._read_frame", "msg"),
+    ("kvstore.client.local", "LocalChannel._bytes_after", "rp"),
     ("kvstore.server.loop", "Server._serve", "srv"),  # with "arr": when it arrived
     ("kvstore.server.loop", "Server._respond", "rsp"),
     ("kvstore.server.loop", "Server._send", "snd"),
@@ -217,22 +221,24 @@ class Gets(NamedTuple):
 # Each get is cut into these consecutive phases (name, from, to), which add up to
 # the whole drop_select. An event is "C:<tag>" (the consumer), "S:<tag>" (the server
 # serving this get's acquire), "reply" (the consumer has the acquire's reply, with
-# the first part of the bytes when they come inline) or "last part" (it has the
-# last of them; the reply itself when they come in one part).
+# the first part of the bytes when they come inline over the ZeroMQ port) or "last
+# part" (it has the last of them: the last part's message; the reply itself when
+# they come in one part; over the stream door, the end of reading the bytes that
+# follow the reply, which includes checking all but the last entry as they land).
 PHASES = (
     ("client: keys and the request, until the acquire's call", "C:sel0", "C:ex0"),
     ("request until the serving thread has it", "C:ex0", "S:arr"),
     ("server: queue, store lock, until the handling", "S:arr", "S:rsp0"),
     ("server: decode, acquire, encode", "S:rsp0", "S:rsp1"),
-    ("reply and first part: handed to ZeroMQ, in transit", "S:rsp1", "reply"),
-    ("the other parts, until the last is in", "reply", "last part"),
-    ("after the last part: its copy and checks", "last part", "C:ex1"),
+    ("reply (and first part): sent, in transit", "S:rsp1", "reply"),
+    ("the bytes after it, until the last is in", "reply", "last part"),
+    ("after the last byte: the last copy and checks", "last part", "C:ex1"),
     ("release (one-way) and the result", "C:ex1", "C:sel1"),
 )
 # Spans inside those, shown beside them (not added up).
 INSIDE = (
     ("client: keys (hashing the tokens)", "C:key0", "C:key1"),
-    ("server: reply and parts handed to ZeroMQ", "S:snd0", "S:snd1"),
+    ("server: reply and bytes handed to the socket", "S:snd0", "S:snd1"),
 )
 TOTAL = ("drop_select", "C:sel0", "C:sel1")
 _SERVED = ("srv0", "rsp0", "rsp1", "snd0", "snd1", "srv1")
@@ -276,7 +282,9 @@ def windows(stamps: list[Stamp], since: float = 0.0) -> Gets:
                 break
         if "C:sel1" not in at or "C:ex1" not in at or "reply" not in at:
             continue
-        at["last part"] = messages[-1] if messages else at["reply"]
+        # (Over the stream door the bytes follow the reply in no message of their
+        # own: the last of them is in when its reading ends.)
+        at["last part"] = messages[-1] if messages else at.get("C:rp1", at["reply"])
         served = _serving(others, at["C:ex0"], at["reply"])
         if served is None:
             missed += 1

@@ -1,0 +1,261 @@
+"""The stream door (kvstore/server/local.py, kvstore/client/local.py) against real servers.
+
+A client on another node than its server, without CURVE, sends its requests over the
+server's stream door, a TCP port of its own (``server.stream_port``, any free one by
+default, named in the hello); an acquire's bytes come right after its reply there and
+land straight in their destination, each entry verified as soon as it is in. Where
+the door cannot be used the client goes on over the ROUTER, as before it.
+"""
+
+import logging
+import socket
+import struct
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+import kvstore.client.client as client_module
+from kvstore.core import protocol as p
+from kvstore.core.config import ClientConfig
+from kvstore.core.errors import ChecksumError, KVStoreError
+from tests.integration.conftest import LAYOUT, damage_at_rest, free_port, make_kv, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+HEADER = struct.Struct("<I")
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(3000 + seed).integers(0, 50_000, n).tolist()
+
+
+def reader(client_factory, server, **opts):
+    """A client off the server's node, taking bytes in replies (up to 8 MiB)."""
+    return client_factory(server, same_node=False,
+                          config=ClientConfig(inline_max_bytes=8 << 20), **opts)
+
+
+def door_stats(client) -> tuple[int, int, int]:
+    stats = client.stats()
+    return stats["stream_requests"], stats["stream_connections"], stats["inline_replies"]
+
+
+def test_a_reader_on_another_node_takes_its_prompt_over_the_door(server_factory,
+                                                                  client_factory):
+    srv = server_factory(dram="16MiB", nvme="0")
+    producer = client_factory(srv)  # same node: the arena and the Unix socket
+    consumer = reader(client_factory, srv)
+    port = consumer.hello()["stream_port"]
+    assert type(port) is int and f"stream door port {port}" in srv.log()
+    assert consumer._rpc.stream and not producer._rpc.stream
+    hidden = torch.randn(300, 16, generator=torch.Generator().manual_seed(3)).bfloat16()
+    kv = make_kv(300, 1)
+    producer.insert(prompt(300, 1), kv, hidden=hidden)
+    requests, connections, replies = door_stats(producer)
+    got = consumer.drop_select(prompt(300, 1))
+    assert got.matched_tokens == 300 and np.array_equal(got.kv.numpy(), kv)
+    assert torch.equal(got.hidden, hidden)
+    after = door_stats(producer)
+    assert after[0] > requests and after[1] == connections == 1 and after[2] == replies + 1
+    assert consumer.stats()["entries"] == 0  # dropped (asked after the one-way release)
+    # A get keeps them; into a buffer the caller reuses, where the bytes land.
+    producer.insert(prompt(300, 2), make_kv(300, 2))
+    out = torch.zeros(LAYOUT.nbytes(300) + (1 << 16), dtype=torch.uint8)
+    for _ in range(2):
+        got = consumer.get(prompt(300, 2), into=out)
+        assert got.kv.data_ptr() == out.data_ptr()
+        assert np.array_equal(got.kv.numpy(), make_kv(300, 2))
+    assert consumer.lookup(prompt(300, 2)).matched_tokens == 300
+    stats = consumer.stats()
+    assert stats["leases"] == 0 and stats["local_requests"] > 0  # (the producer's)
+
+
+def test_bad_bytes_at_rest_are_a_miss_and_the_door_stays_in_step(server_factory,
+                                                                 client_factory):
+    srv = server_factory(dram="16MiB", nvme="0")
+    producer = client_factory(srv)
+    consumer = reader(client_factory, srv)
+    producer.insert(prompt(64, 3), make_kv(64, 3))
+    keys = producer.keys_for(prompt(64, 3))
+    damage_at_rest(producer, keys[1:2])
+    consumer.hello()
+    channel = consumer._rpc._local
+    assert channel is not None and channel.stream
+    before = producer.stats()["checksum_failures"]
+    with pytest.raises(ChecksumError) as err:
+        consumer.drop_select(prompt(64, 3))
+    assert err.value.position == 1
+    stats = producer.stats()
+    assert stats["checksum_failures"] == before + 1 and stats["leases"] == 0
+    assert {e["key"] for e in producer.ls()} == {keys[0], *keys[2:]}
+    # Every byte of that reply was read: the next reply on the same connection is whole.
+    producer.insert(prompt(40, 4), make_kv(40, 4))
+    got = consumer.drop_select(prompt(40, 4))
+    assert np.array_equal(got.kv.numpy(), make_kv(40, 4))
+    assert consumer._rpc._local is channel and channel.open
+
+
+def test_a_server_killed_and_started_again_is_found_through_its_new_door(server_factory,
+                                                                        client_factory):
+    srv = server_factory(dram="16MiB", nvme="0")
+    consumer = reader(client_factory, srv)
+    first = consumer.hello()["stream_port"]
+    srv.kill()
+    srv.start()
+    producer = client_factory(srv)
+    producer.insert(prompt(80, 5), make_kv(80, 5))
+    # The dead door's connection is noticed before anything is sent on it; the
+    # request goes over the ROUTER to the new server, whose segment differs: a miss
+    # or an error at most once, never wrong bytes.
+    results = []
+    for _ in range(3):
+        try:
+            results.append(consumer.drop_select(prompt(80, 5)))
+        except KVStoreError as exc:
+            results.append(exc)
+        if not isinstance(results[-1], Exception) and results[-1].matched_tokens:
+            break
+    got = results[-1]
+    assert not isinstance(got, Exception) and got.matched_tokens == 80, results
+    assert np.array_equal(got.kv.numpy(), make_kv(80, 5))
+    assert sum(isinstance(r, Exception) for r in results) <= 1
+    # The closed door made the client say hello again: the new server's door it uses.
+    assert consumer.hello()["stream_port"] not in (None, first) and consumer._rpc.stream
+    producer.insert(prompt(80, 6), make_kv(80, 6))
+    before = producer.stats()["stream_requests"]
+    assert np.array_equal(consumer.drop_select(prompt(80, 6)).kv.numpy(), make_kv(80, 6))
+    assert producer.stats()["stream_requests"] > before
+
+
+def test_a_door_that_cannot_be_reached_leaves_the_router(server_factory, client_factory,
+                                                         monkeypatch, caplog):
+    srv = server_factory(dram="16MiB", nvme="0")
+    producer = client_factory(srv)
+    closed = free_port()  # nobody listens there: as a port a firewall refuses
+    monkeypatch.setattr(client_module, "door_address", lambda server, port: ("127.0.0.1", closed))
+    consumer = reader(client_factory, srv)
+    producer.insert(prompt(50, 6), make_kv(50, 6))
+    with caplog.at_level(logging.WARNING, logger="kvstore.client.local"):
+        got = consumer.drop_select(prompt(50, 6))
+    assert np.array_equal(got.kv.numpy(), make_kv(50, 6))
+    assert "stream door unusable" in caplog.text and not consumer._rpc.stream
+    requests, connections, replies = door_stats(producer)
+    assert (requests, connections, replies) == (0, 0, 1)  # in the ROUTER's reply
+
+
+@pytest.mark.parametrize("how", ["server off", "client off"])
+def test_off_either_side_the_router_carries_everything(server_factory, client_factory, how):
+    env = {"KVSTORE_SERVER_STREAM_SOCKET": "false"} if how == "server off" else {}
+    srv = server_factory(dram="16MiB", nvme="0", env=env)
+    producer = client_factory(srv)
+    consumer = client_factory(srv, same_node=False,
+                              config=ClientConfig(inline_max_bytes=8 << 20,
+                                                  stream_socket=how != "client off"))
+    assert (consumer.hello()["stream_port"] is None) is (how == "server off")
+    producer.insert(prompt(50, 7), make_kv(50, 7))
+    assert np.array_equal(consumer.drop_select(prompt(50, 7)).kv.numpy(), make_kv(50, 7))
+    assert not consumer._rpc.stream and door_stats(producer) == (0, 0, 1)
+
+
+def test_a_stream_port_in_use_refuses_the_start(server_factory):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        port = taken.getsockname()[1]
+        srv = server_factory(env={"KVSTORE_SERVER_STREAM_PORT": str(port)}, wait=False)
+        assert srv.proc.wait(60) == 2
+        assert f"cannot listen on 127.0.0.1:{port} for the stream door" in srv.log()
+    finally:
+        taken.close()
+    # A free one it takes, and names.
+    port = free_port()
+    srv = server_factory(env={"KVSTORE_SERVER_STREAM_PORT": str(port)})
+    assert f"stream door port {port}" in srv.log()
+
+
+def _raw(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    return sock
+
+
+def _reply(sock: socket.socket) -> dict | None:
+    head = sock.recv(HEADER.size, socket.MSG_WAITALL)
+    if len(head) < HEADER.size:
+        return None
+    (n,) = HEADER.unpack(head)
+    return msgpack.unpackb(sock.recv(n, socket.MSG_WAITALL))
+
+
+def test_a_peer_that_never_reads_its_bytes_holds_up_nobody(server_factory, client_factory):
+    """The serving thread never waits for a peer to read: what the socket does not
+    take waits in the connection's backlog (its entries held in place, not its
+    lease); others are served meanwhile; a peer that goes frees it all."""
+    srv = server_factory(dram="32MiB", nvme="0")
+    producer = client_factory(srv)
+    consumer = reader(client_factory, srv)
+    port = consumer.hello()["stream_port"]
+    kv = make_kv(8192, 8)  # 1 MiB: more than the sockets' buffers hold
+    producer.insert(prompt(8192, 8), kv)
+    pr = producer._prompt(prompt(8192, 8))
+    req = p.Acquire(keys=tuple(pr.keys), tokens=tuple(pr.tokens), inline=8 << 20)
+    sleeper = _raw(port)
+    sleeper.sendall(HEADER.pack(len(frame := p.encode_request(1, req))) + frame)
+    wait_for(lambda: producer.stats()["inline_replies"] == 1, 30, "the reply to be sent")
+    for seed in range(3):  # others are served at once
+        start = time.monotonic()
+        producer.insert(prompt(30, 20 + seed), make_kv(30, 20 + seed))
+        got = consumer.drop_select(prompt(30, 20 + seed))
+        assert np.array_equal(got.kv.numpy(), make_kv(30, 20 + seed))
+        assert time.monotonic() - start < 3.0
+    # The sleeper reads at last: all of it, exact.
+    head = _reply(sleeper)
+    assert head is not None and head["inline"] == kv.size
+    data = bytearray()
+    while len(data) < kv.size:
+        chunk = sleeper.recv(1 << 20)
+        assert chunk
+        data += chunk
+    assert bytes(data) == kv.tobytes()
+    sleeper.sendall(HEADER.pack(len(frame := p.encode_request(
+        2, p.Release(aid=head["aid"], drop=False)))) + frame)
+    assert _reply(sleeper)["id"] == 2
+    # Asked again and gone before reading: the connection is dropped, its hold freed,
+    # the entries stay for the next reader once the lease ends.
+    sleeper.sendall(HEADER.pack(len(frame := p.encode_request(3, req))) + frame)
+    head = _reply(sleeper)  # (its bytes, behind it, never read)
+    assert head is not None and head["id"] == 3 and head["inline"] == kv.size, head
+    sleeper.close()
+    wait_for(lambda: producer.stats()["stream_connections"] == 1, 30, "the connection to go")
+    deadline = time.monotonic() + 30
+    while True:
+        got = consumer.drop_select(prompt(8192, 8))
+        if got.matched_tokens or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)  # (leased to the sleeper until its read lease ends)
+    assert got.matched_tokens == 8192 and np.array_equal(got.kv.numpy(), kv)
+
+
+def test_bad_frames_on_the_door_get_errors_and_change_nothing(server_factory, client_factory):
+    srv = server_factory(dram="16MiB", nvme="0")
+    producer = client_factory(srv)
+    port = reader(client_factory, srv).hello()["stream_port"]
+    producer.insert(prompt(20, 9), make_kv(20, 9))
+    sock = _raw(port)
+    try:
+        for rid, body in enumerate((b"\xc1garbage", msgpack.packb({"v": p.VERSION, "op": "nope",
+                                                                   "id": 7})), start=1):
+            sock.sendall(HEADER.pack(len(body)) + body)
+            reply = _reply(sock)
+            assert reply is not None and reply["ok"] is False and reply["code"] == "invalid"
+        sock.sendall(HEADER.pack(1 << 31))  # past the cap: an error, then closed
+        reply = _reply(sock)
+        assert reply is not None and "exceeds the server's limit" in reply["message"]
+        assert _reply(sock) is None
+    finally:
+        sock.close()
+    assert producer.lookup(prompt(20, 9)).matched_tokens == 20
+    assert producer.stats()["stream_connections"] == 1  # the reader's, not the closed one
