@@ -19,6 +19,7 @@ shared and the store's background writeback writes while requests read.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -83,6 +84,21 @@ def _create_slab(path: str, nbytes: int) -> None:
     os.close(fd)
 
 
+def _lock_slab(fd: int, path: str) -> None:
+    """An exclusive ``flock`` on the slab for as long as ``fd`` is open. The data dir's
+    lock does not cover a slab named by ``nvme_path``: two servers given one would
+    each place entries over the other's (each one's reads then a checksum miss).
+    A file system without flock is logged and used as before."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ConfigError(f"nvme slab {path} is in use by another kvstore server (its "
+                          "lock is held): give each server a slab of its own") from None
+    except OSError as exc:  # e.g. ENOLCK
+        log.warning("nvme tier: cannot lock %s (%s): make sure no other server uses it",
+                    path, exc.strerror or exc)
+
+
 def _open_direct(path: str, probe: memoryview) -> int:
     """An O_DIRECT descriptor, after one aligned read proves the file system takes it
     (some refuse at open, some only at the first I/O)."""
@@ -112,6 +128,12 @@ class NvmeTier(ArenaTier):
         self._bounce = mmap.mmap(-1, BOUNCE_BYTES, mmap.MAP_PRIVATE)  # page-aligned
         self._bounce_view = memoryview(self._bounce)
         fd, self.direct = self._open(direct)
+        try:
+            _lock_slab(fd, path)
+        except BaseException:
+            os.close(fd)
+            self._close_bounce()
+            raise
         self._fd: int | None = fd
         self._dirty = False
         self.calls = 0  # vectored calls made by write_many / read_many (tests, bench)

@@ -180,6 +180,9 @@ HELP = {
         "(ZeroMQ would encrypt the bytes: slower than TE), when the client reads "
         "over TE (a client that maps the server's arena copies from it), and not "
         "when the caller skips blocks. With RDMA the TE read is used always. 0: always TE.",
+    "tiers.nvme_path": "Slab file or block device (an NVMe-oF namespace too); default "
+        "`<data_dir>/nvme.slab`. The server holds an exclusive lock on it while it runs: "
+        "a second server given the same one refuses to start.",
     "client.stream_socket": "A client on another node than its server, taking bytes in "
         "replies (`client.inline_max_bytes`, so TCP and no CURVE), sends its requests over "
         "the server's stream door (`server.stream_socket`) when its hello names one: "

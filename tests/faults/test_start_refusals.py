@@ -165,5 +165,24 @@ def test_dram_that_fits_a_small_dev_shm_serves_when_full(server_factory, client_
     fault_log("DRAM tier filled on a /dev/shm barely larger than it", tries, tries, 0)
 
 
+def test_a_slab_another_server_uses_is_refused(server_factory, client_factory, tmp_path,
+                                               fault_log):
+    """Only the data dir was locked: a second server given the first one's slab by
+    ``--nvme-path`` started and placed its entries over the first one's."""
+    slab = tmp_path / "shared.slab"
+    first = server_factory(dram="1MiB", nvme="8MiB", extra=("--nvme-path", str(slab)))
+    client = client_factory(first)
+    client.insert(prompt_tokens(1, 64), prompt_kv(1, 64))
+    before = slab.read_bytes()
+    line = _one_line_exit_2(_run(_argv(tmp_path / "second", dram="1MiB", nvme="8MiB",
+                                       extra=("--nvme-path", str(slab)))),
+                            "in use by another kvstore server")
+    assert str(slab) in line and slab.read_bytes() == before
+    got = client.get(prompt_tokens(1, 64))
+    assert got.matched_tokens == 64 and np.array_equal(got.kv.numpy(), prompt_kv(1, 64))
+    first.restart()  # the lock goes with its holder: the same slab is the first's again
+    fault_log("a second server given the first one's NVMe slab (server start)", 1, 1, 0)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__]))
