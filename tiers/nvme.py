@@ -46,7 +46,7 @@ def _usable_size(path: str, capacity: int) -> tuple[int, bool]:
         st = os.stat(path)
     except FileNotFoundError:
         _create_slab(path, wanted)
-        return wanted, False
+        return wanted, False  # (new: NvmeTier.created)
     if stat.S_ISBLK(st.st_mode):
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -61,7 +61,9 @@ def _usable_size(path: str, capacity: int) -> tuple[int, bool]:
         raise ConfigError(f"nvme path {path} is neither a regular file nor a block device")
     if st.st_size != wanted:
         raise ConfigError(f"nvme slab {path} has {st.st_size} bytes, config says {wanted} "
-                          f"(capacity {capacity} rounded to pages); fix the config or remove it")
+                          f"(capacity {capacity} rounded to pages): set the size it was "
+                          f"made with, or start on an empty data dir and remove the slab "
+                          f"(the index names entries in it)")
     return wanted, False
 
 
@@ -121,6 +123,9 @@ class NvmeTier(ArenaTier):
             raise ConfigError(f"nvme direct must be one of {_DIRECT_MODES}, got {direct!r}")
         if fsync not in _FSYNC_MODES:
             raise ConfigError(f"nvme fsync must be one of {_FSYNC_MODES}, got {fsync!r}")
+        # A slab made now holds nothing an index may name (recovery drops such
+        # records: the old slab's bytes are gone).
+        self.created = not os.path.exists(path)
         usable, self.block_device = _usable_size(path, capacity)
         super().__init__(usable, PAGE_SIZE)
         self.path, self.fsync_mode = path, fsync

@@ -219,7 +219,18 @@ def recover(index: Index, tiers: dict[str, Tier]) -> Recovered:
     kept: list[Record] = []
     bad: list[bytes] = []
     reopened: list[Record] = []
+    # A tier whose storage was made at this start (its slab file was removed, or
+    # nvme_path names a new one) holds none of the bytes its records name.
+    fresh = {name for name, tier in tiers.items() if getattr(tier, "created", False)}
+    lost = sum(1 for rec in loaded.kept if rec.tier in fresh)
+    if lost:
+        log.warning("dropping %d index records of the %s tier: its storage was made at "
+                    "this start, so their bytes are gone", lost, ", ".join(sorted(fresh)))
+    index.forget([rec.key for rec in loaded.kept if rec.tier in fresh],
+                 "entries of a slab made at this start")
     for rec in loaded.kept:
+        if rec.tier in fresh:
+            continue
         try:
             tiers[rec.tier].claim(Extent(rec.tier, rec.offset, rec.nbytes))
         except (IntegrityError, InvalidRequestError) as exc:
@@ -242,5 +253,6 @@ def recover(index: Index, tiers: dict[str, Tier]) -> Recovered:
                         len(reopened), exc)
             as_stored = {rec.key: rec for rec in reopened}
             kept = [as_stored.get(rec.key, rec) for rec in kept]
-    log.info("recovered %s entries, dropped %s records", len(kept), loaded.dropped + len(bad))
-    return Recovered(kept, loaded.dropped + len(bad))
+    dropped = loaded.dropped + len(bad) + lost
+    log.info("recovered %s entries, dropped %s records", len(kept), dropped)
+    return Recovered(kept, dropped)

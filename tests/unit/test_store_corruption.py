@@ -92,6 +92,35 @@ def test_index_records_that_overlap_are_dropped_at_restart(tmp_path):
         store.check_integrity()
 
 
+def test_records_of_a_slab_removed_before_a_restart_are_dropped(tmp_path, caplog):
+    """A slab made anew at start (the old one removed, as the size refusal used to
+    advise) holds none of the bytes the index names: those records went on as hits
+    that failed every read, pins included, until evicted."""
+    import logging
+
+    from kvstore.store.facade import Store
+    from tests.unit.conftest import data, store_config
+
+    cfg = store_config(tmp_path / "data", dram=4, nvme=8)
+    with Store(cfg) as store:
+        put(store, [1, 2, 3])
+        store.demote([key(1), key(2)])
+        store.pin([key(1)])
+    os.unlink(tmp_path / "data" / "nvme.slab")
+    with caplog.at_level(logging.WARNING), Store(cfg) as store:
+        assert where(store) == {}
+        assert "dropping 2 index records of the nvme tier" in caplog.text
+        assert store.acquire([key(1)], [toks(1)]).matched_tokens == 0
+        put(store, [1])  # the key takes new bytes, and they are served
+        acq = store.acquire([key(1)], [toks(1)])
+        assert store.read(acq.id, 0) == data(1)
+        store.release(acq.id)
+        assert store.stats()["checksum_failures"] == 0
+        store.check_integrity()
+    with Store(cfg) as store:  # that slab is the one made last time: kept as it is
+        assert where(store) == {}  # (key 1 was in DRAM: volatile)
+
+
 def test_a_writer_deduping_onto_a_colliding_key_stores_nothing(make_store):
     store = make_store()
     put(store, [1])
