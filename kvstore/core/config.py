@@ -408,16 +408,19 @@ def _merge(cfg: KVStoreConfig, data: Mapping[str, Any]) -> KVStoreConfig:
 
 def _replace_section(current: Any, section: str, values: Mapping[str, Any]) -> Any:
     hints = get_type_hints(type(current))
+    raw = type(current).__annotations__  # (strings here: "Size" is told from "int")
     known = {f.name for f in fields(current)}
     changes = {}
     for key, value in values.items():
         if key not in known:
             raise ConfigError(f"unknown option {section}.{key}; one of {sorted(known)}")
-        changes[key] = _coerce(f"{section}.{key}", hints[key], value)
+        changes[key] = _coerce(f"{section}.{key}", hints[key], value,
+                               size=raw.get(key) in ("Size", Size))
     return dataclasses.replace(current, **changes)
 
 
-def _coerce(name: str, typ: Any, value: Any) -> Any:
+def _coerce(name: str, typ: Any, value: Any, size: bool = True) -> Any:
+    """``value`` as ``typ``; an int only from a ``Size`` field accepts "64GiB"."""
     try:
         if typ is bool:
             if isinstance(value, str):
@@ -430,6 +433,8 @@ def _coerce(name: str, typ: Any, value: Any) -> Any:
             # bool is an int subclass and 1.5 would truncate: both are mistakes here.
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError(value)
+            if not size:  # a port, a count, seconds: "5m" is not five minutes here
+                return int(value.strip()) if isinstance(value, str) else int(value)
             if isinstance(value, str) and value.strip().startswith("-") and _SIZE_RE.match(
                     value.strip()[1:]):  # "-1GiB": say what is wrong with it
                 raise ConfigError(f"{name}: must be >= 0, got {value!r}")

@@ -134,6 +134,12 @@ def test_bad_toml_is_a_config_error_naming_the_field(tmp_path, toml, field):
     ("KVSTORE_CLIENT_INLINE_MAX_BYTES", "1GiB", "inline_max_bytes"),
     ("KVSTORE_CLIENT_INLINE_PART_BYTES", "-1", "inline_part_bytes"),
     ("KVSTORE_CLIENT_TIMEOUT_S", "-1", "timeout_s"),
+    ("KVSTORE_CLIENT_TIMEOUT_S", "inf", "timeout_s"),
+    # Size suffixes only where the option is a size: "5m" is not five minutes.
+    ("KVSTORE_CLUSTER_TTL_S", "5m", "cluster.ttl_s"),
+    ("KVSTORE_STORE_BLOCK_TOKENS", "16k", "store.block_tokens"),
+    ("KVSTORE_SERVER_PORT", "7k", "server.port"),
+    ("KVSTORE_SERVER_STREAM_PORT", "7700.0", "server.stream_port"),
 ])
 def test_bad_env_is_a_config_error_naming_the_field(name, value, field):
     with pytest.raises(ConfigError, match=field):
