@@ -46,7 +46,7 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from kvstore.core import protocol as p
 from kvstore.core.errors import AuthError, InvalidRequestError
@@ -417,24 +417,29 @@ def _unix_listener(path: str) -> socket.socket:
         # The name carries this process's pid (setup.dram_shared_path): an old one
         # was left by a dead process that had the same pid.
         os.unlink(path)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
+
+    def bind(listener: socket.socket) -> None:
         listener.bind(path)
         os.chmod(path, 0o600)  # (the peer check at accept is the gate)
-        listener.listen(64)
-    except OSError:
-        listener.close()
-        raise
-    listener.setblocking(False)
-    return listener
+
+    return _listening(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), bind)
 
 
 def _tcp_listener(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    try:
+    def bind(listener: socket.socket) -> None:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((host.strip("[]"), port))
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return _listening(socket.socket(family, socket.SOCK_STREAM), bind)
+
+
+def _listening(listener: socket.socket, bind: Callable[[socket.socket], None]
+               ) -> socket.socket:
+    """``listener`` bound by ``bind``, listening and non-blocking; closed if a step
+    fails."""
+    try:
+        bind(listener)
         listener.listen(64)
     except OSError:
         listener.close()

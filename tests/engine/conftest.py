@@ -269,6 +269,11 @@ def disagg(engine_config, spec, model_dir, cluster, references, engine_logs, tmp
     finally:
         stop_all(engines)
         factory.stop_all()
+    assert_no_leftovers(engines)
+
+
+def assert_no_leftovers(engines) -> None:
+    """After ``stop_all``: no engine left a process of its own behind."""
     leaked = {str(e): e.leftover_pids() for e in engines if e.leftover_pids()}
     assert not leaked, f"engines left processes behind: {leaked}"
 

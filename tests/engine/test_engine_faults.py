@@ -34,7 +34,7 @@ import pytest
 
 from kvstore.client.client import KVStoreClient
 from kvstore.core.layout import KVLayout
-from tests.engine.conftest import connector_config, prompt_report, settle
+from tests.engine.conftest import assert_no_leftovers, connector_config, prompt_report, settle
 from tests.integration.conftest import ServerFactory, ServerProc
 from tools.engine_proc import Abort, EngineProc, start_all, stop_all
 from tools.tiny_models import VOCAB, ModelSpec, build
@@ -229,8 +229,7 @@ def rig(tmp_path_factory) -> Iterator[Rig]:
     finally:
         stop_all(engines)
         factory.stop_all()
-    leaked = {str(e): e.leftover_pids() for e in engines if e.leftover_pids()}
-    assert not leaked, f"engines left processes behind: {leaked}"
+    assert_no_leftovers(engines)
 
 
 # ------------------------------------------------------------------ failed loads

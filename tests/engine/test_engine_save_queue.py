@@ -21,7 +21,7 @@ import pytest
 
 from kvstore.client.client import KVStoreClient
 from kvstore.core.layout import KVLayout
-from tests.engine.conftest import connector_config, prompt_report, settle
+from tests.engine.conftest import assert_no_leftovers, connector_config, prompt_report, settle
 from tests.engine.test_engine_faults import PAUSE_S, blocks_of, counter, no_leftovers, paused
 from tests.integration.conftest import ServerFactory, ServerProc
 from tools.engine_proc import EngineProc, start_all, stop_all
@@ -89,8 +89,7 @@ def rig(tmp_path_factory) -> Iterator[Rig]:
     finally:
         stop_all(engines)
         factory.stop_all()
-    leaked = {str(e): e.leftover_pids() for e in engines if e.leftover_pids()}
-    assert not leaked, f"engines left processes behind: {leaked}"
+    assert_no_leftovers(engines)
 
 
 def test_saves_past_the_cap_are_not_made_and_their_decodes_recompute(rig):
