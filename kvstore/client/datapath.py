@@ -430,9 +430,9 @@ class DataPath:
     def _take_stream(self, acq: dict[str, Any], incoming: Incoming, into: Any = None,
                      skip: int = 0) -> np.ndarray:
         """``take_parts`` of bytes that come over the stream door: received straight
-        into the output, as many at a time as have arrived, each entry verified as
-        soon as all of it is in, while the rest is still on the wire. A bad entry
-        (``ChecksumError``, the first) is named once all bytes are in, so the
+        into the output (``Incoming.read_some``: the stream door's waits for all it is
+        asked, in one system call), each entry verified once all of it is in. A bad
+        entry (``ChecksumError``, the first) is named once all bytes are in, so the
         connection stays in step."""
         entries = acq["entries"]
         wanted = entries[skip:]
