@@ -245,7 +245,8 @@ def render(result: DemoResult, elapsed_s: float) -> str:
         "",
         "loaded from A: prompt tokens the decode engine did not compute (usage "
         "cached_tokens); bytes moved: A's kvstore-server bytes_out for the prompt "
-        + ("(read by B's engine over TE)" if result.kind == "netns" else
+        + ("(read by B's engine from A's server: over its stream door up to "
+           "client.inline_max_bytes, else over TE)" if result.kind == "netns" else
            "(read by B's engine through the server's shared memory: same host)"),
         f"TTFT: the decode engine's own, arrival in its engine core -> first token (vLLM "
         f"per-request metrics), "
