@@ -114,7 +114,8 @@ def _open_admin(server: tuple[str, ...], timeout: float | None, config_file: str
                 as_json: bool) -> Admin:
     overrides = {"timeout_s": timeout, "curve_server_public_key": curve_server_key,
                  "curve_secret_key": curve_secret_key}
-    cfg = load_config(config_file, overrides={"client": overrides}).client
+    cfg = load_config(config_file, overrides={"client": overrides},
+                      sections=("client",)).client
     servers = [_address(s) for s in server] or [_address(cfg.server)]
     curve = None
     if cfg.curve_secret_key or cfg.curve_server_public_key:

@@ -39,7 +39,7 @@ def registered_nodes(etcd: str | None, prefix: str | None,
     """Every node registered under the prefix, by node id (one etcd range read).
     ``etcd`` and ``prefix`` (flags or their environment variables) win over
     ``config_file``'s ``client.etcd`` and ``cluster.prefix``."""
-    cfg = load_config(config_file)
+    cfg = load_config(config_file, sections=("client", "cluster"))
     url = etcd or cfg.client.etcd
     if not url:
         fail("the cluster view needs --etcd etcd://HOST:PORT (or KVSTORE_CLIENT_ETCD, or "

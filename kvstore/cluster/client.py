@@ -83,7 +83,7 @@ class ClusterClient:
                  timeout_s: float = 10.0, refresh_s: float = 1.0, forget_s: float = 10.0,
                  **client_opts: Any) -> None:
         if placement_blocks is None:  # KVSTORE_CLUSTER_PLACEMENT_BLOCKS, else the default
-            placement_blocks = load_config().cluster.placement_blocks
+            placement_blocks = load_config(sections=("cluster",)).cluster.placement_blocks
         if placement_blocks < 1:
             raise InvalidRequestError(f"placement_blocks must be >= 1, got {placement_blocks}")
         self.layout = layout

@@ -17,7 +17,7 @@ import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping, get_type_hints
+from typing import Any, Iterable, Mapping, get_type_hints
 
 from kvstore.core.errors import ConfigError
 from kvstore.core.protocol import MAX_INLINE_BYTES, MIN_INLINE_PART_BYTES
@@ -314,8 +314,14 @@ class KVStoreConfig:
 
 def load_config(path: str | os.PathLike | None = None,
                 env: Mapping[str, str] | None = None,
-                overrides: Mapping[str, Mapping[str, Any]] | None = None) -> KVStoreConfig:
-    """TOML file, then ``KVSTORE_*`` environment, then ``overrides``."""
+                overrides: Mapping[str, Mapping[str, Any]] | None = None,
+                sections: Iterable[str] | None = None) -> KVStoreConfig:
+    """TOML file, then ``KVSTORE_*`` environment, then ``overrides``.
+
+    ``sections``: read from the environment only these sections' variables (a tool
+    that uses ``[client]`` alone, say). The node's environment is shared with the
+    server, whose variables a client never reads: a bad ``KVSTORE_SERVER_*`` must not
+    stop ``kvstore health``. None: every section (the server's own start)."""
     cfg = KVStoreConfig()
     if path:
         try:
@@ -323,7 +329,11 @@ def load_config(path: str | os.PathLike | None = None,
                 cfg = _merge(cfg, tomllib.load(f))
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read config {path}: {exc}") from exc
-    cfg = _merge(cfg, _from_env(os.environ if env is None else env))
+    source = os.environ if env is None else env
+    if sections is not None:
+        prefixes = tuple(f"KVSTORE_{name.upper()}_" for name in sections)
+        source = {k: v for k, v in source.items() if k.startswith(prefixes)}
+    cfg = _merge(cfg, _from_env(source))
     if overrides:
         if not all(isinstance(sec, Mapping) for sec in overrides.values()):
             raise ConfigError("overrides must be {section: {field: value}}")
@@ -336,9 +346,7 @@ def client_config_from_env(env: Mapping[str, str] | None = None) -> ClientConfig
     """The ``[client]`` options from ``KVSTORE_CLIENT_*`` alone: what a client made
     without a config uses. The other sections' variables (a server's, sharing the
     node's environment) are not read, so a bad one cannot stop a client."""
-    source = os.environ if env is None else env
-    mine = {k: v for k, v in source.items() if k.startswith("KVSTORE_CLIENT_")}
-    return load_config(env=mine).client
+    return load_config(env=env, sections=("client",)).client
 
 
 def describe_options() -> list[tuple[str, str, str, str]]:

@@ -124,6 +124,19 @@ def test_health(filled):
     assert node["status"] == "ok"
 
 
+def test_the_servers_variables_do_not_stop_the_cli(filled):
+    """The node's environment is the server's too: a bad KVSTORE_SERVER_* or
+    KVSTORE_STORE_* (which only kvstore-server reads) must not stop the admin CLI."""
+    bad = {"KVSTORE_SERVER_PORT": "not-a-port", "KVSTORE_STORE_BLOCK_TOKENS": "many",
+           "KVSTORE_CLIENT_SERVER": filled.address}
+    proc = _kvstore("health", "--json", env=bad)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)[0]["status"] == "ok"
+    # the client's own variables are still read, and a bad one is still refused
+    proc = _kvstore("health", env={**bad, "KVSTORE_CLIENT_TE_PROTOCOL": "pigeon"})
+    assert proc.returncode != 0 and "client.te_protocol" in proc.stderr
+
+
 def test_unreachable_server_fails_fast_with_one_line():
     dead = f"tcp://127.0.0.1:{free_port()}"
     start = time.monotonic()

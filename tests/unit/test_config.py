@@ -12,6 +12,7 @@ from kvstore.core.config import (
     PolicyConfig,
     StoreConfig,
     TiersConfig,
+    client_config_from_env,
     describe_options,
     format_size,
     load_config,
@@ -81,6 +82,17 @@ block_tokens = 32
 def test_env_defaults_to_the_process_environment(monkeypatch):
     monkeypatch.setenv("KVSTORE_SERVER_PORT", "7811")
     assert load_config().server.port == 7811
+
+
+def test_sections_read_only_their_own_variables():
+    env = {"KVSTORE_SERVER_PORT": "not-a-port", "KVSTORE_CLIENT_TIMEOUT_S": "3",
+           "KVSTORE_CLUSTER_PLACEMENT_BLOCKS": "4"}
+    cfg = load_config(env=env, sections=("client", "cluster"))
+    assert cfg.client.timeout_s == 3 and cfg.cluster.placement_blocks == 4
+    assert cfg.server.port == KVStoreConfig().server.port
+    with pytest.raises(ConfigError, match="server.port"):
+        load_config(env=env)  # every section: the server's own start refuses it
+    assert client_config_from_env(env).timeout_s == 3
 
 
 def test_replace_returns_a_new_tree():

@@ -105,7 +105,7 @@ class KVStoreSide:
         from kvstore.client.client import KVStoreClient
 
         # KVSTORE_CLIENT_* settings reach the clients (e.g. KVSTORE_CLIENT_TE_PIECE_BYTES).
-        client_cfg = load_config().client
+        client_cfg = load_config(sections=("client",)).client
         self.clients = {name: KVStoreClient(cfg["server"], layout=LAYOUTS[name],
                                             te_host=cfg["host"], same_node=cfg["same_node"],
                                             timeout_s=120.0, staging_bytes=cfg["staging_bytes"],
