@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, get_type_hints
 
 from kvstore.core.errors import ConfigError
+from kvstore.core.protocol import MAX_LEASE_S
 from kvstore.core.protocol import MAX_INLINE_BYTES, MIN_INLINE_PART_BYTES
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,16 @@ class StoreConfig:
 
     def __post_init__(self) -> None:
         _sizes(self, "index_map_bytes")
-        _positive(self, "block_tokens", "reservation_lease_s", "read_lease_s")
+        _positive(self, "block_tokens")
+        for name in ("reservation_lease_s", "read_lease_s"):
+            # The longest lease a request may ask for (kvstore.core.protocol): an
+            # infinite one would keep a dead writer's or reader's entries forever.
+            if not 0 < _number(getattr(self, name)) <= MAX_LEASE_S:
+                raise ConfigError(f"store.{name} must be seconds in (0, {MAX_LEASE_S:g}], "
+                                  f"got {getattr(self, name)!r}")
+        if not str(self.data_dir).strip():
+            raise ConfigError("store.data_dir (--data-dir) is empty; name a directory "
+                              "(the default is kvstore-data)")
         if self.verify_commits not in ("background", "inline"):
             raise ConfigError(f"store.verify_commits: {self.verify_commits!r} is not "
                               "'background' or 'inline'")
@@ -219,7 +229,13 @@ class ServerConfig:
                               f"{MIN_MESSAGE_BYTES} (4KiB) that a hello or health request "
                               f"needs; the default is 16MiB")
         _inline(self)
-        _positive(self, "busy_after_s")
+        seconds(self.busy_after_s, "server.busy_after_s")
+        if self.curve_authorized_keys and not self.curve_secret_key:
+            # Without the server's key the socket is not a CURVE server: it would admit
+            # everyone while the operator believes only these clients get in.
+            raise ConfigError("server.curve_authorized_keys needs server.curve_secret_key "
+                              "(the server's key from `kvstore keys`): without it the "
+                              "server would admit any client")
         if isinstance(self.peer_timeout_s, bool) \
                 or not isinstance(self.peer_timeout_s, (int, float)) \
                 or not 0 <= self.peer_timeout_s <= MAX_PEER_TIMEOUT_S:
@@ -476,6 +492,13 @@ def seconds(value: Any, name: str, error: type[Exception] = ConfigError) -> floa
             or not 0 < value < math.inf:
         raise error(f"{name} must be a finite number of seconds > 0, got {value!r}")
     return float(value)
+
+
+def _number(value: Any) -> float:
+    """``value`` if it is a real number, else NaN (which fails every comparison)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return math.nan
+    return value
 
 
 def _positive(obj: Any, *names: str) -> None:

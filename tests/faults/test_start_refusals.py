@@ -28,9 +28,9 @@ SMALL_SHM = ["unshare", "-m", "--propagation", "private", "--", "sh", "-c",
              'mount -t tmpfs -o size="$0" tmpfs /dev/shm && exec "$@"']
 
 
-def _run(argv: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
+def _run(argv: list[str], timeout: float = 60, cwd=REPO) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                          env=server_env(), cwd=REPO)
+                          env=server_env(), cwd=cwd)
 
 
 def _one_line_exit_2(proc: subprocess.CompletedProcess, *words: str) -> str:
@@ -121,6 +121,41 @@ def test_curve_authorized_keys_no_client_could_use(tmp_path, fault_log, case):
                             "no client could connect", *words)
     assert shm_files(data) == set() and not (data / "kvstore.lock").exists(), line
     fault_log(f"--curve-authorized-keys: {case} (server start)", 1, 1, 0)
+
+
+def test_authorized_keys_without_the_servers_key(tmp_path, fault_log):
+    """Without ``--curve-secret-key`` the ROUTER is no CURVE server: a server given
+    only the clients' keys used to start admitting anyone ("no auth" in its start
+    line only), while its operator believed only those clients could get in."""
+    import zmq.auth
+
+    authorized = tmp_path / "clients"
+    authorized.mkdir()
+    zmq.auth.create_certificates(str(authorized), "client")
+    data = tmp_path / "data"
+    proc = _run(_argv(data, nvme="0", extra=("--curve-authorized-keys", str(authorized))),
+                timeout=30)
+    _one_line_exit_2(proc, "curve_authorized_keys", "curve_secret_key", "admit any client")
+    assert shm_files(data) == set()
+    fault_log("--curve-authorized-keys without --curve-secret-key (server start)", 1, 1, 0)
+
+
+@pytest.mark.parametrize("flag,value,words", [
+    ("--data-dir", "", ("data_dir", "empty")),
+    ("--data-dir", "  ", ("data_dir", "empty")),
+    ("--read-lease", "inf", ("read_lease_s", "3600")),
+    ("--reservation-lease", "nan", ("reservation_lease_s",)),
+    ("--reservation-lease", "86400", ("reservation_lease_s", "3600")),
+])
+def test_settings_that_cannot_mean_what_they_say(tmp_path, fault_log, flag, value, words):
+    """An empty data dir used to put the index in the current directory; an infinite
+    lease kept a dead writer's or reader's entries for ever."""
+    argv = _argv(tmp_path / "data", nvme="0")
+    at = argv.index(flag)
+    argv[at + 1] = value
+    _one_line_exit_2(_run(argv, timeout=30, cwd=tmp_path), *words)  # (the old index place)
+    assert not any(tmp_path.iterdir())
+    fault_log(f"{flag} {value!r} (server start)", 1, 1, 0)
 
 
 def test_dram_larger_than_the_machine(tmp_path, fault_log):
