@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 from kvstore.cli.params import (
+    FiniteFloatRange,
     KeyType,
     NamespaceType,
     SizeType,
@@ -131,7 +132,7 @@ _SERVER_OPTS = [
     click.option("--server", "-s", multiple=True, envvar="KVSTORE_CLIENT_SERVER",
                  show_envvar=True, metavar="tcp://HOST:PORT",
                  help="Server to address; repeat for several nodes [client.server]."),
-    click.option("--timeout", type=click.FloatRange(min=0.01), envvar="KVSTORE_CLIENT_TIMEOUT_S",
+    click.option("--timeout", type=FiniteFloatRange(min=0.01), envvar="KVSTORE_CLIENT_TIMEOUT_S",
                  help="Seconds to wait for each reply [client.timeout_s]."),
     click.option("--config", "config_file", type=click.Path(dir_okay=False, exists=True),
                  envvar="KVSTORE_CONFIG", help="TOML config file (its [client] section)."),

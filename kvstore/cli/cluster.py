@@ -20,7 +20,8 @@ import click
 from kvstore.core import protocol as p
 from kvstore.cli.admin import Admin, fail, server_options
 from kvstore.cli.views import TIER_ORDER, stats_view
-from kvstore.cli.format import format_bytes, format_count, format_ratio, render_table, to_json
+from kvstore.cli.format import (format_bytes, format_count, format_ratio, render_table, to_json,
+                                to_json_line)
 from kvstore.cluster.membership import NodeInfo, NodeSet
 from kvstore.core.config import load_config
 from kvstore.cluster.etcd import EtcdClient
@@ -143,8 +144,9 @@ def cluster_stats(admin: Admin, etcd: str | None, prefix: str | None = None,
             results = [(s, r["stats"]) for s, r in cluster.call_each(lambda: p.Stats())]
             total = (f"cluster total ({len(results)} nodes)",
                      sum_stats([st for _, st in results]))
-            if cluster.as_json:
-                click.echo(to_json([{"server": s, **r} for s, r in [total, *results]]))
+            if cluster.as_json:  # --watch: JSON Lines, one compact list per refresh
+                dump = to_json_line if watch else to_json
+                click.echo(dump([{"server": s, **r} for s, r in [total, *results]]))
             else:
                 click.echo(f"{len(results)} of {len(infos)} registered nodes answered\n\n"
                            + "\n\n".join(stats_view(s, st) for s, st in [total, *results]))

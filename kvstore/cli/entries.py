@@ -14,7 +14,7 @@ from kvstore.core import protocol as p
 from kvstore.core.errors import KVStoreError
 from kvstore.cli.admin import Admin, server_options
 from kvstore.cli.group import CONTEXT, emit
-from kvstore.cli.params import KeyType, NamespaceType, SizeType, TokensType, fail
+from kvstore.cli.params import FiniteFloatRange, KeyType, NamespaceType, SizeType, TokensType, fail
 from kvstore.cli.prompt import has_model_options, namespace_tag, prompt_keys, prompt_options
 from kvstore.cli.views import SORT_FIELDS, ls_table, sort_entries
 from kvstore.cli.format import format_bytes, format_count, parse_duration
@@ -135,7 +135,7 @@ def _public(e: dict, now: float) -> dict:
 @server_options
 @click.option("--tier", type=click.Choice(p.TIER_ORDER), help="Only from this tier.")
 @click.option("--bytes", "nbytes", type=SizeType(), help="Free this much, LRU first (1GiB).")
-@click.option("--fraction", type=click.FloatRange(0, 1, min_open=True),
+@click.option("--fraction", type=FiniteFloatRange(0, 1, min_open=True),
               help="Free this fraction of the (tier's) entries' bytes, LRU first.")
 @click.option("--key", "keys", type=KeyType(), multiple=True, help="This entry (hex); repeatable.")
 @click.option("--prefix", "prefix", type=TokensType(), metavar="TOKENS",
@@ -181,7 +181,7 @@ def _selected(keys: tuple[bytes, ...], prefix: list[int] | None, nbytes: int | N
 @server_options
 @click.option("--tier", type=click.Choice(["gpu", "dram"]), help="Only from this tier.")
 @click.option("--bytes", "nbytes", type=SizeType(), help="Move this much down, LRU first (1GiB).")
-@click.option("--fraction", type=click.FloatRange(0, 1, min_open=True),
+@click.option("--fraction", type=FiniteFloatRange(0, 1, min_open=True),
               help="Move this fraction of the (tier's) entries' bytes down, LRU first.")
 @click.option("--key", "keys", type=KeyType(), multiple=True, help="This entry (hex); repeatable.")
 @click.option("--prefix", "prefix", type=TokensType(), metavar="TOKENS",

@@ -162,3 +162,9 @@ def jsonable(obj: Any) -> Any:
 
 def to_json(obj: Any) -> str:
     return json.dumps(jsonable(obj), indent=2, sort_keys=True)
+
+
+def to_json_line(obj: Any) -> str:
+    """``obj`` as compact JSON on one line (a line of JSON Lines: ``--json --watch``).
+    One line always: ``json.dumps`` escapes any newline inside a string."""
+    return json.dumps(jsonable(obj), sort_keys=True, separators=(",", ":"))

@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from kvstore.cli.admin import Admin
-from kvstore.cli.format import to_json
+from kvstore.cli.format import to_json, to_json_line
 from kvstore.core.errors import KVStoreError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -94,10 +94,14 @@ def _quiet_stdout() -> None:
     os.close(devnull)
 
 
-def emit(admin: Admin, results: list[tuple[str, Any]], render: Callable[[str, Any], str]) -> None:
-    """Print each node's result (JSON list or rendered text), then fail if any node failed."""
+def emit(admin: Admin, results: list[tuple[str, Any]], render: Callable[[str, Any], str],
+         json_lines: bool = False) -> None:
+    """Print each node's result (JSON list or rendered text), then fail if any node failed.
+    ``json_lines`` (``--json --watch``): the list compact on one line, one per refresh
+    (click.echo flushes it), so a pipe reader gets JSON Lines."""
     if results and admin.as_json:
-        click.echo(to_json([{"server": s, **r} for s, r in results]))
+        dump = to_json_line if json_lines else to_json
+        click.echo(dump([{"server": s, **r} for s, r in results]))
     elif results:
         click.echo("\n\n".join(render(s, r) for s, r in results))
     admin.finish()

@@ -34,6 +34,7 @@ from kvstore.cli.entries import (
     verify,
 )
 from kvstore.cli.group import CONTEXT, AdminGroup, OneLineUsageError, emit, one_line
+from kvstore.cli.params import FiniteFloatRange
 from kvstore.cli.views import stats_view
 from kvstore.cli.format import format_count
 
@@ -65,8 +66,9 @@ def cli(ctx: click.Context, debug: bool) -> None:
 # ------------------------------------------------------------------ stats / health
 @cli.command(context_settings=CONTEXT)
 @server_options
-@click.option("--watch", type=click.FloatRange(min=0.1), metavar="SECONDS",
-              help="Refresh every SECONDS until interrupted.")
+@click.option("--watch", type=FiniteFloatRange(min=0.1), metavar="SECONDS",
+              help="Refresh every SECONDS until interrupted (with --json: JSON Lines, "
+                   "one compact list per refresh).")
 @click.option("--count", type=click.IntRange(min=1), help="With --watch: stop after COUNT refreshes.")
 @click.option("--cluster", is_flag=True, help="Every node registered in etcd, summed and per node.")
 @cluster_etcd_option
@@ -82,7 +84,7 @@ def stats(admin: Admin, watch: float | None, count: int | None, cluster: bool,
         if watch and not admin.as_json and sys.stdout.isatty():
             click.clear()
         emit(admin, [(s, r["stats"]) for s, r in results],
-             lambda s, st: stats_view(s, st))
+             lambda s, st: stats_view(s, st), json_lines=bool(watch))
         shown += 1
         if not watch or (count and shown >= count):
             return

@@ -3,6 +3,7 @@ arguments (``fail``), and the click parameter types over ``kvstore.cli.format``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -58,6 +59,21 @@ class NamespaceType(_Parsed):
 class TokensType(_Parsed):
     name = "tokens"
     parse = staticmethod(parse_tokens)
+
+
+class FiniteFloatRange(click.FloatRange):
+    """A ``click.FloatRange`` that refuses NaN and infinity: ``float()`` takes "nan",
+    "inf" and "1e999", and NaN passes every range check (each comparison is false).
+    The CLI's float options all use it, so ``--watch nan`` is exit 2, not a hang."""
+
+    name = "float range"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        number = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number (the range is "
+                      f"{self._describe_range()})", param, ctx)
+        return super().convert(number, param, ctx)
 
 
 def apply(decorators: list[Callable]) -> Callable:
