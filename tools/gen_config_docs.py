@@ -119,7 +119,8 @@ HELP = {
     "store.index_map_bytes": "LMDB map size: upper bound of the index file, not "
                              "preallocated (about 200 B per NVMe entry; DRAM and GPU "
                              "entries are not in it).",
-    "server.host": "Address of the control socket (and of TE and metrics by default).",
+    "server.host": "IPv4 address of the control socket (and of TE and metrics by default); "
+                   "IPv6 is not supported: such a host is refused at start.",
     "server.port": "ZeroMQ control port.",
     "server.te_metadata": "TE metadata: `P2PHANDSHAKE` (no metadata server) or "
                           "`etcd://host:port` / `http://...`.",
