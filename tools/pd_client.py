@@ -13,6 +13,7 @@ A plan is JSON lines, run in order; each line is one step:
     {"id": "ref-7", "post": "http://host:port/v1/completions", "body": {...}}
     {"id": "stats", "stats": ["tcp://10.213.0.1:20001", ...]}
     {"id": "proxy", "get": "http://host:port/proxy/stats"}
+    {"id": "m", "metrics": "http://host:port/metrics", "names": ["vllm:x_total", ...]}
     {"parallel": [step, step, ...]}   # all at once, one thread each, sent together
 
 Each step prints one result line: ``{"id", "status", "json", "t0", "t1"}`` for HTTP
@@ -20,7 +21,8 @@ Each step prints one result line: ``{"id", "status", "json", "t0", "t1"}`` for H
 were in flight together; a streamed body also gets ``"stream_tokens"`` (token ids of
 every chunk), ``"stream_usage"`` (the last usage a chunk carried) and
 ``"first_chunk_s"``), ``{"id", "stats": {address: stats}}`` for stores,
-``{"id", "error"}`` when it failed.
+``{"id", "metrics": {name: value}}`` for Prometheus samples (summed over their
+labels; a name not on the page is left out), ``{"id", "error"}`` when it failed.
 """
 
 from __future__ import annotations
@@ -112,15 +114,36 @@ def _stats(step: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _metrics(step: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": step.get("id")}
+    try:
+        r = httpx.get(step["metrics"], timeout=REQUEST_TIMEOUT_S)
+        r.raise_for_status()
+    except httpx.HTTPError as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        return out
+    wanted, found = set(step["names"]), {}
+    for line in r.text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in wanted:
+            found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    out["metrics"] = found
+    return out
+
+
 def run_step(step: dict[str, Any],
              start: threading.Barrier | None = None) -> list[dict[str, Any]]:
     if "parallel" in step:
         subs = step["parallel"]
-        together = sum(1 for s in subs if "parallel" not in s and "stats" not in s)
+        together = sum(1 for s in subs if not {"parallel", "stats", "metrics"} & set(s))
         barrier = threading.Barrier(together) if together > 1 else None
         with ThreadPoolExecutor(max(1, len(subs))) as pool:
             return [r for rs in pool.map(lambda s: run_step(s, barrier), subs) for r in rs]
-    return [_stats(step) if "stats" in step else _http(step, start)]
+    if "stats" in step:
+        return [_stats(step)]
+    return [_metrics(step) if "metrics" in step else _http(step, start)]
 
 
 def wait_healthy(urls: Sequence[str], timeout: float) -> bool:

@@ -56,3 +56,40 @@ def test_a_step_that_fails_reports_its_error(url):
     dead = url.rsplit(":", 1)[0] + ":1/v1/completions"  # nothing listens on port 1
     (out,) = run_step({"id": "x", "post": dead, "body": {}})
     assert out["id"] == "x" and "ConnectError" in out["error"] and out["t1"] >= out["t0"]
+
+
+PAGE = b"""# HELP vllm:kvstore_load_seconds Time of a load.
+# TYPE vllm:kvstore_load_seconds histogram
+vllm:kvstore_load_seconds_sum{engine="0",model_name="m"} 0.25
+vllm:kvstore_load_seconds_sum{engine="1",model_name="m"} 0.5
+vllm:kvstore_load_seconds_count{engine="0",model_name="m"} 3.0
+vllm:kvstore_load_seconds_created{engine="0",model_name="m"} 1.7e9
+vllm:kvstore_loads_total 2.0
+"""
+
+
+class _Metrics(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(PAGE)))
+        self.end_headers()
+        self.wfile.write(PAGE)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_a_metrics_step_sums_each_named_sample_over_its_labels():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        (out,) = run_step({"id": "m", "metrics": f"http://127.0.0.1:{server.server_address[1]}"
+                           "/metrics", "names": ["vllm:kvstore_load_seconds_sum",
+                                                 "vllm:kvstore_load_seconds_count",
+                                                 "vllm:kvstore_loads_total", "vllm:absent"]})
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert out == {"id": "m", "metrics": {"vllm:kvstore_load_seconds_sum": 0.75,
+                                          "vllm:kvstore_load_seconds_count": 3.0,
+                                          "vllm:kvstore_loads_total": 2.0}}
