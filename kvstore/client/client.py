@@ -538,10 +538,7 @@ class KVStoreClient:
             self._give_back(old)
 
     def _give_back(self, room: _Room) -> None:
-        try:  # one-way: the room is reclaimed at its lease's end anyway
-            self._rpc.send(p.Abort(rid=room.id), timeout_s=_CLEANUP_TIMEOUT_S)
-        except KVStoreError as exc:
-            log.debug("giving back room %s failed: %s", room.id, exc)
+        self._abort(room.id)
 
     def _reserve(self, keys: list[bytes], sizes: list[int], toks: list[bytes], skip: int,
                  metas: tuple | None = None, count_skipped: bool = True
@@ -672,9 +669,14 @@ class KVStoreClient:
         return flat
 
     def _abort(self, rid: int) -> None:
+        """Give back reservation or room ``rid``, one-way: the server applies it before
+        this client's next request, and its lease reclaims it anyway. Not waiting for
+        the reply keeps a failed insert from outlasting its timeout by the abort's
+        own round trip (up to ``_CLEANUP_TIMEOUT_S`` against a server that stopped
+        answering)."""
         try:
-            self._rpc.call(p.Abort(rid=rid), timeout_s=_CLEANUP_TIMEOUT_S)
-        except KVStoreError as exc:  # the lease reclaims it anyway
+            self._rpc.send(p.Abort(rid=rid), timeout_s=_CLEANUP_TIMEOUT_S)
+        except KVStoreError as exc:
             log.debug("abort of reservation %s failed: %s", rid, exc)
 
     # ---------------------------------------------------------------- select

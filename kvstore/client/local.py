@@ -389,9 +389,10 @@ class Control:
         if path:
             self._channel()
 
-    def _channel(self) -> Requests:
+    def _channel(self, reopen: bool = True) -> Requests:
         """The channel for the next request: the local socket when there is one
-        (opened again if it failed, at most every ``RETRY_S``), else the ROUTER."""
+        (opened again if it failed, at most every ``RETRY_S``; not for ``reopen``
+        False), else the ROUTER."""
         fresh = None
         with self._lock:
             local = self._local
@@ -399,7 +400,7 @@ class Control:
             # and neither is the ROUTER channel (ZeroMQ does not survive a fork).
             forked = local is not None and local.forked
             if (local is None or not local.open) and self._path \
-                    and (forked or time.monotonic() >= self._retry_at):
+                    and (forked or (reopen and time.monotonic() >= self._retry_at)):
                 path, self._retry_at = self._path, time.monotonic() + self.RETRY_S
                 try:
                     fresh = LocalChannel(path, self.rpc.timeout_s, self.rpc.max_bytes)
@@ -456,7 +457,11 @@ class Control:
         return result
 
     def send(self, req: p.Request, timeout_s: float | None = None) -> None:
-        channel = self._channel()
+        # A one-way send (a release, an abort) does not open the socket again: that
+        # waits for a health reply, and the send is often the cleanup after a call
+        # the server did not answer. The ROUTER takes it; the next call settles it
+        # there before it uses a socket opened again (``_leave``).
+        channel = self._channel(reopen=False)
         try:
             channel.send(req, timeout_s)
         except NotSent as exc:

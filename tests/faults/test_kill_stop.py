@@ -182,6 +182,34 @@ def test_server_signalled_at_each_step(server_factory, client_factory, fault_log
     _nothing_left_open(admin)
 
 
+def test_an_insert_the_stopped_server_never_answers_ends_at_its_timeout(
+        server_factory, client_factory, fault_log):
+    """Stopped after the reserve, the server never answers the commit: the insert
+    gives up when its commit does (the client's timeout plus the deadline's slack)
+    and gives the reservation back one-way. It used to wait for the abort's reply
+    too, up to 2 s more, against a server that could not answer."""
+    from kvstore.client.client import _DEADLINE_SLACK_S
+
+    srv = _server(server_factory)
+    timeout_s = 1.0
+    client = client_factory(srv, timeout_s=timeout_s, same_node=True)
+    client.health()  # (the hello: the server's clock, so the commit has a deadline)
+    fault = Fault(srv, signal.SIGSTOP)
+    fault.wrap(client, "write", "before")  # a fresh client's insert: reserve + commit
+    start = time.monotonic()
+    _, failed = fault.around("insert", lambda: client.insert(prompt_tokens(99, N),
+                                                             prompt_kv(99, N)))
+    elapsed = time.monotonic() - start
+    assert failed is not None  # (a timeout: the commit's reply never came)
+    # the commit's wait, and well under the 2 s the abort's round trip used to add
+    assert elapsed < timeout_s + _DEADLINE_SLACK_S + 1.0, elapsed
+    admin = _Patient(client_factory(srv, timeout_s=5.0))
+    _nothing_left_open(admin)  # the one-way abort was applied once it went on
+    assert admin.lookup(prompt_tokens(99, N)).matched_tokens == 0
+    fault_log("server SIGSTOP during insert, commit never answered (insert's bound)", 1,
+              int(srv.proc.poll() is None), 0)
+
+
 INLINE_STEPS = [("acquire", "as the acquire is sent"),
                 ("before", "after the reply with the bytes came, before they are copied"),
                 ("after", "after they were copied, before release")]
