@@ -37,9 +37,10 @@ Every key (docs/vllm.md lists them with examples):
 * ``save_queue_bytes`` — the most host memory a worker's saves may hold while they
   wait for the transfer thread (each holds a host copy of its prompt's KV from its
   step until it is sent): a save that would take the queue past it is not made
-  (counted as ``saves_skipped``, logged), unless nothing else is queued, so a prompt
-  larger than the cap is still saved, alone. A server slower than the prefill rate
-  then costs saves, not the engine's host memory. [4GiB]
+  (counted as ``saves_skipped``, logged; the scheduler does not order it, so the
+  request gets no params and its decode recomputes at once), unless nothing else is
+  queued, so a prompt larger than the cap is still saved, alone. A server slower than
+  the prefill rate then costs saves, not the engine's host memory. [4GiB]
 * ``inline_max_bytes`` — a load of at most this many bytes from a server on another
   node asks for them in the acquire's reply instead of a TE read (TCP only; the
   client's ``client.inline_max_bytes``); 0: always TE. [8MiB]

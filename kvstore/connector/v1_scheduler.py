@@ -38,7 +38,14 @@ from kvstore.connector.v1_orders import (
     request_scope,
     stored_part,
 )
-from kvstore.connector.v1_stats import KVStoreConnectorStats, StoreEvents, TransferReports
+from kvstore.connector.v1_stats import (
+    REPORT_WAIT_S,
+    SKIP_LOG_EVERY_S,
+    Every,
+    KVStoreConnectorStats,
+    StoreEvents,
+    TransferReports,
+)
 from kvstore.connector.v1_stores import StoreClients
 from kvstore.core.layout import KVLayout
 
@@ -64,6 +71,67 @@ class _Tracked:
     scope: str
     first_block: int = 0  # blocks before it were on the server at the lookup
     ordered: int = 0  # blocks its chunk orders have saved (chunk saves only)
+
+
+class QueuedSaveOrders:
+    """The scheduler's cap on queued saves (``save_queue_bytes``): the host bytes of
+    the save orders it made that a worker still holds, counted from the order until
+    every worker has reported letting them go (``TransferReports.released``, one per
+    order and worker). A worker holds a save's bytes from its step's start until its
+    transfer thread is done with it, inside that span, so a worker's own cap
+    (``QueuedSaves``) is not the one that skips while this one holds (with pipeline
+    parallelism, only where a later stage holds more layers than the first, whose
+    layout the scheduler has). Skipping here is what lets the prompt go without
+    params: a decode then recomputes it at once instead of waiting ``load_wait_s``
+    for a save that never comes. A save always gets into an empty queue, as on the
+    worker. A request whose reports have not all come ``REPORT_WAIT_S`` after its
+    last order is let go (logged): a lost report must not shrink the cap for ever."""
+
+    def __init__(self, limit: int, workers: int) -> None:
+        self.limit, self.workers = limit, workers
+        self.queued = 0
+        # req -> [bytes, reports still due, when its last order was made]
+        self._held: dict[str, list[float]] = {}
+        self._expired = Every(SKIP_LOG_EVERY_S)
+
+    def admit(self, req_id: str, nbytes: int) -> bool:
+        """Count an order of ``nbytes`` in, if it fits; False: it is not to be made."""
+        self._expire()
+        if self.queued and self.queued + nbytes > self.limit:
+            return False
+        entry = self._held.setdefault(req_id, [0, 0, 0.0])
+        entry[0] += nbytes
+        entry[1] += self.workers
+        entry[2] = time.monotonic()
+        self.queued += nbytes
+        return True
+
+    def released(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            entry = self._held.get(req_id)
+            if entry is None:
+                continue  # (given up on after REPORT_WAIT_S)
+            entry[1] -= 1
+            if entry[1] <= 0:
+                self._drop(req_id)
+
+    def pending(self) -> bool:
+        """Orders whose reports are still due (those past ``REPORT_WAIT_S`` let go)."""
+        self._expire()
+        return bool(self._held)
+
+    def _drop(self, req_id: str) -> None:
+        self.queued -= int(self._held.pop(req_id)[0])
+
+    def _expire(self) -> None:
+        cutoff = time.monotonic() - REPORT_WAIT_S
+        for req_id in [r for r, e in self._held.items() if e[2] < cutoff]:
+            self._drop(req_id)
+            if count := self._expired.due():
+                log.warning("request %s: the workers' reports of its save never came in "
+                            "%.0f s; its bytes no longer count against save_queue_bytes "
+                            "(%d such request(s) since the last warning)", req_id,
+                            REPORT_WAIT_S, count)
 
 
 class SchedulerSide:
@@ -93,6 +161,8 @@ class SchedulerSide:
         self._held: dict[str, int] = {}  # req -> tokens a keep-mode lookup found stored
         self._generation = 0  # key generation: reset() starts a new one
         self._seen_since_reset = False  # a request was scoped in this generation
+        self.save_queue = QueuedSaveOrders(settings.save_queue_bytes, self.events.workers)
+        self._skips = Every(SKIP_LOG_EVERY_S)
 
     def reset(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)`` (after a weight update,
@@ -270,17 +340,38 @@ class SchedulerSide:
                 if self._freed(tracked, full):
                     del self._tracked[req_id]
                     return
-                meta.saves.append(self._order(req_id, tracked, full * bt, last=False))
-                tracked.ordered = full
+                if self._admit(req_id, full * bt):
+                    meta.saves.append(self._order(req_id, tracked, full * bt, last=False))
+                    tracked.ordered = full
             return
         if self._freed(tracked, -(-stored // bt)):
             del self._tracked[req_id]  # never saved: no params claim it
+            return
+        if not self._admit(req_id, stored):
             return
         meta.saves.append(self._order(req_id, tracked, stored, last=True))
         if (request := self._requests.get(req_id)) is not None:
             self.events.expect_save(request)
         self._saved.add(req_id)
         del self._tracked[req_id]
+
+    def _admit(self, req_id: str, ntokens: int) -> bool:
+        """Whether a save order of ``ntokens`` (the bytes a worker holds for it: all of
+        them, as its host buffer does) fits ``save_queue_bytes``. Not: the request is
+        not saved at all (no later chunk, no params), counted and logged."""
+        nbytes = self.layout.nbytes(ntokens)
+        if self.save_queue.admit(req_id, nbytes):
+            return True
+        del self._tracked[req_id]
+        self._stats.record_skipped_save()
+        if skipped := self._skips.due():
+            log.warning("save of %s (%d bytes): not made, and the request gets no "
+                        "kv_transfer_params: saves holding %d bytes of the workers' host "
+                        "memory wait for the server already (save_queue_bytes %d); %d "
+                        "save(s) not made since the last warning. The server is slower "
+                        "than this engine's prefills", req_id, nbytes,
+                        self.save_queue.queued, self.save_queue.limit, skipped)
+        return False
 
     def _freed(self, tracked: _Tracked, nblocks: int) -> bool:
         """Whether a block to save (below ``nblocks``, past what the server has) is
@@ -332,4 +423,5 @@ class SchedulerSide:
     def observe_reports(self, reports: Any) -> None:
         """The workers' reports of this step (vLLM's aggregated worker metadata)."""
         if isinstance(reports, TransferReports):
+            self.save_queue.released(reports.released)
             self.events.observe(reports)

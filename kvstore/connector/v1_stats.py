@@ -25,6 +25,7 @@ announcements per hash, as the store counts pending consumers per entry.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from collections.abc import Callable
@@ -49,7 +50,8 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 log = logging.getLogger(__name__)
 
 MEDIUM = "kvstore"  # the ``medium`` of this connector's events
-_REPORT_WAIT_S = 120.0  # a transfer whose reports have not all come by then is dropped
+REPORT_WAIT_S = 120.0  # a transfer whose reports have not all come by then is dropped
+SKIP_LOG_EVERY_S = 10.0  # saves not made for a cap: one warning per interval at most
 
 # Counters: name -> what it counts (the Prometheus counter is vllm:kvstore_<name>).
 COUNTERS = {
@@ -63,8 +65,9 @@ COUNTERS = {
     "saved_bytes": "Entry bytes handed to kvstore by committed saves (every rank).",
     "save_failures": "Saves that were not stored: copy, network or server failures "
                      "(every rank).",
-    "saves_skipped": "Saves not made: the worker's queued saves held save_queue_bytes of "
-                     "host memory already (every rank).",
+    "saves_skipped": "Saves not made: the queued saves held save_queue_bytes of the "
+                     "workers' host memory already (the scheduler's count; a worker's "
+                     "own guard counts per rank).",
     "hits": "Requests the scheduler found (or the producer claimed) stored in kvstore.",
     "misses": "Requests the scheduler asked kvstore for that it held nothing of.",
     "rejected_servers": "Request-named servers refused: not configured (kv_transfer_params).",
@@ -203,20 +206,45 @@ class KVStorePromMetrics(KVConnectorPromMetrics):
 @dataclass
 class TransferReports(KVConnectorWorkerMetadata):
     """Worker -> scheduler, each step: per request, the tokens each worker's finished
-    save committed (0: failed) and each drop-mode load took from the store."""
+    save committed (0: failed) and each drop-mode load took from the store; and
+    ``released``, one request id per save order (chunk or whole, made or not) whose
+    host bytes a worker has let go (the scheduler's cap on queued saves,
+    kvstore.connector.v1_scheduler.QueuedSaveOrders)."""
 
     saved: dict[str, list[int]] = field(default_factory=dict)
     dropped: dict[str, list[int]] = field(default_factory=dict)
+    released: list[str] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, TransferReports)
         for mine, theirs in ((self.saved, other.saved), (self.dropped, other.dropped)):
             for req_id, tokens in theirs.items():
                 mine.setdefault(req_id, []).extend(tokens)
+        self.released.extend(other.released)
         return self
 
     def __bool__(self) -> bool:
-        return bool(self.saved or self.dropped)
+        return bool(self.saved or self.dropped or self.released)
+
+
+class Every:
+    """At most one warning per ``interval_s``: ``due()`` counts an occurrence and
+    says how many there were since the last warning when one is due (else 0)."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._unlogged = 0
+        self._logged_at = -interval_s
+        self._lock = threading.Lock()
+
+    def due(self) -> int:
+        now = time.monotonic()
+        with self._lock:
+            self._unlogged += 1
+            if now - self._logged_at < self.interval_s:
+                return 0
+            count, self._unlogged, self._logged_at = self._unlogged, 0, now
+            return count
 
 
 @dataclass
@@ -275,8 +303,8 @@ class StoreEvents:
 
     def pending(self) -> bool:
         """Transfers whose reports are still due (the oldest given up on after
-        ``_REPORT_WAIT_S``: a worker that never reports must not keep vLLM stepping)."""
-        cutoff = time.monotonic() - _REPORT_WAIT_S
+        ``REPORT_WAIT_S``: a worker that never reports must not keep vLLM stepping)."""
+        cutoff = time.monotonic() - REPORT_WAIT_S
         for pending in (self._saves, self._drops):
             for req_id in [r for r, e in pending.items() if e.since < cutoff]:
                 log.warning("request %s: workers' transfer reports never came; no event",

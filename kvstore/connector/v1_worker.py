@@ -17,7 +17,10 @@ else in arrival order.
   memory as soon as layer i is computed; ``wait_for_save`` copies what no layer
   hook covered and hands the bytes to the thread. From then on the blocks are not
   needed: vLLM may free or reuse them at once. The host bytes of saves not yet sent
-  are capped (``QueuedSaves``, ``save_queue_bytes``): past it a save is not made.
+  are capped (``QueuedSaves``, ``save_queue_bytes``): past it a save is not made. The
+  scheduler caps the orders it makes by the same limit first (``QueuedSaveOrders``,
+  from this side's ``released`` reports), so this cap is a guard that does not skip
+  (bar a pipeline stage with more layers than the first).
 
 Invariants: nothing writes into a block after the step in which it stops being the
 request's (same-step loads finish inside their step; background loads write only
@@ -45,7 +48,12 @@ from kvstore.connector.paged_io import gather_layer, scatter_layer
 from kvstore.connector.v1_config import ConnectorSettings
 from kvstore.connector.v1_orders import KVStoreConnectorMetadata, LoadOrder, SaveOrder
 from kvstore.connector.v1_requests import RequestStates
-from kvstore.connector.v1_stats import KVStoreConnectorStats, TransferReports
+from kvstore.connector.v1_stats import (
+    SKIP_LOG_EVERY_S,
+    Every,
+    KVStoreConnectorStats,
+    TransferReports,
+)
 from kvstore.client.client import PendingInsert
 from kvstore.connector.v1_stores import StoreClients
 from kvstore.core.errors import InvalidRequestError
@@ -63,7 +71,6 @@ _KEEP_BUFFERS = 4  # host buffers kept for reuse
 # torch and socket calls: on 2 cores a 25 ms scatter took 0.4-1.5 s that way
 # (docs/benchmarks.md, "connector"). A load that finishes wakes the step at once.
 IDLE_STEP_WAIT_S = 0.02
-SKIP_LOG_EVERY_S = 10.0  # saves not made for the cap: one warning per interval at most
 
 
 class HostBuffers:
@@ -175,8 +182,7 @@ class WorkerSide:
         self.fmt: BlockFormat | None = None
         self.buffers = HostBuffers(pinned=False)
         self.queued_saves = QueuedSaves(settings.save_queue_bytes)
-        self._skips_unlogged = 0  # saves not made for the cap since the last warning
-        self._skip_logged_at = -SKIP_LOG_EVERY_S
+        self._skips = Every(SKIP_LOG_EVERY_S)  # saves not made for the cap: warnings
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = itertools.count()
         self._lock = threading.Lock()
@@ -270,9 +276,12 @@ class WorkerSide:
         server (layer-wise saves open theirs at the first layer copied). It still goes
         through the thread like a save that failed (``_save``): reported as 0 tokens
         stored, so the scheduler's KV events do not wait for it, and a chunk's later
-        orders are dropped. A decode that already has the prompt's params misses and
-        recomputes it (after ``load_wait_s``: the params went out when the save was
-        ordered)."""
+        orders are dropped. The scheduler caps the saves it orders by the same
+        limit, counted from the order until this worker's report that the bytes
+        are let go (``QueuedSaveOrders``), so it skips first and the prompt gets no
+        params; this cap is the worker's own guard. A save skipped here, whose
+        params went out with the order, costs its decode ``load_wait_s`` before it
+        recomputes."""
         nbytes = self.layout.nbytes(len(order.token_ids))
         if self.queued_saves.admit(nbytes):
             return _SaveJob(order, self.buffers.take(nbytes))
@@ -281,12 +290,8 @@ class WorkerSide:
                         gathered={-1})
 
     def _skipped_for_cap(self, order: SaveOrder, nbytes: int) -> None:
-        now = time.monotonic()
-        with self._lock:
-            self._skips_unlogged += 1
-            if now - self._skip_logged_at < SKIP_LOG_EVERY_S:
-                return
-            skipped, self._skips_unlogged, self._skip_logged_at = self._skips_unlogged, 0, now
+        if not (skipped := self._skips.due()):
+            return
         log.warning("save of %s (%d bytes): not made: saves holding %d bytes of host memory "
                     "wait for the server already (save_queue_bytes %d); %d save(s) not made "
                     "since the last warning. The server is slower than this engine's "
@@ -648,6 +653,7 @@ class WorkerSide:
             elif not ok:
                 self.requests.fail_chunks(order.req_id)
             with self._lock:
+                self._reports.released.append(order.req_id)  # (the scheduler's cap)
                 if job.admitted:
                     self._stats.record_save(ntokens, lay.nbytes(ntokens) - skipped,
                                             time.perf_counter() - start, ok,

@@ -171,12 +171,16 @@ class KVStoreConnectorV1(KVConnectorBase_V1, SupportsHMA):
 
     def has_pending_push_work(self) -> bool:
         """Saves or drops whose workers have not reported yet: vLLM keeps stepping
-        (empty steps) so their stats and events arrive without a next request.
+        (empty steps) so their stats and events arrive without a next request, and
+        the save orders' bytes leave the scheduler's cap (``QueuedSaveOrders``: a
+        chunk order has no event to wait for) before the next request is measured
+        against it.
 
         vLLM asks only when it has no request left, so the short pause slows nothing
         but that idle loop, which would otherwise spin a core against the transfer
         thread it waits for."""
-        if not self._scheduler_side.events.pending():
+        side = self._scheduler_side
+        if not side.events.pending() and not side.save_queue.pending():
             return False
         time.sleep(_IDLE_STEP_PAUSE_S)
         return True

@@ -1,12 +1,15 @@
-"""The worker's cap on queued saves (``save_queue_bytes``), against a real kvstore-server
-frozen with SIGSTOP: the engine's steps go on while saves pile up on the transfer
-thread, each holding a host copy of its prompt's KV until it is sent.
+"""The cap on queued saves (``save_queue_bytes``), against a real kvstore-server frozen
+with SIGSTOP: the engine's steps go on while saves pile up on the transfer thread,
+each holding a host copy of its prompt's KV until it is sent.
 
 Connectors come from vLLM's factory (KV events on), requests from vLLM's own Request
-with its block hasher; each step calls the worker as vLLM's model runner does. Past
-the cap a save is not made (no host buffer, no room on the server), counted and
-reported like a failed save; the rest commit once the server goes on, and the room
-they held is given back.
+with its block hasher; each step calls the worker as vLLM's model runner does, and
+hands the worker's output to the scheduler as vLLM does after every step. Past the
+cap the scheduler does not order the save (``QueuedSaveOrders``) and the request
+gets no kv_transfer_params, so its decode recomputes at once; the rest commit once
+the server goes on, and the room they held is given back. The worker's own cap
+(``QueuedSaves``), which the scheduler's keeps from ever being the one to skip, is
+tested with the scheduler's raised.
 """
 
 from __future__ import annotations
@@ -60,10 +63,12 @@ def stopped(server: ServerProc) -> Iterator[None]:
         os.kill(server.pid, signal.SIGCONT)
 
 
-def prefill_step(sched, worker, req) -> dict | None:
+def prefill_step(sched, worker, req, seen: Observed) -> dict | None:
     """One engine step that computes ``req``'s whole prompt, the worker called as
     vLLM's model runner calls it (layer-wise saves), not waiting for the save; then
-    the request finishes (max_tokens=1): the params the decode would get."""
+    the request finishes (max_tokens=1): the params the decode would get. The
+    worker's output reaches the scheduler after that, as in vLLM's
+    ``update_from_output``."""
     sched.get_num_new_matched_tokens(req, 0)
     sched.update_state_after_alloc(req, KVCacheBlocks(([],)), 0)
     out = SchedulerOutput.make_empty()
@@ -78,7 +83,9 @@ def prefill_step(sched, worker, req) -> dict | None:
     worker.wait_for_save()
     worker.get_finished(set())
     worker.clear_connector_metadata()
-    return sched.request_finished(req, BLOCKS)[1]
+    params = sched.request_finished(req, BLOCKS)[1]
+    seen.collect()
+    return params
 
 
 def stored_tokens(server: ServerProc, layout, tokens: list[int]) -> int:
@@ -89,51 +96,82 @@ def stored_tokens(server: ServerProc, layout, tokens: list[int]) -> int:
 
 def test_saves_past_the_cap_are_not_made_and_their_room_comes_back(server, caplog):
     """The cap holds two prompts. The server freezes; four prompts are prefilled in
-    four steps, none of which waits: the first two saves are queued (their host
-    bytes counted), the other two are not made (one warning for both). Once the
-    server goes on, the two commit and the queue is empty again; the two not made
-    are counted, reported (as 0 tokens: the scheduler's events wait for nothing)
-    and left no room on the server. A decode holding a skipped prompt's params
-    misses and recomputes its blocks; a later save is queued and stored again."""
+    four steps, none of which waits: the first two saves are ordered and queued
+    (their host bytes counted on the worker and by the scheduler), the other two
+    are not ordered and get no params (one warning for both). Once the server goes
+    on, the two commit and both counts are back to 0; the two not made are counted
+    and left no room on the server. A decode of a skipped prompt, sent without
+    params, finds nothing and recomputes at once; a later save is made again."""
     one = LAYOUT.nbytes(STORED)  # the test connectors' layout
     sched, worker = connectors("kv_producer", server=server.address, timeout_s=5.0,
                                save_queue_bytes=2 * one)
     layout = sched.layout
     assert layout.token_nbytes == LAYOUT.token_nbytes
     seen = Observed(sched, worker)
-    queue = worker.worker.queued_saves
+    queue, orders = worker.worker.queued_saves, sched.scheduler.save_queue
     reqs = [hashed(f"q{i}", prompt(i)) for i in range(4)]
-    with caplog.at_level(logging.WARNING, logger="kvstore.connector.v1_worker"):
+    with caplog.at_level(logging.WARNING, logger="kvstore.connector"):
         with stopped(server):
-            params = [prefill_step(sched, worker, req) for req in reqs]
-            assert queue.queued == 2 * one  # not 4: two saves were not made
+            params = [prefill_step(sched, worker, req, seen) for req in reqs]
+            assert queue.queued == orders.queued == 2 * one  # not 4: two not ordered
+    assert [bool(p) for p in params] == [True, True, False, False]
     assert worker.worker.drain(30)
     assert queue.queued == 0
-    skips = [r for r in caplog.records if "not made: saves holding" in r.getMessage()]
-    assert len(skips) == 1, [r.getMessage() for r in skips]  # rate-limited
+    seen.collect()  # the next step's hand-over: the workers let the bytes go
+    assert orders.queued == 0
+    skips = [r.getMessage() for r in caplog.records if "not made" in r.getMessage()]
+    assert len(skips) == 1 and "no kv_transfer_params" in skips[0], skips  # rate-limited
 
-    seen.collect()
     assert (seen.count("saves"), seen.count("saves_skipped")) == (2, 2), seen.stats
     assert seen.count("save_failures") == 0, seen.stats
-    assert not sched.has_pending_push_work()  # every save reported, made or not
+    assert not sched.has_pending_push_work()  # every save reported
     assert [type(e) for e in seen.events] == [BlockStored, BlockStored]
     assert [stored_tokens(server, layout, p) for p in map(prompt, range(4))] == \
         [STORED, STORED, 0, 0]
     with KVStoreClient(server.address, timeout_s=5.0) as admin:
         assert admin.stats()["reservations"] == 0  # a save not made opened no room
 
-    # (The params went out when the saves were ordered, before the cap said no.)
+    # No params: the decode asks its store, finds nothing, and computes the prompt
+    # now (it used to get params and wait load_wait_s for a save never made).
+    d_sched, d_worker, _ = make_connectors("kv_consumer", server=server.address,
+                                           load_wait_s=30.0, lookup_timeout_s=5.0)
+    decode = request("d2", prompt(2), params[2])
+    assert d_sched.get_num_new_matched_tokens(decode, 0) == (0, False)
+    d_worker.shutdown(), d_sched.shutdown()
+
+    assert prefill_step(sched, worker, hashed("q4", prompt(4)), seen)
+    assert worker.worker.drain(30) and queue.queued == 0
+    assert stored_tokens(server, layout, prompt(4)) == STORED
+    assert seen.collect().count("saves") == 3 and orders.queued == 0
+    worker.shutdown(), sched.shutdown()
+
+
+def test_the_workers_own_cap_skips_when_the_schedulers_does_not(server, caplog):
+    """The worker's guard (``QueuedSaves``), reached here only with the scheduler's
+    cap raised past it: a save over it is not made although its params went out,
+    so a decode holding them waits ``load_wait_s``, misses and recomputes."""
+    one = LAYOUT.nbytes(STORED)
+    sched, worker = connectors("kv_producer", server=server.address, timeout_s=5.0,
+                               save_queue_bytes=one)
+    sched.scheduler.save_queue.limit = 1 << 40
+    seen = Observed(sched, worker)
+    with caplog.at_level(logging.WARNING, logger="kvstore.connector.v1_worker"):
+        with stopped(server):
+            params = [prefill_step(sched, worker, hashed(f"w{i}", prompt(20 + i)), seen)
+                      for i in range(2)]
+            assert worker.worker.queued_saves.queued == one
+    assert all(params)
+    assert worker.worker.drain(30)
+    seen.collect()
+    assert (seen.count("saves"), seen.count("saves_skipped")) == (1, 1), seen.stats
+    assert any("not made: saves holding" in r.getMessage() for r in caplog.records)
+    assert sched.scheduler.save_queue.queued == 0  # every order's report came
     d_sched, d_worker, _ = make_connectors("kv_consumer", server=server.address,
                                            load_wait_s=0.3)
-    decode = request("d2", prompt(2), params[2])
+    decode = request("d1", prompt(21), params[1])
     assert d_sched.get_num_new_matched_tokens(decode, 0) == (STORED, True)
     assert schedule(d_sched, d_worker, decode, [5, 6, 7], STORED) == {5, 6, 7}
     d_worker.shutdown(), d_sched.shutdown()
-
-    prefill_step(sched, worker, hashed("q4", prompt(4)))
-    assert worker.worker.drain(30) and queue.queued == 0
-    assert stored_tokens(server, layout, prompt(4)) == STORED
-    assert seen.collect().count("saves") == 3
     worker.shutdown(), sched.shutdown()
 
 
@@ -145,11 +183,12 @@ def test_a_save_larger_than_the_cap_is_made_when_nothing_else_is_queued(server):
                                save_queue_bytes=1)
     seen = Observed(sched, worker)
     with stopped(server):
-        prefill_step(sched, worker, hashed("b0", prompt(10)))
-        prefill_step(sched, worker, hashed("b1", prompt(11)))
+        assert prefill_step(sched, worker, hashed("b0", prompt(10)), seen)
+        assert not prefill_step(sched, worker, hashed("b1", prompt(11)), seen)
         assert worker.worker.queued_saves.queued == sched.layout.nbytes(STORED)
     assert worker.worker.drain(30)
-    prefill_step(sched, worker, hashed("b2", prompt(12)))
+    seen.collect()
+    assert prefill_step(sched, worker, hashed("b2", prompt(12)), seen)
     assert worker.worker.drain(30) and worker.worker.queued_saves.queued == 0
     seen.collect()
     assert (seen.count("saves"), seen.count("saves_skipped")) == (2, 1), seen.stats
@@ -173,11 +212,14 @@ def test_a_save_that_fails_gives_its_room_back(server):
                                save_queue_bytes=LAYOUT.nbytes(STORED))
     seen = Observed(sched, worker)
     server.kill()
-    prefill_step(sched, worker, hashed("f0", prompt(20)))
+    assert prefill_step(sched, worker, hashed("f0", prompt(20)), seen)
     assert worker.worker.queued_saves.queued == LAYOUT.nbytes(STORED)
     assert worker.worker.drain(30)
     assert worker.worker.queued_saves.queued == 0
-    prefill_step(sched, worker, hashed("f1", prompt(21)))  # the server still down
+    seen.collect()  # the failed save's report: the scheduler counts it out too
+    assert sched.scheduler.save_queue.queued == 0
+    # the server still down
+    assert prefill_step(sched, worker, hashed("f1", prompt(21)), seen)
     assert worker.worker.drain(30) and worker.worker.queued_saves.queued == 0
     seen.collect()
     assert (seen.count("save_failures"), seen.count("saves_skipped")) == (2, 0), seen.stats
