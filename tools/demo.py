@@ -157,15 +157,17 @@ def _engine_ttft_ms(completion: dict[str, Any]) -> float:
 
 
 def _load_ms(results: dict[str, dict], n: int, i: int) -> float | None:
-    """B's connector's time of the one load between two metrics reads (None if the
-    reads failed or did not see exactly one load)."""
+    """B's connector's time of the prompt's load between two metrics reads: the mean
+    over the loads counted (one per worker of the decode engine); None if the reads
+    failed or counted none."""
     before, after = (results[f"loads-{k}-{n}-{i}"].get("metrics") for k in ("before", "after"))
     if before is None or after is None:
         return None
     delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in LOAD_METRICS}
-    if delta["vllm:kvstore_load_seconds_count"] != 1:
+    count = delta["vllm:kvstore_load_seconds_count"]
+    if count < 1:
         return None
-    return delta["vllm:kvstore_load_seconds_sum"] * 1000
+    return delta["vllm:kvstore_load_seconds_sum"] / count * 1000
 
 
 def _prompt_run(results: dict[str, dict], n: int, repeats: int, store: str) -> PromptRun:

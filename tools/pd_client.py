@@ -127,8 +127,15 @@ def _metrics(step: dict[str, Any]) -> dict[str, Any]:
         if line.startswith("#") or not line.strip():
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in wanted:
-            found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        if name not in wanted:
+            continue
+        # NAME{LABELS} VALUE [TIMESTAMP]: the value follows the labels (or the name)
+        fields = (line.rsplit("}", 1)[1] if "}" in line else line[len(name):]).split()
+        try:
+            found[name] = found.get(name, 0.0) + float(fields[0])
+        except (IndexError, ValueError):
+            out["error"] = f"unreadable sample on {step['metrics']}: {line[:200]!r}"
+            return out
     out["metrics"] = found
     return out
 

@@ -64,7 +64,7 @@ vllm:kvstore_load_seconds_sum{engine="0",model_name="m"} 0.25
 vllm:kvstore_load_seconds_sum{engine="1",model_name="m"} 0.5
 vllm:kvstore_load_seconds_count{engine="0",model_name="m"} 3.0
 vllm:kvstore_load_seconds_created{engine="0",model_name="m"} 1.7e9
-vllm:kvstore_loads_total 2.0
+vllm:kvstore_loads_total 2.0 1700000000000
 """
 
 
