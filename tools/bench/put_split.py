@@ -1,0 +1,129 @@
+"""Where a same-node insert's time goes, back to back and after an idle pause (one node).
+
+    python -m tools.bench.put_split [--layout small] [--tokens 512] [--reps 100]
+                                    [--idle-ms 30]
+
+The transfer benchmark's put is a producer's insert into the kvstore-server beside
+it (the shared arena, then one ``Put`` over the same-node socket), timed between
+other systems' work (``interleaved``): every process has idled and other work has
+gone through the CPU caches in between. This measures both cases side by side, in
+one run, against one kvstore-server on loopback: ``warm`` inserts back to back, and
+``idle`` ones each after ``--idle-ms`` of sleep and a pass over 64 MiB (the caches
+full of other work), in alternating rounds. Each insert is split, around the
+client's own calls, into ``keys`` (the prompt's keys and token bytes), ``copy``
+(the copy into the arena, hashed as it goes) and ``put`` (the request's round trip:
+the server's thread waking, its work, the reply, the client's thread waking);
+the rest of the insert is ``other``.
+
+Prints the median ms of each part and of the whole insert per case, and idle / warm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import shutil
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tests.integration.conftest import ServerFactory
+from tools.bench.cluster_worker import LAYOUTS
+
+MiB = 1 << 20
+CASES = ("warm", "idle")
+PARTS = ("keys", "copy", "put", "other", "insert")
+SWEEP = 64 * MiB  # more than this machine's last-level cache
+
+
+def _timed(sink: dict[str, float], part: str, func: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(func)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return func(*args, **kwargs)
+        finally:
+            sink[part] = sink.get(part, 0.0) + time.perf_counter() - start
+    return timed
+
+
+def run(layout_name: str, ntokens: int, reps: int, idle_s: float
+        ) -> dict[str, dict[str, list[float]]]:
+    """{case: {part: [ms of each rep]}}."""
+    from kvstore.client.client import KVStoreClient
+
+    layout = LAYOUTS[layout_name]
+    nbytes = layout.nbytes(ntokens)
+    base = Path(tempfile.mkdtemp(prefix="bench-put-split-"))
+    servers = ServerFactory(base)
+    times: dict[str, dict[str, list[float]]] = {case: defaultdict(list) for case in CASES}
+    try:
+        # Every prompt evicted after its round: the arena never fills.
+        srv = servers(dram=str(max(64 * MiB, 8 * nbytes)), nvme="0",
+                      block_tokens=layout.block_tokens, reservation_lease=60, read_lease=60)
+        split: dict[str, float] = {}
+        with KVStoreClient(srv.address, layout=layout, timeout_s=60) as writer:
+            writer._prompt = _timed(split, "keys", writer._prompt)  # type: ignore[method-assign]
+            writer._call = _timed(split, "put", writer._call)  # type: ignore[method-assign]
+            writer._data.write = _timed(split, "copy", writer._data.write)  # type: ignore[method-assign]
+            kv = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+            sweep = np.ones(SWEEP, np.uint8)
+            serial = 0
+            for rep in range(reps + 5):  # the first 5: warm-up, not counted
+                for case in (CASES if rep % 2 == 0 else CASES[::-1]):
+                    serial += 1
+                    tokens = (np.arange(ntokens) + serial * ntokens) % 50_000
+                    if case == "idle":
+                        time.sleep(idle_s)
+                        sweep.sum()
+                    kv[:8] = serial % 256  # the producer's new KV for each prompt
+                    split.clear()
+                    start = time.perf_counter()
+                    res = writer.insert(tokens, kv=kv)
+                    whole = time.perf_counter() - start
+                    took = dict(split)  # (keys_for below goes through _prompt too)
+                    keys = writer.keys_for(tokens)
+                    if res.new_blocks != len(keys):
+                        raise RuntimeError(f"prompt {serial} was not stored whole: {res}")
+                    writer.evict(keys=keys)
+                    if rep < 5:
+                        continue
+                    parts = {"keys": took.get("keys", 0.0), "copy": took.get("copy", 0.0),
+                             "put": took.get("put", 0.0), "insert": whole}
+                    parts["other"] = whole - parts["keys"] - parts["copy"] - parts["put"]
+                    for part, seconds in parts.items():
+                        times[case][part].append(seconds * 1e3)
+    finally:
+        servers.stop_all()
+        shutil.rmtree(base, ignore_errors=True)
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layout", choices=sorted(LAYOUTS), default="small")
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--idle-ms", type=float, default=30.0)
+    args = ap.parse_args(argv)
+    res = run(args.layout, args.tokens, args.reps, args.idle_ms / 1000)
+    nbytes = LAYOUTS[args.layout].nbytes(args.tokens)
+    print(f"{args.layout} layout, {args.tokens} tokens ({nbytes / MiB:.1f} MiB), same-node "
+          f"insert, median ms of {args.reps}; idle: {args.idle_ms:g} ms asleep and "
+          f"{SWEEP // MiB} MiB through the caches before each")
+    print(f"  {'part':8} {'warm':>8} {'idle':>8} {'idle/warm':>10}")
+    for part in PARTS:
+        warm, idle = (statistics.median(res[case][part]) for case in CASES)
+        ratio = f"{idle / warm:10.2f}" if warm > 0 else f"{'-':>10}"
+        print(f"  {part:8} {warm:8.3f} {idle:8.3f} {ratio}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
