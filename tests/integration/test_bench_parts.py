@@ -1,5 +1,5 @@
 """tools/bench/parts.py runs on both data paths and reports every part; levers and prefault
-time every variant (no speeds asserted)."""
+time every variant; put_split times every part of both cases (no speeds asserted)."""
 
 import pytest
 
@@ -37,3 +37,17 @@ def test_bench_prefault_times_both_variants_on_fresh_pages():
     for op in ("insert", "get"):
         assert list(result[op]) == list(VARIANTS)
         assert all(len(ms) == 3 and min(ms) > 0 for ms in result[op].values())
+
+
+def test_bench_put_split_times_every_part_of_both_cases():
+    from tools.bench.put_split import CASES, PARTS
+    from tools.bench.put_split import run as put_split
+
+    result = put_split("small", 64, reps=2, idle_s=0.001)  # raises if an insert fell short
+    assert list(result) == list(CASES)
+    for parts in result.values():
+        assert set(parts) == set(PARTS)
+        assert all(len(ms) == 2 for ms in parts.values())
+        for rep in range(2):
+            keys, copy, put, insert = (parts[p][rep] for p in ("keys", "copy", "put", "insert"))
+            assert min(keys, copy, put) > 0 and keys + copy + put <= insert
