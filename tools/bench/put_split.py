@@ -21,36 +21,22 @@ Prints the median ms of each part and of the whole insert per case, and idle / w
 from __future__ import annotations
 
 import argparse
-import functools
 import shutil
 import statistics
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from tests.integration.conftest import ServerFactory
-from tools.bench.cluster_worker import LAYOUTS
+from tools.bench.cluster_worker import LAYOUTS, time_calls
 
 MiB = 1 << 20
 CASES = ("warm", "idle")
 PARTS = ("keys", "copy", "put", "other", "insert")
 SWEEP = 64 * MiB  # more than this machine's last-level cache
-
-
-def _timed(sink: dict[str, float], part: str, func: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(func)
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return func(*args, **kwargs)
-        finally:
-            sink[part] = sink.get(part, 0.0) + time.perf_counter() - start
-    return timed
 
 
 def run(layout_name: str, ntokens: int, reps: int, idle_s: float
@@ -69,9 +55,9 @@ def run(layout_name: str, ntokens: int, reps: int, idle_s: float
                       block_tokens=layout.block_tokens, reservation_lease=60, read_lease=60)
         split: dict[str, float] = {}
         with KVStoreClient(srv.address, layout=layout, timeout_s=60) as writer:
-            writer._prompt = _timed(split, "keys", writer._prompt)  # type: ignore[method-assign]
-            writer._call = _timed(split, "put", writer._call)  # type: ignore[method-assign]
-            writer._data.write = _timed(split, "copy", writer._data.write)  # type: ignore[method-assign]
+            time_calls(writer, "_prompt", "keys", split)
+            time_calls(writer, "_call", "put", split)
+            time_calls(writer._data, "write", "copy", split)
             kv = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
             sweep = np.ones(SWEEP, np.uint8)
             serial = 0
