@@ -40,7 +40,8 @@ Every key (docs/vllm.md lists them with examples):
   (counted as ``saves_skipped``, logged; the scheduler does not order it, so the
   request gets no params and its decode recomputes at once), unless nothing else is
   queued, so a prompt larger than the cap is still saved, alone. A server slower than
-  the prefill rate then costs saves, not the engine's host memory. [4GiB]
+  the prefill rate then costs saves, not the engine's host memory. The free host
+  buffers a worker keeps for reuse are bounded by it too. [4GiB]
 * ``inline_max_bytes`` — a load of at most this many bytes from a server on another
   node asks for them in the acquire's reply instead of a TE read (TCP only; the
   client's ``client.inline_max_bytes``); 0: always TE. [8MiB]

@@ -75,10 +75,14 @@ IDLE_STEP_WAIT_S = 0.02
 
 class HostBuffers:
     """Reused host buffers for entry bytes (pinned when the caches are on a GPU, so
-    device copies can overlap compute). At most ``_KEEP_BUFFERS`` are kept free."""
+    device copies can overlap compute). At most ``_KEEP_BUFFERS`` are kept free, and
+    at most ``keep_bytes`` of them (the worker's ``save_queue_bytes``): four free
+    buffers of the largest prompts seen would otherwise stay pinned outside the cap.
+    Past either bound the smallest go, or the largest when it alone is over."""
 
-    def __init__(self, pinned: bool) -> None:
+    def __init__(self, pinned: bool, keep_bytes: int = 1 << 62) -> None:
         self.pinned = pinned
+        self.keep_bytes = keep_bytes
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
@@ -95,8 +99,14 @@ class HostBuffers:
         base = buf if buf._base is None else buf._base
         with self._lock:
             self._free.append(base)
-            if len(self._free) > _KEEP_BUFFERS:
-                self._drop(min(self._free, key=lambda b: b.numel()))
+            while len(self._free) > _KEEP_BUFFERS or self.free_bytes > self.keep_bytes:
+                largest = max(self._free, key=lambda b: b.numel())
+                self._drop(largest if largest.numel() > self.keep_bytes else
+                           min(self._free, key=lambda b: b.numel()))
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(b.numel() for b in self._free)
 
     def _drop(self, buf: torch.Tensor) -> None:
         # By identity: list.remove compares tensors with ==, elementwise (it raises on
@@ -180,7 +190,7 @@ class WorkerSide:
         self.windowed = tuple(windowed)
         self.caches: list[torch.Tensor] = []
         self.fmt: BlockFormat | None = None
-        self.buffers = HostBuffers(pinned=False)
+        self.buffers = HostBuffers(pinned=False, keep_bytes=settings.save_queue_bytes)
         self.queued_saves = QueuedSaves(settings.save_queue_bytes)
         self._skips = Every(SKIP_LOG_EVERY_S)  # saves not made for the cap: warnings
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
@@ -217,7 +227,8 @@ class WorkerSide:
 
     def register(self, caches: list[torch.Tensor], fmt: BlockFormat) -> None:
         self.caches, self.fmt = caches, fmt
-        self.buffers = HostBuffers(pinned=caches[0].device.type == "cuda")
+        self.buffers = HostBuffers(pinned=caches[0].device.type == "cuda",
+                                   keep_bytes=self.settings.save_queue_bytes)
         if caches[0].device.type == "cpu":
             self._one_intraop_thread()
 

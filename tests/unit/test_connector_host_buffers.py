@@ -30,3 +30,20 @@ def test_at_most_keep_buffers_stay_free_and_the_smallest_go():
         bufs.give(buf)
     sizes = sorted(b.numel() for b in bufs._free)
     assert sizes == [b.numel() for b in taken][-_KEEP_BUFFERS:]
+
+
+def test_free_buffers_stay_within_keep_bytes():
+    """Free buffers are memory outside the save cap (pinned on a GPU engine): at most
+    keep_bytes of them stay, the smallest going first, and one larger than that on
+    its own is not kept at all."""
+    bufs = HostBuffers(pinned=False, keep_bytes=100)
+    a, b, c = bufs.take(60), bufs.take(50), bufs.take(30)
+    bufs.give(a)
+    bufs.give(b)  # 110 free: the smallest (b) goes
+    assert sorted(x.numel() for x in bufs._free) == [60]
+    bufs.give(c)
+    assert sorted(x.numel() for x in bufs._free) == [30, 60] and bufs.free_bytes == 90
+    huge = bufs.take(1000)
+    bufs.give(huge)  # alone over the bound: dropped, the others kept
+    assert sorted(x.numel() for x in bufs._free) == [30, 60]
+    assert bufs.take(55)._base is a._base  # still reused
