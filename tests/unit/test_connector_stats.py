@@ -175,7 +175,7 @@ def test_reports_that_never_come_stop_keeping_vllm_stepping(monkeypatch, caplog)
     events.expect_save(hashed_request("lost", list(range(9))))
     events.observe(TransferReports(saved={"lost": [8]}))
     assert events.pending()
-    monkeypatch.setattr(v1_stats, "_REPORT_WAIT_S", 0.0)
+    monkeypatch.setattr(v1_stats, "REPORT_WAIT_S", 0.0)
     with caplog.at_level(logging.WARNING):
         assert not events.pending()
     assert "never came" in caplog.text and events.take() == []
