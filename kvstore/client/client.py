@@ -670,7 +670,9 @@ class KVStoreClient:
 
     def _abort(self, rid: int) -> None:
         """Give back reservation or room ``rid``, one-way: the server applies it before
-        this client's next request, and its lease reclaims it anyway. Not waiting for
+        this client's next request (when that goes over another channel, a call on
+        this one settles it first, ``Control._leave``), and its lease reclaims
+        it anyway. Not waiting for
         the reply keeps a failed insert from outlasting its timeout by the abort's
         own round trip (up to ``_CLEANUP_TIMEOUT_S`` against a server that stopped
         answering)."""
