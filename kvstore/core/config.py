@@ -157,11 +157,9 @@ class StoreConfig:
         _sizes(self, "index_map_bytes")
         _positive(self, "block_tokens")
         for name in ("reservation_lease_s", "read_lease_s"):
-            # The longest lease a request may ask for (kvstore.core.protocol): an
-            # infinite one would keep a dead writer's or reader's entries forever.
-            if not 0 < _number(getattr(self, name)) <= MAX_LEASE_S:
-                raise ConfigError(f"store.{name} must be seconds in (0, {MAX_LEASE_S:g}], "
-                                  f"got {getattr(self, name)!r}")
+            # At most the longest lease a request may ask for (kvstore.core.protocol):
+            # an infinite one would keep a dead writer's or reader's entries forever.
+            seconds(getattr(self, name), f"store.{name}", most=MAX_LEASE_S)
         if not str(self.data_dir).strip():
             raise ConfigError("store.data_dir (--data-dir) is empty; name a directory "
                               "(the default is kvstore-data)")
@@ -477,21 +475,17 @@ def _sizes(obj: Any, *names: str) -> None:
             raise ConfigError(f"{type(obj).__name__}.{name}: {exc}") from exc
 
 
-def seconds(value: Any, name: str, error: type[Exception] = ConfigError) -> float:
-    """``value`` as a timeout: a finite number of seconds > 0, else ``error`` naming
-    ``name`` (NaN, infinity, 0, a negative number or a non-number: each would
-    otherwise end in a traceback deep in a call, or a call that never ends)."""
+def seconds(value: Any, name: str, error: type[Exception] = ConfigError,
+            most: float = math.inf) -> float:
+    """``value`` as a timeout: a finite number of seconds > 0 (and at most ``most``),
+    else ``error`` naming ``name`` (NaN, infinity, 0, a negative number or a
+    non-number: each would otherwise end in a traceback deep in a call, or a call
+    that never ends)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not 0 < value < math.inf:
-        raise error(f"{name} must be a finite number of seconds > 0, got {value!r}")
+            or not 0 < value < math.inf or value > most:
+        limit = "" if most == math.inf else f" and at most {most:g}"
+        raise error(f"{name} must be a finite number of seconds > 0{limit}, got {value!r}")
     return float(value)
-
-
-def _number(value: Any) -> float:
-    """``value`` if it is a real number, else NaN (which fails every comparison)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return math.nan
-    return value
 
 
 def _positive(obj: Any, *names: str) -> None:
