@@ -489,7 +489,7 @@ class KVStoreClient:
         except BaseException:
             # Refused before the store (invalid, busy) or unanswered: the room may
             # still be held; give it back (if the put was applied, that is a no-op).
-            self._give_back(room)
+            self._abort(room.id)
             raise
         self._keep_room(done, asked, room.segment)
         nblocks = len(prompt.keys)  # keys[nblocks:] is the hidden-state entry, if any
@@ -513,7 +513,7 @@ class KVStoreClient:
             # restarted since): never written, and not worth a message.
             return None
         if _need(sizes, room.page) > room.nbytes:
-            self._give_back(room)
+            self._abort(room.id)
             return None
         return room
 
@@ -535,10 +535,7 @@ class KVStoreClient:
         with self._room_lock:
             old, self._room = self._room, room
         if old is not None:  # another thread's insert got one meanwhile
-            self._give_back(old)
-
-    def _give_back(self, room: _Room) -> None:
-        self._abort(room.id)
+            self._abort(old.id)
 
     def _reserve(self, keys: list[bytes], sizes: list[int], toks: list[bytes], skip: int,
                  metas: tuple | None = None, count_skipped: bool = True
@@ -609,7 +606,7 @@ class KVStoreClient:
                 return PendingInsert(self, seg.shm, room.id, prompt, [None] * skip + placements,
                                      skip, self.layout, _write_until(room.expires, lease),
                                      whole, put)
-            self._give_back(room)
+            self._abort(room.id)
         res, rid, placements = self._reserve(list(prompt.keys), sizes, list(prompt.tokens),
                                              skip, count_skipped=count_skipped)
         try:
@@ -939,7 +936,7 @@ class KVStoreClient:
         with self._room_lock:
             room, self._room = self._room, None
         if room is not None and time.monotonic() < room.usable_until:
-            self._give_back(room)
+            self._abort(room.id)
         self._rpc.close()
         self._data.close()
 
