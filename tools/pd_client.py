@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 REQUEST_TIMEOUT_S = 300.0
 START_WAIT_S = 60.0  # how long a parallel group's steps wait for each other to start
@@ -123,19 +124,14 @@ def _metrics(step: dict[str, Any]) -> dict[str, Any]:
         out["error"] = f"{type(exc).__name__}: {exc}"
         return out
     wanted, found = set(step["names"]), {}
-    for line in r.text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name not in wanted:
-            continue
-        # NAME{LABELS} VALUE [TIMESTAMP]: the value follows the labels (or the name)
-        fields = (line.rsplit("}", 1)[1] if "}" in line else line[len(name):]).split()
-        try:
-            found[name] = found.get(name, 0.0) + float(fields[0])
-        except (IndexError, ValueError):
-            out["error"] = f"unreadable sample on {step['metrics']}: {line[:200]!r}"
-            return out
+    try:
+        samples = [s for fam in text_string_to_metric_families(r.text) for s in fam.samples]
+    except ValueError as exc:
+        out["error"] = f"unreadable metrics on {step['metrics']}: {exc}"
+        return out
+    for sample in samples:
+        if sample.name in wanted:
+            found[sample.name] = found.get(sample.name, 0.0) + sample.value
     out["metrics"] = found
     return out
 
