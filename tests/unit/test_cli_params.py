@@ -23,6 +23,15 @@ def run(*args: str, env: dict[str, str] | None = None):
                               prog_name="kvstore")
 
 
+def _usage_error(args: list[str]) -> str:
+    """``kvstore ARGS`` against an address nothing listens on (with a short timeout
+    unless ARGS sets one): it must end as a usage error, exit 2; its stderr."""
+    extra = [] if "--timeout" in args else ["--timeout", "1"]
+    result = run(*args, "--server", _unused_address(), *extra)
+    assert result.exit_code == 2, result.output
+    return result.stderr
+
+
 # Every float option of kvstore/cli/*.py: stats --watch, the servers' --timeout (every
 # command that talks to a server), evict/demote --fraction.
 @pytest.mark.parametrize("args,option", [
@@ -40,10 +49,7 @@ def run(*args: str, env: dict[str, str] | None = None):
     (["demote", "--fraction", "inf"], "--fraction"),
 ])
 def test_nan_and_infinity_are_usage_errors(args, option):
-    extra = [] if "--timeout" in args else ["--timeout", "1"]
-    result = run(*args, "--server", _unused_address(), *extra)
-    assert result.exit_code == 2, result.output
-    [line] = result.stderr.strip().splitlines()
+    [line] = _usage_error(args).strip().splitlines()
     assert line.startswith(f"kvstore {args[0]}: {option}: ") and "finite" in line, line
 
 
@@ -62,10 +68,8 @@ def test_nan_timeout_from_the_environment_is_a_usage_error():
     (["stats", "--watch", "soon"], "kvstore stats: --watch: 'soon' is not a valid float"),
 ])
 def test_the_ranges_still_hold(args, message):
-    extra = [] if "--timeout" in args else ["--timeout", "1"]
-    result = run(*args, "--server", _unused_address(), *extra)
-    assert result.exit_code == 2, result.output
-    assert result.stderr.strip().startswith(message), result.stderr
+    stderr = _usage_error(args)
+    assert stderr.strip().startswith(message), stderr
 
 
 def test_finite_float_range_type():
