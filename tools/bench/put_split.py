@@ -7,15 +7,17 @@ The transfer benchmark's put is a producer's insert into the kvstore-server besi
 it (the shared arena, then one ``Put`` over the same-node socket), timed between
 other systems' work (``interleaved``): every process has idled and other work has
 gone through the CPU caches in between. This measures both cases side by side, in
-one run, against one kvstore-server on loopback: ``warm`` inserts back to back, and
+one run, against one kvstore-server on loopback: ``warm`` inserts back to back,
 ``idle`` ones each after ``--idle-ms`` of sleep and a pass over 64 MiB (the caches
-full of other work), in alternating rounds. Each insert is split, around the
+full of other work), and, to tell those two apart, ``asleep`` (the sleep alone) and
+``swept`` (the pass alone), the cases' order turned round every round. Each insert is split, around the
 client's own calls, into ``keys`` (the prompt's keys and token bytes), ``copy``
 (the copy into the arena, hashed as it goes) and ``put`` (the request's round trip:
 the server's thread waking, its work, the reply, the client's thread waking);
 the rest of the insert is ``other``.
 
-Prints the median ms of each part and of the whole insert per case, and idle / warm.
+Prints the median ms of each part and of the whole insert per case, and each case
+over warm.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from tests.integration.conftest import ServerFactory
 from tools.bench.cluster_worker import LAYOUTS, time_calls
 
 MiB = 1 << 20
-CASES = ("warm", "idle")
+CASES = ("warm", "idle", "asleep", "swept")
 PARTS = ("keys", "copy", "put", "other", "insert")
 SWEEP = 64 * MiB  # more than this machine's last-level cache
 
@@ -62,11 +64,13 @@ def run(layout_name: str, ntokens: int, reps: int, idle_s: float
             sweep = np.ones(SWEEP, np.uint8)
             serial = 0
             for rep in range(reps + 5):  # the first 5: warm-up, not counted
-                for case in (CASES if rep % 2 == 0 else CASES[::-1]):
+                turn = rep % len(CASES)
+                for case in CASES[turn:] + CASES[:turn]:
                     serial += 1
                     tokens = (np.arange(ntokens) + serial * ntokens) % 50_000
-                    if case == "idle":
+                    if case in ("idle", "asleep"):
                         time.sleep(idle_s)
+                    if case in ("idle", "swept"):
                         sweep.sum()
                     kv[:8] = serial % 256  # the producer's new KV for each prompt
                     split.clear()
@@ -101,13 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     res = run(args.layout, args.tokens, args.reps, args.idle_ms / 1000)
     nbytes = LAYOUTS[args.layout].nbytes(args.tokens)
     print(f"{args.layout} layout, {args.tokens} tokens ({nbytes / MiB:.1f} MiB), same-node "
-          f"insert, median ms of {args.reps}; idle: {args.idle_ms:g} ms asleep and "
-          f"{SWEEP // MiB} MiB through the caches before each")
-    print(f"  {'part':8} {'warm':>8} {'idle':>8} {'idle/warm':>10}")
+          f"insert, median ms of {args.reps}; before each: idle {args.idle_ms:g} ms "
+          f"asleep and {SWEEP // MiB} MiB through the caches, asleep the sleep alone, "
+          f"swept the pass alone")
+    others = CASES[1:]
+    print(f"  {'part':8} " + " ".join(f"{case:>8}" for case in CASES) + " "
+          + " ".join(f"{case + '/warm':>12}" for case in others))
     for part in PARTS:
-        warm, idle = (statistics.median(res[case][part]) for case in CASES)
-        ratio = f"{idle / warm:10.2f}" if warm > 0 else f"{'-':>10}"
-        print(f"  {part:8} {warm:8.3f} {idle:8.3f} {ratio}")
+        ms = {case: statistics.median(res[case][part]) for case in CASES}
+        ratios = " ".join(f"{ms[case] / ms['warm']:12.2f}" if ms["warm"] > 0 else f"{'-':>12}"
+                          for case in others)
+        print(f"  {part:8} " + " ".join(f"{ms[case]:8.3f}" for case in CASES) + " " + ratios)
     return 0
 
 
