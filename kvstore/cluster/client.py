@@ -67,7 +67,9 @@ class ClusterClient:
 
     ``placement_blocks``: P of the placement rule (module doc); None takes
     ``cluster.placement_blocks`` from ``KVSTORE_CLUSTER_PLACEMENT_BLOCKS`` or its
-    default. ``client_opts`` go to each per-node ``KVStoreClient`` (same_node, CURVE
+    default, as ``prefix`` None takes ``cluster.prefix`` (``KVSTORE_CLUSTER_PREFIX``).
+    ``timeout_s`` None: the client config's (``config=``, else
+    ``KVSTORE_CLIENT_TIMEOUT_S``, else 10 s). ``client_opts`` go to each per-node ``KVStoreClient`` (same_node, CURVE
     keys, ...), except ``te_host`` and ``staging_bytes``: they make the one ``TeEngine``
     (TE engine + registered staging buffer) every per-node client shares, since each
     engine registers its own memory and busy-waits its own threads. A ``te_engine``
@@ -78,22 +80,27 @@ class ClusterClient:
 
     def __init__(self, etcd: str, layout: KVLayout, model_id: str = "default",
                  tp_rank: int = 0, tp_size: int = 1, salt: bytes | str = b"",
-                 prefix: str = "/kvstore/nodes/", placement_blocks: int | None = None,
+                 prefix: str | None = None, placement_blocks: int | None = None,
                  pp_rank: int = 0, pp_size: int = 1,
-                 timeout_s: float = 10.0, refresh_s: float = 1.0, forget_s: float = 10.0,
-                 **client_opts: Any) -> None:
-        if placement_blocks is None:  # KVSTORE_CLUSTER_PLACEMENT_BLOCKS, else the default
-            placement_blocks = load_config(sections=("cluster",)).cluster.placement_blocks
+                 timeout_s: float | None = None, refresh_s: float = 1.0,
+                 forget_s: float = 10.0, **client_opts: Any) -> None:
+        if placement_blocks is None or prefix is None:  # KVSTORE_CLUSTER_*, else defaults
+            cluster = load_config(sections=("cluster",)).cluster
+            if placement_blocks is None:
+                placement_blocks = cluster.placement_blocks
+            if prefix is None:
+                prefix = cluster.prefix
         if placement_blocks < 1:
             raise InvalidRequestError(f"placement_blocks must be >= 1, got {placement_blocks}")
         self.layout = layout
         self.placement_blocks = placement_blocks
-        self.timeout_s = timeout_s = seconds(timeout_s, "timeout_s")
+        cfg = client_opts.get("config") or client_config_from_env()  # else KVSTORE_CLIENT_*
+        self.timeout_s = timeout_s = seconds(cfg.timeout_s if timeout_s is None else timeout_s,
+                                             "timeout_s")
         self._namespace_of = functools.partial(
             namespace_of, model_id=model_id, tp_rank=tp_rank, tp_size=tp_size, salt=salt,
             pp_rank=pp_rank, pp_size=pp_size)
         self.namespace = self._namespace_of(layout=layout)
-        cfg = client_opts.get("config") or client_config_from_env()  # else KVSTORE_CLIENT_*
         te_host = client_opts.pop("te_host", None) or cfg.te_host
         staging_bytes = client_opts.pop("staging_bytes", None) or cfg.staging_bytes
         # The TE settings configure the one engine every node's client shares.

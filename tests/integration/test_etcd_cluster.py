@@ -155,6 +155,29 @@ def test_placement_key_is_the_key_of_the_block_before_the_last(etcd, monkeypatch
         ClusterClient(etcd.url, LAYOUT, placement_blocks=0)
 
 
+def test_timeout_and_prefix_come_from_the_config_when_not_given(etcd, monkeypatch):
+    """As the docs say of every client made without them: ``client.timeout_s`` (from
+    ``config=``, else ``KVSTORE_CLIENT_TIMEOUT_S``) and ``cluster.prefix``
+    (``KVSTORE_CLUSTER_PREFIX``); given ones win."""
+    from kvstore.core.config import load_config
+
+    reg = Registration(EtcdClient(etcd.url), "/from-env/", _info(5), ttl_s=5)
+    try:
+        monkeypatch.setenv("KVSTORE_CLIENT_TIMEOUT_S", "3")
+        monkeypatch.setenv("KVSTORE_CLUSTER_PREFIX", "/from-env/")
+        with ClusterClient(etcd.url, LAYOUT, staging_bytes=1 << 20) as from_env:
+            assert from_env.timeout_s == 3.0 and from_env._client_args["timeout_s"] == 3.0
+            assert set(from_env.nodes.nodes()) == {"node5"}
+        cfg = load_config(overrides={"client": {"timeout_s": 3.5}}).client
+        with ClusterClient(etcd.url, LAYOUT, config=cfg, staging_bytes=1 << 20) as given_cfg:
+            assert given_cfg.timeout_s == 3.5
+        with ClusterClient(etcd.url, LAYOUT, prefix="/elsewhere/", timeout_s=4.0,
+                           staging_bytes=1 << 20) as given:
+            assert given.timeout_s == 4.0 and not given.nodes.nodes()
+    finally:
+        reg.close()
+
+
 def test_registered_server_serves_both_modes_and_leaves_on_stop(etcd, server_factory):
     prefix = "/serve/"
     server = server_factory(extra=("--cluster", etcd.url, "--cluster-prefix", prefix,
