@@ -1,5 +1,6 @@
 """The frame every ``kvstore`` command runs in: errors as one line (exit 1 when the
-server said no or was unreachable, 2 for bad arguments) and per-node output."""
+server said no or was unreachable, 2 for bad arguments or a bad configuration) and
+per-node output."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import click
 
 from kvstore.cli.admin import Admin
 from kvstore.cli.format import to_json, to_json_line
-from kvstore.core.errors import KVStoreError
+from kvstore.core.errors import ConfigError, KVStoreError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -39,10 +40,18 @@ def one_line(exc: click.UsageError) -> OneLineUsageError:
     return OneLineUsageError(" ".join(text.split()), ctx)
 
 
+def _command_path(ctx: click.Context) -> str:
+    """``kvstore health``: the group's path and the command it was running."""
+    sub = ctx.invoked_subcommand
+    return f"{ctx.command_path} {sub}" if sub else ctx.command_path
+
+
 class AdminGroup(click.Group):
     """Turns any error a command lets escape into one line, never a traceback: exit 1
     (the server said no, or was unreachable), or exit 2 for bad arguments - click's
-    own usage errors included, shown without its usage block."""
+    own usage errors included, shown without its usage block - and for a bad
+    configuration (a ``--config`` file or ``KVSTORE_CLIENT_*`` value), which no
+    server has seen: a probe's exit 1 means the server, never this machine's setup."""
 
     def make_context(self, info_name: str | None, args: list[str],
                      parent: click.Context | None = None, **extra: Any) -> click.Context:
@@ -62,6 +71,9 @@ class AdminGroup(click.Group):
             raise one_line(exc) from None
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
+        except ConfigError as exc:  # this machine's config, not a server: exit 2
+            raise OneLineUsageError(f"{_command_path(ctx)}: bad configuration: {exc}",
+                                    ctx) from None
         except KVStoreError as exc:
             raise click.ClickException(str(exc)) from None
         except BrokenPipeError as exc:

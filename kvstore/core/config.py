@@ -325,17 +325,21 @@ def load_config(path: str | os.PathLike | None = None,
                 sections: Iterable[str] | None = None) -> KVStoreConfig:
     """TOML file, then ``KVSTORE_*`` environment, then ``overrides``.
 
-    ``sections``: read from the environment only these sections' variables (a tool
-    that uses ``[client]`` alone, say). The node's environment is shared with the
-    server, whose variables a client never reads: a bad ``KVSTORE_SERVER_*`` must not
-    stop ``kvstore health``. None: every section (the server's own start)."""
+    ``sections``: read only these sections, of the file and of the environment (a
+    tool that uses ``[client]`` alone, say). The node's environment, and often its
+    config file, are shared with the server, whose options a client never reads: a
+    bad ``KVSTORE_SERVER_*`` or ``[server]`` must not stop ``kvstore health`` (the
+    server's own start reports it). None: every section (the server's own start)."""
     cfg = KVStoreConfig()
     if path:
         try:
             with open(path, "rb") as f:
-                cfg = _merge(cfg, tomllib.load(f))
+                data = tomllib.load(f)
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read config {path}: {exc}") from exc
+        if sections is not None:
+            data = {k: v for k, v in data.items() if k in set(sections)}
+        cfg = _merge(cfg, data)
     source = os.environ if env is None else env
     if sections is not None:
         prefixes = tuple(f"KVSTORE_{name.upper()}_" for name in sections)

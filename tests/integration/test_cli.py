@@ -132,9 +132,27 @@ def test_the_servers_variables_do_not_stop_the_cli(filled):
     proc = _kvstore("health", "--json", env=bad)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)[0]["status"] == "ok"
-    # the client's own variables are still read, and a bad one is still refused
+    # the client's own variables are still read, and a bad one is still refused: one
+    # line, exit 2 (this machine's setup; exit 1 is kept for a server that failed)
     proc = _kvstore("health", env={**bad, "KVSTORE_CLIENT_TE_PROTOCOL": "pigeon"})
-    assert proc.returncode != 0 and "client.te_protocol" in proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == ("kvstore health: bad configuration: client.te_protocol: "
+                                   "'pigeon' is not a TE protocol; use one of tcp, rdma")
+
+
+def test_the_servers_sections_of_a_shared_config_file_do_not_stop_the_cli(filled, tmp_path):
+    """A node's one config file has the server's sections too; the CLI reads its own
+    ([client], [cluster]), so a bad [server] does not fail a health probe. A bad
+    [client] is a usage error (exit 2), not an unhealthy server (exit 1)."""
+    shared = tmp_path / "kvstore.toml"
+    shared.write_text(f'[server]\nport = 0\n[client]\nserver = "{filled.address}"\n')
+    proc = _kvstore("health", "--config", str(shared))
+    assert proc.returncode == 0, proc.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[client]\ntimeout_s = "soon"\n')
+    proc = _kvstore("health", "--server", filled.address, "--config", str(bad))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "bad configuration: client.timeout_s" in proc.stderr
 
 
 def test_unreachable_server_fails_fast_with_one_line():

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from kvstore.core.config import (
+    ClientConfig,
     KVStoreConfig,
     PolicyConfig,
     StoreConfig,
@@ -95,6 +96,14 @@ def test_sections_read_only_their_own_variables():
     assert client_config_from_env(env).timeout_s == 3
 
 
+def test_sections_read_only_their_own_part_of_the_file(tmp_path):
+    path = tmp_path / "node.toml"
+    path.write_text("[server]\nport = 0\n[client]\ntimeout_s = 3\n")
+    assert load_config(path, sections=("client",)).client.timeout_s == 3
+    with pytest.raises(ConfigError, match="ports must be"):
+        load_config(path)  # every section: the server's own start refuses it
+
+
 def test_curve_keys_may_come_from_different_places(tmp_path):
     """The authorized-keys directory in the node's file, the server's secret key from
     the environment (or a flag): valid, as is a client reading that file. Only the
@@ -104,7 +113,8 @@ def test_curve_keys_may_come_from_different_places(tmp_path):
     path.write_text('[server]\ncurve_authorized_keys = "/etc/kvstore/clients"\n')
     cfg = load_config(path, env={"KVSTORE_SERVER_CURVE_SECRET_KEY": "/etc/kvstore/s.key"})
     assert cfg.server.curve_secret_key and cfg.server.curve_authorized_keys
-    assert load_config(path, env={}, sections=("client",)).server.curve_authorized_keys
+    # a client reading that file is not refused (it reads its own sections only)
+    assert load_config(path, env={}, sections=("client",)).client == ClientConfig()
     cfg = load_config(path, env={}, overrides={"server": {"curve_secret_key": "/k"}})
     assert cfg.server.curve_secret_key == "/k"
 
