@@ -62,7 +62,9 @@ def node_admin(admin: Admin, nodes: list[NodeInfo]) -> Admin:
 @prefix_option
 def nodes(admin: Admin, etcd: str | None, prefix: str | None) -> None:
     """Nodes registered in etcd: address, TE segment, tiers, usage, and liveness
-    (UP: registered and answering; DOWN: registered but not answering)."""
+    (UP: registered and answering; DOWN: registered but not answering). Exit 1 after
+    the list when a node is DOWN, with one stderr line per such node (as ``stats
+    --cluster``), so ``kvstore nodes`` can be a cluster's probe."""
     infos = registered_nodes(etcd, prefix, admin.config_file)
     cluster = node_admin(admin, infos)
     try:
@@ -76,6 +78,9 @@ def nodes(admin: Admin, etcd: str | None, prefix: str | None) -> None:
     else:
         click.echo(render_table(["NODE", "ADDRESS", "TE SEGMENT", "STATE", "UPTIME", "ENTRIES",
                                  "TIERS (used/capacity)"], [_node_cells(r) for r in rows]))
+    cluster.errors = [f"node {r['node_id']} is DOWN: {r['error']}" for r in rows
+                      if not r["alive"]]
+    cluster.finish()
 
 
 def _node_row(info: NodeInfo, cluster: Admin) -> dict[str, Any]:

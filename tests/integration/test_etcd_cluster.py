@@ -222,12 +222,15 @@ def test_nodes_cli_shows_a_registered_silent_node_as_down(etcd, tmp_path):
     reg = Registration(EtcdClient(etcd.url), "/ghost/", info, ttl_s=10)
     try:
         args = ["nodes", "--etcd", etcd.url, "--prefix", "/ghost/", "--timeout", "0.5"]
+        # The list, then exit 1 with a line per DOWN node: `kvstore nodes` is a probe.
         out = CliRunner().invoke(cli, [*args, "--json"])
-        assert out.exit_code == 0, out.output
-        (row,) = json.loads(out.output)
+        assert out.exit_code == 1, out.output
+        (row,) = json.loads(out.stdout)
         assert row["node_id"] == "ghost" and row["alive"] is False
-        text = CliRunner().invoke(cli, args).output
-        assert "ghost" in text and "DOWN" in text
+        text = CliRunner().invoke(cli, args)
+        assert "ghost" in text.stdout and "DOWN" in text.stdout and text.exit_code == 1
+        assert text.stderr.startswith("Error: node ghost is DOWN: ")
+        assert len(text.stderr.strip().splitlines()) == 1
         empty = CliRunner().invoke(cli, ["nodes", "--etcd", etcd.url, "--prefix", "/none/"])
         assert empty.exit_code == 0 and "no nodes registered" in empty.output
         # Where --etcd and --prefix are not given, --config's client.etcd and
@@ -237,8 +240,8 @@ def test_nodes_cli_shows_a_registered_silent_node_as_down(etcd, tmp_path):
         from_file = CliRunner().invoke(cli, ["nodes", "--config", str(conf), "--timeout",
                                              "0.5", "--json"], env={"KVSTORE_CLIENT_ETCD": None,
                                                                     "KVSTORE_CLUSTER_PREFIX": None})
-        assert from_file.exit_code == 0, from_file.output
-        assert [r["node_id"] for r in json.loads(from_file.output)] == ["ghost"]
+        assert from_file.exit_code == 1, from_file.output
+        assert [r["node_id"] for r in json.loads(from_file.stdout)] == ["ghost"]
     finally:
         reg.close()
 
