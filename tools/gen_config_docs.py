@@ -173,7 +173,9 @@ HELP = {
                       "core until the last byte (try it where cores are plenty).",
     "client.curve_server_public_key": "Server public key file (CURVE); empty: no CURVE.",
     "client.curve_secret_key": "Client key pair file written by `kvstore keys`.",
-    "client.etcd": "etcd of a cluster; the client finds nodes there instead of `server`.",
+    "client.etcd": "etcd of a cluster, for the CLI's cluster view (`kvstore nodes`, "
+                   "`stats --cluster`). A library client of a cluster is a `ClusterClient` "
+                   "(its `etcd` argument), the vLLM connector's `server = \"etcd://...\"`.",
     "client.inline_max_bytes": "A drop_select or get of a prompt up to this many bytes "
         "asks for them in the acquire's reply (the server sends them when its own "
         "`server.inline_max_bytes` allows): one round trip, no TE read; verified as "
