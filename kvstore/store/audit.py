@@ -48,6 +48,10 @@ class Audit(Operations):
         if pinned != self.catalog.pinned:
             raise IntegrityError(f"pinned count {self.catalog.pinned}, records say {pinned}")
         copies = {k for k, r in self.catalog.records.items() if r.nvme_copy is not None}
+        copied = collections.Counter(self.catalog.records[k].tier for k in copies)
+        if any(copied[name] != n for name, n in self.catalog.copied.items()):
+            raise IntegrityError(f"copies per tier {self.catalog.copied}, records say "
+                                 f"{dict(copied)}")
         if copies != set(self.catalog.copies):
             raise IntegrityError("NVMe copy list differs from the records")
 

@@ -63,6 +63,9 @@ class Catalog:
         self.keys = KeyPages()
         self.by_tier: dict[str, dict[bytes, None]] = {name: {} for name in tiers}
         self.copies: dict[bytes, None] = {}
+        # Of those, how many each tier holds: a tier whose every entry has its copy
+        # gives the background writeback nothing to do, known without a walk.
+        self.copied: dict[str, int] = {name: 0 for name in tiers}
         self.pinned = 0  # records with pins > 0 (stats reads it: no scan of the records)
         # Records committed without the server hashing their bytes
         # (store.verify_commits = "background"): key -> the checksum the writer gave.
@@ -89,6 +92,7 @@ class Catalog:
             self.pinned += rec.pins > 0
             if rec.nvme_copy is not None:
                 self.copies[rec.key] = None
+                self.copied[rec.tier] += 1
         self.keys.add_many(rec.key for rec in recovered)
         for order in self.orders.values():
             order.rebuild()
@@ -204,10 +208,13 @@ class Catalog:
             if old is not None and old.tier != rec.tier:
                 del by_tier[old.tier][rec.key]
             by_tier[rec.tier][rec.key] = None
+            if old is not None and old.nvme_copy is not None:
+                self.copied[old.tier] -= 1
             if rec.nvme_copy is None:
                 self.copies.pop(rec.key, None)
             else:
                 self.copies[rec.key] = None
+                self.copied[rec.tier] += 1
             self._reordered(rec, old)
             if old is not None:
                 for ext in set(owned(old)) - set(owned(rec)):
@@ -230,7 +237,8 @@ class Catalog:
             if condemned.pop(key, None) is not None:
                 reported.discard(key)
             del by_tier[rec.tier][key]
-            copies.pop(key, None)
+            if copies.pop(key, 0) is None:  # (a stored copy's value is None)
+                self.copied[rec.tier] -= 1
             ext = make(Extent, (rec.tier, rec.offset, rec.nbytes))
             group = freed.get(ext[0])
             if group is None:

@@ -76,6 +76,10 @@ log = logging.getLogger(__name__)
 
 # The server's scrub hashes an entry committed unhashed once it is this old (seconds).
 SCRUB_AFTER_S = 1.0
+# After a writeback round that wrote nothing, wait at least this many times as long
+# as it took: its choice holds the store's lock, and such rounds must keep it
+# at most 1 / (1 + this) of the time.
+WRITEBACK_IDLE_FACTOR = 9
 
 _COUNTED = ("misses", "bytes_in", "bytes_out", "evictions", "demotions", "stagings",
             "checksum_failures", "commit_checksum_failures", "collisions", "commits",
@@ -364,19 +368,27 @@ class Store:
     # ------------------------------------------------------------ writeback
     def start_writeback(self, idle_s: float = 0.05) -> None:
         """Run ``writeback_step`` in a background thread until ``close`` (the
-        server does; a store used in-process by tests calls the step itself)."""
+        server does; a store used in-process by tests calls the step itself).
+        After a round that wrote nothing it waits ``idle_s``, or
+        ``WRITEBACK_IDLE_FACTOR`` times as long as that round took where that is
+        longer: a round's choice walks the tier's least recently used entries under
+        the store's lock (O(entries in the window): tens of ms at 100k entries), and
+        rounds that find them all copied must not hold the lock most of the time. (A
+        tier whose every entry has its copy costs a round no walk at all.)"""
         if not self.config.policy.background_writeback or self._writeback_thread is not None:
             return
 
         def run() -> None:
             while not self._writeback_stop.is_set():
+                start = time.monotonic()
                 try:
                     wrote = self.writeback_step()
                 except Exception:  # never let the thread die; the step logs its cause
                     log.exception("background writeback round failed")
                     wrote = 0
                 if not wrote:
-                    self._writeback_stop.wait(idle_s)
+                    took = time.monotonic() - start
+                    self._writeback_stop.wait(max(idle_s, WRITEBACK_IDLE_FACTOR * took))
 
         self._writeback_thread = threading.Thread(target=run, name="kvstore-writeback",
                                                   daemon=True)

@@ -270,8 +270,8 @@ class Placement:
         # three would take, so none of them writes on the request path.
         start = max(0.0, pol.low_watermark - 2 * (pol.high_watermark - pol.low_watermark))
         ahead = tier.used - int(tier.capacity * start)
-        if ahead <= 0:
-            return []
+        if ahead <= 0 or self.catalog.copied[name] == len(self.catalog.by_tier[name]):
+            return []  # every entry of the tier has its copy: known without a walk
         plan: list[tuple[Record, Extent]] = []
         planned = 0
         for key in self._victims(self.catalog.orders[name], name, ahead).keys:

@@ -160,3 +160,56 @@ def test_it_can_be_turned_off(tmp_path):
         for i in range(1, 19):
             put(store, [i])
         assert store.writeback_step() == 0 and _copies(store) == set()
+
+
+def test_a_tier_whose_every_entry_has_its_copy_costs_a_round_no_walk(make_store,
+                                                                      monkeypatch):
+    """An idle server whose DRAM entries all have their NVMe copies: each round used
+    to walk the victim window under the store's lock (190 ms at 300k entries, every
+    50 ms). The catalog counts each tier's copies, so such a round returns at once;
+    once an entry without a copy joins the tier, rounds walk again."""
+    store = make_store(dram=8, nvme=16, high=0.9, low=0.6)  # copies due from 0 %
+    for i in range(1, 7):
+        put(store, [i])
+    _rounds(store)
+    assert _copies(store) == {1, 2, 3, 4, 5, 6}
+    assert store.catalog.copied == {"dram": 6, "nvme": 0}
+    store.check_integrity()  # (the counts agree with the records)
+    walks = []
+    real = store.place._victims
+    monkeypatch.setattr(store.place, "_victims",
+                        lambda *a, **k: (walks.append(a), real(*a, **k))[1])
+    assert store.writeback_step() == 0 and walks == []
+    put(store, [7])
+    assert store.writeback_step() > 0 and len(walks) == 1 and 7 in _copies(store)
+    # The counts follow drops and demotions too.
+    acq = store.acquire([key(1)], [toks(1)], claim=True)
+    store.release(acq.id, drop=True)
+    store.demote([key(2)])
+    assert store.catalog.copied == {"dram": 5, "nvme": 0}
+    store.check_integrity()
+
+
+def test_rounds_that_write_nothing_keep_the_lock_a_tenth_of_the_time(make_store,
+                                                                     monkeypatch):
+    """The writeback thread waits at least WRITEBACK_IDLE_FACTOR times as long as a
+    round that wrote nothing took (its walk holds the store's lock)."""
+    import threading
+    import time
+
+    from kvstore.store import facade
+
+    store = make_store(dram=8, nvme=16, high=0.9, low=0.6)
+    waits = []
+
+    class Stop(threading.Event):
+        def wait(self, timeout=None):
+            waits.append(timeout)
+            self.set()  # one round is enough
+            return True
+
+    monkeypatch.setattr(store, "_writeback_stop", Stop())
+    monkeypatch.setattr(store, "writeback_step", lambda: (time.sleep(0.03), 0)[1])
+    store.start_writeback(idle_s=0.05)
+    store._writeback_thread.join(5)
+    assert len(waits) == 1 and waits[0] >= facade.WRITEBACK_IDLE_FACTOR * 0.03
