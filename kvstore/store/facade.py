@@ -77,8 +77,8 @@ log = logging.getLogger(__name__)
 # The server's scrub hashes an entry committed unhashed once it is this old (seconds).
 SCRUB_AFTER_S = 1.0
 # After a writeback round that wrote nothing, wait at least this many times as long
-# as it took: its choice holds the store's lock, and such rounds must keep it
-# at most 1 / (1 + this) of the time.
+# as it took: its walk of the window takes a core (and the GIL), and such rounds
+# must take at most 1 / (1 + this) of it.
 WRITEBACK_IDLE_FACTOR = 9
 
 _COUNTED = ("misses", "bytes_in", "bytes_out", "evictions", "demotions", "stagings",
@@ -371,10 +371,11 @@ class Store:
         server does; a store used in-process by tests calls the step itself).
         After a round that wrote nothing it waits ``idle_s``, or
         ``WRITEBACK_IDLE_FACTOR`` times as long as that round took where that is
-        longer: a round's choice walks the tier's least recently used entries under
-        the store's lock (O(entries in the window): tens of ms at 100k entries), and
-        rounds that find them all copied must not hold the lock most of the time. (A
-        tier whose every entry has its copy costs a round no walk at all.)"""
+        longer: a round's choice walks the tier's least recently used entries
+        (O(entries in the window): tens of ms at 100k entries; without the store's
+        lock, but on the GIL), and rounds that find them all copied must not take
+        most of a core. (A tier whose every entry has its copy costs a round no walk
+        at all.)"""
         if not self.config.policy.background_writeback or self._writeback_thread is not None:
             return
 
@@ -395,15 +396,28 @@ class Store:
         self._writeback_thread.start()
 
     def writeback_step(self) -> int:
-        """One background writeback round: choose (under the lock) the entries the
-        next demotions would take, write their NVMe copies without the lock, then
-        record the copies (under the lock). Demotion under pressure then only
+        """One background writeback round: choose the entries the next demotions
+        would take (the walk of the window without the lock, the choice checked and
+        its NVMe extents allocated under it), write their NVMe copies without the
+        lock, then record the copies (under the lock). Demotion under pressure then only
         flips the index to the copy. Returns the bytes written."""
+        limit = self.config.policy.writeback_batch_bytes
         with self._writeback_round:
             with self._lock:
                 if self._closed:
                     return 0
-                plan = self.place.plan_writeback(self.config.policy.writeback_batch_bytes)
+                window = self.place.writeback_window()
+            if window is None:
+                return 0
+            # The walk of the window without the lock (O(entries in it)); each
+            # candidate is checked again under it.
+            keys = self.place.writeback_candidates(window, limit)
+            if not keys:
+                return 0
+            with self._lock:
+                if self._closed:
+                    return 0
+                plan = self.place.allocate_writeback(keys, limit)
             if not plan:
                 return 0
             written = False

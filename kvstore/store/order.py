@@ -72,6 +72,31 @@ class GroupOrder:
         heapq.heapify(self._heap)
         self._limit = 2 * len(self._heap) + _SLACK
 
+    def snapshot(self) -> list[tuple]:
+        """A copy of the heap, taken under the store's lock, for ``walk_snapshot``
+        without it (a C-level list copy: ~1 ms at 300k items)."""
+        return list(self._heap)
+
+    def walk_snapshot(self, heap: list[tuple]) -> Generator[Record, None, None]:
+        """Members in policy order from a ``snapshot`` (consumed), leaving this
+        order as it is: a walk made without the store's lock, reading each member's
+        record as it is at that moment (dict reads, atomic under the GIL). A member
+        that changes meanwhile can come out late or not at all, so whoever acts on
+        what it yields checks it again under the lock."""
+        seen: set[bytes] = set()
+        while heap:
+            item = heapq.heappop(heap)
+            key = item[-1]
+            rec = self._member(key)
+            if rec is None or key in seen:
+                continue
+            now = self._sort_key(rec)
+            if now != item:  # touched since: its place is further on
+                heapq.heappush(heap, now)
+                continue
+            seen.add(key)
+            yield rec
+
     def walk(self) -> Generator[Record, None, None]:
         """Members in policy order, lazily. Close the generator when done: every
         live item it popped goes back then (the caller may not act on them)."""

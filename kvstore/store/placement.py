@@ -37,6 +37,15 @@ class StagingPlan(NamedTuple):
     target: str  # the memory tier staged into
 
 
+class WritebackWindow(NamedTuple):
+    """What a writeback round walks (``Placement.writeback_window``)."""
+
+    tier: str  # the tier right above NVMe
+    order: GroupOrder  # its victim order
+    heap: list[tuple]  # a copy of that order's heap, taken under the lock
+    ahead: int  # bytes of it the next demotions would take
+
+
 class Placement:
     """Owner of: the tiers (``tiers``, fastest first; it closes them) and the victim
     policy (``policy``). Runs under the store's lock; every record change goes
@@ -249,6 +258,12 @@ class Placement:
                 self.shed(name, bytes_to_free(tier.used, 0, tier.capacity, pol.low_watermark))
 
     # ------------------------------------------------------------ writeback
+    # A round's choice is made in three steps, so that the walk of the window (its
+    # least recently used entries: O(entries in it), ~55 ms at 25k entries) does
+    # not hold the store's lock: ``writeback_window`` under the lock (a copy of the
+    # tier's order), ``writeback_candidates`` without it (the walk of that copy),
+    # ``allocate_writeback`` under it again (each candidate checked afresh).
+    # ``plan_writeback`` makes all three at once, under the caller's lock.
     def plan_writeback(self, limit: int) -> list[tuple[Record, Extent]]:
         """The next background writeback round: the least-recently-used entries of
         the tier right above NVMe that the next demotions (down to the low
@@ -260,23 +275,65 @@ class Placement:
         reserve that needs the room would fail), so an entry may move or go while
         its copy is written; ``finish_writeback`` then throws that copy away. (The
         arena stays mapped, so such a read is only stale, never a fault.)"""
+        window = self.writeback_window()
+        if window is None:
+            return []
+        return self.allocate_writeback(self.writeback_candidates(window, limit), limit)
+
+    def writeback_window(self) -> WritebackWindow | None:
+        """Under the lock: what a round walks (None: nothing to copy). The window
+        is the ``ahead`` bytes the next three demotions would take: a shed frees down
+        to low (plus what the reserve that triggers it needs), and the next ones come
+        after (high - low) more bytes each."""
         names = [n for n in self.tiers if n != "nvme"]
         if "nvme" not in self.tiers or not names or not self.config.policy.background_writeback:
-            return []
-        name, nvme, pol = names[-1], self.tiers["nvme"], self.config.policy
+            return None
+        name, pol = names[-1], self.config.policy
         tier = self.tiers[name]
-        # A shed frees down to low (plus what the reserve that triggers it needs);
-        # the next ones come after (high - low) more bytes each: copy what the next
-        # three would take, so none of them writes on the request path.
         start = max(0.0, pol.low_watermark - 2 * (pol.high_watermark - pol.low_watermark))
         ahead = tier.used - int(tier.capacity * start)
         if ahead <= 0 or self.catalog.copied[name] == len(self.catalog.by_tier[name]):
-            return []  # every entry of the tier has its copy: known without a walk
+            return None  # every entry of the tier has its copy: known without a walk
+        order = self.catalog.orders[name]
+        return WritebackWindow(name, order, order.snapshot(), ahead)
+
+    def writeback_candidates(self, window: WritebackWindow, limit: int) -> list[bytes]:
+        """Without the lock (or with it): the window's entries that have no copy, in
+        policy order, about ``limit`` bytes of them (``allocate_writeback`` stops at
+        ``limit``; a few more cover the ones that changed meanwhile). Reads only
+        records and leases, one dict read each (atomic under the GIL)."""
+        page = self.tiers[window.tier].page_size
+        records, leased = self.catalog.records, self.holds.leased
+        sel = self.policy.take(
+            (Candidate(r.key, -(-r.nbytes // page) * page, r.last_access, r.created,
+                       r.pins, leased.get(r.key, 0))
+             for r in window.order.walk_snapshot(window.heap)), window.ahead)
+        keys: list[bytes] = []
+        planned = 0
+        for key in sel.keys:
+            rec = records.get(key)
+            if rec is None or rec.nvme_copy is not None:
+                continue
+            if planned > 2 * limit:
+                break
+            keys.append(key)
+            planned += rec.nbytes
+        return keys
+
+    def allocate_writeback(self, keys: list[bytes], limit: int) -> list[tuple[Record, Extent]]:
+        """Under the lock: a free NVMe extent for each of ``keys`` that is still in
+        the tier above NVMe, without a copy, and neither pinned nor leased, up to
+        ``limit`` bytes (at least one entry)."""
+        names = [n for n in self.tiers if n != "nvme"]
+        if "nvme" not in self.tiers or not names:
+            return []
+        name, nvme = names[-1], self.tiers["nvme"]
         plan: list[tuple[Record, Extent]] = []
         planned = 0
-        for key in self._victims(self.catalog.orders[name], name, ahead).keys:
-            rec = self.catalog.records[key]
-            if rec.nvme_copy is not None:
+        for key in keys:
+            rec = self.catalog.records.get(key)
+            if rec is None or rec.tier != name or rec.nvme_copy is not None or rec.pins \
+                    or self.holds.leased.get(key):
                 continue
             if planned + rec.nbytes > limit and plan:
                 break

@@ -1,5 +1,6 @@
 """tools/bench/parts.py runs on both data paths and reports every part; levers and prefault
-time every variant; put_split times every part of both cases (no speeds asserted)."""
+time every variant; put_split times every part of every case, writeback_idle every
+case (no speeds asserted)."""
 
 import pytest
 
@@ -51,3 +52,14 @@ def test_bench_put_split_times_every_part_of_both_cases():
         for rep in range(2):
             keys, copy, put, insert = (parts[p][rep] for p in ("keys", "copy", "put", "insert"))
             assert min(keys, copy, put) > 0 and keys + copy + put <= insert
+
+
+def test_bench_writeback_idle_times_lookups_in_every_case():
+    from tools.bench.writeback_idle import CASES
+    from tools.bench.writeback_idle import run as writeback_idle
+
+    result = writeback_idle(2000, 0.3)  # raises if the writeback copied nothing
+    assert list(result) == list(CASES)
+    assert all(0 < r["p50"] <= r["p99"] <= r["max"] for r in result.values())
+    assert result["off"]["rounds"] == 0
+    assert result["under lock"]["rounds"] > 0 and result["shipped"]["rounds"] > 0
