@@ -55,6 +55,8 @@ _DEADLINE_SLACK_S = 1.0
 # round trip took at most twice this: the error is at most half the round trip, and it
 # must stay well inside the slack above.
 _CLOCK_ERROR_S = 0.25
+# The most a lookup's or acquire's ``wait_s`` leaves for the way back of a ``busy``.
+_WAIT_MARGIN_S = 0.1
 
 
 class InsertResult(NamedTuple):
@@ -180,6 +182,7 @@ class KVStoreClient:
         # is on the wire (docs/benchmarks.md, "Inline bytes in parts").
         self._inline_part_bytes = cfg.inline_part_bytes
         self._stream = cfg.stream_socket  # the stream door, where a hello names one
+        self._wait_refused = False  # a server without lookup wait_s answered (``_wait_s``)
 
     # ------------------------------------------------------------ connection
     def hello(self, timeout_s: float | None = None) -> dict[str, Any]:
@@ -198,7 +201,7 @@ class KVStoreClient:
             if hello is None or self._rpc.lost:
                 self._rpc.use_local(None)  # hello over the ROUTER: it names the server
                 sent = time.time()
-                info = self._rpc.call(p.Hello(), timeout_s)
+                info = self._say_hello(timeout_s)
                 clock = self._clock_of(info, sent, time.time())
                 self._rpc.max_bytes = int(info.get("max_message_bytes", self._rpc.max_bytes))
                 self._data.connect(info)
@@ -214,6 +217,19 @@ class KVStoreClient:
                 # segment is no longer the data path's, _take_room).
                 self._hellos += 1
             return hello
+
+    def _say_hello(self, timeout_s: float | None) -> dict[str, Any]:
+        """The hello's reply; with ``wait_s`` unless this client saw it refused (an
+        older server refuses it as an unknown field: then asked again without)."""
+        wait_s = None if self._wait_refused else \
+            self._wait_s(_timeout(timeout_s, self.timeout_s))
+        try:
+            return self._rpc.call(p.Hello(wait_s=wait_s), timeout_s)
+        except InvalidRequestError as exc:
+            if wait_s is None or "unknown field 'wait_s'" not in str(exc):
+                raise
+            self._wait_refused = True
+            return self._rpc.call(p.Hello(), timeout_s)
 
     def _door(self, info: dict[str, Any]) -> str | tuple[str, int] | None:
         """The socket a hello's server names for this client's requests: its Unix
@@ -321,6 +337,19 @@ class KVStoreClient:
         # A remote clock is known to within _CLOCK_ERROR_S: the margin covers that too.
         margin = left / 4 if local else max(left / 4, _CLOCK_ERROR_S)
         return time.time() + offset + left - min(_DEADLINE_SLACK_S, margin)
+
+    def _wait_s(self, left: float) -> float | None:
+        """A lookup's or acquire's ``wait_s``: how long this call still waits
+        (``left``), less a margin for the reply's way back (a tenth, at most
+        ``_WAIT_MARGIN_S``), so that a server stalled behind slow work answers
+        ``busy`` while this call still listens. None where the server does not take
+        it (its hello's ``wait_s``; without a hello, as a lookup-only client may be,
+        sent unless this client saw it refused)."""
+        hello = self._hello
+        if (not hello.get("wait_s")) if hello is not None else self._wait_refused:
+            return None
+        left = max(0.0, left)
+        return left - min(left / 10, _WAIT_MARGIN_S)
 
     def keys_for(self, tokens: Sequence[int] | np.ndarray,
                  scope: bytes | str = b"") -> list[bytes]:
@@ -732,7 +761,8 @@ class KVStoreClient:
                     p.Acquire(keys=tuple(keys[done:]), tokens=tuple(toks[done:]),
                               claim=drop, optional_tail=True, spend_rest=drop and done > 0,
                               inline=inline, inline_part=part,
-                              deadline=self._read_deadline(deadline)), deadline,
+                              deadline=self._read_deadline(deadline),
+                              wait_s=self._wait_s(deadline - time.monotonic())), deadline,
                     None if inline is None else functools.partial(self._data.take_parts,
                                                                   into=round_into))
             except (BusyError, KVTimeoutError, PeerUnavailableError) as exc:
@@ -787,7 +817,7 @@ class KVStoreClient:
         try:
             return self._call(req, _left(deadline), take)
         except InvalidRequestError as exc:
-            refused = [name for name in ("inline", "inline_part", "deadline")
+            refused = [name for name in ("inline", "inline_part", "deadline", "wait_s")
                        if f"unknown field {name!r}" in str(exc)]
             if not refused:
                 raise
@@ -795,10 +825,12 @@ class KVStoreClient:
                  "without", self.server, " and ".join(refused))
         self._hello = None
         # (inline_part needs inline: a server that refuses either reads over TE.)
-        if refused != ["deadline"]:
+        if set(refused) - {"deadline", "wait_s"}:
             req = dataclasses.replace(req, inline=None, inline_part=None)
         if "deadline" in refused:
             req = dataclasses.replace(req, deadline=None)
+        if "wait_s" in refused:
+            req = dataclasses.replace(req, wait_s=None)
         return self._call(req, _left(deadline))
 
     def _inline(self, skip: int) -> int | None:
@@ -891,8 +923,17 @@ class KVStoreClient:
         call (default: the client's)."""
         timeout_s = _timeout(timeout_s, self.timeout_s)
         prompt = self._prompt(tokens, scope)
-        res = self._call(p.Lookup(keys=tuple(prompt.keys), tokens=tuple(prompt.tokens)),
-                         timeout_s)
+        req = p.Lookup(keys=tuple(prompt.keys), tokens=tuple(prompt.tokens),
+                       wait_s=self._wait_s(timeout_s))
+        try:
+            res = self._call(req, timeout_s)
+        except InvalidRequestError as exc:
+            if req.wait_s is None or "unknown field 'wait_s'" not in str(exc):
+                raise
+            # An older server: at this address since the hello that named wait_s, or
+            # asked without one.
+            self._hello, self._wait_refused = None, True
+            res = self._call(dataclasses.replace(req, wait_s=None), timeout_s)
         return LookupResult(res["matched_tokens"], res["matched_blocks"], list(res["tiers"]))
 
     # ----------------------------------------------------------------- admin

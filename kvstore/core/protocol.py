@@ -178,6 +178,12 @@ _XFER = {"xfer_s": _opt(_seconds), "xfer_bytes": _opt(_int, 0, MAX_KEYS * MAX_EN
 # before this field refuse it as unknown (and say no ``now``: only same-node clients
 # would send it): upgrade servers before clients.
 _DEADLINE = {"deadline": _opt(_float, 0.0, 1e11)}
+# ``wait_s`` (hello, lookup, acquire): how long the caller waits for the reply, counted from
+# its sending; the server answers ``busy`` at once a request it sees it cannot start
+# within that (queued behind slow work), instead of a reply nobody waits for.
+# Relative, so it needs no clock: the server counts it from the request's arrival.
+# Servers before this field refuse it as unknown; their hello has no ``wait_s``.
+_WAIT = {"wait_s": _opt(_float, 0.0, MAX_LEASE_S)}
 
 
 # ------------------------------------------------------------------ messages
@@ -195,7 +201,12 @@ class Request:
 
 @dataclass(frozen=True)
 class Hello(Request):
+    """``wait_s``: see ``_WAIT`` (a client's first request may come behind slow work)."""
+
+    wait_s: float | None = None
     OP = "hello"
+    CHECKS = {**_WAIT}
+    OPTIONAL = frozenset({"wait_s"})
 
 
 @dataclass(frozen=True)
@@ -291,10 +302,14 @@ class Abort(Request):
 
 @dataclass(frozen=True)
 class Lookup(Request):
+    """``wait_s``: see ``_WAIT``."""
+
     keys: tuple[bytes, ...]
     tokens: tuple[bytes, ...]
+    wait_s: float | None = None
     OP = "lookup"
-    CHECKS = {"keys": _keys, "tokens": _tokens}
+    CHECKS = {"keys": _keys, "tokens": _tokens, **_WAIT}
+    OPTIONAL = frozenset({"wait_s"})
 
     def validate(self) -> None:
         if len(self.keys) != len(self.tokens):
@@ -319,7 +334,8 @@ class Acquire(Lookup):
     is on the wire; ``"parts"`` in the reply lists their lengths.
     ``deadline``: as a write's (``_DEADLINE``): the reader stops waiting then, so an
     acquire the store reaches later is refused (busy) and leases nothing, rather than
-    holding the prompt for a reader that is gone until its lease runs out."""
+    holding the prompt for a reader that is gone until its lease runs out.
+    ``wait_s``: as a lookup's (``_WAIT``)."""
 
     lease_s: float | None = None
     claim: bool = False
@@ -333,9 +349,9 @@ class Acquire(Lookup):
               "optional_tail": _bool, "spend_rest": _bool,
               "inline": _opt(_int, 0, MAX_INLINE_BYTES),
               "inline_part": _opt(_int, MIN_INLINE_PART_BYTES, MAX_INLINE_BYTES),
-              **_DEADLINE}
+              **_DEADLINE, **_WAIT}
     OPTIONAL = frozenset({"lease_s", "claim", "optional_tail", "spend_rest", "inline",
-                          "inline_part", "deadline"})
+                          "inline_part", "deadline", "wait_s"})
 
     def validate(self) -> None:
         super().validate()

@@ -329,6 +329,10 @@ class Server:
             waited = start - arrived
             if waited > self._busy_after and not self._never_busy(frames):
                 reply = self._busy(frames, waited, reached=True)
+            elif waited > WATCH_S and (due := self._due(frames, arrived)) is not None \
+                    and start >= due:
+                reply = self._busy(frames, waited, self._late(waited, due - arrived),
+                                   reached=True)
             else:
                 self._await_sent(frames)
                 after: list[Callable[[], None]] = []
@@ -486,34 +490,51 @@ class Server:
     def _expire_queued(self) -> None:
         """Answer ``busy`` now the queued requests that have waited past
         ``busy_after_s`` behind the work in flight (one admitted while that work was
-        young), rather than when it ends: slow work may outlast their clients'
-        timeouts. Holds the socket (``_sock_lock``)."""
+        young), or whose callers stop waiting before the next look (``wait_s``,
+        ``deadline``), rather than when the work ends: slow work may outlast their
+        clients' timeouts. Holds the socket (``_sock_lock``); decodes the queued
+        requests, which only a stall of ``WATCH_S`` or more brings about."""
         if not self._queue:
             return
         now = time.monotonic()
-        if now - self._queue[0][1] <= self._busy_after:
-            return  # the oldest is in time, so all are
         kept: list[tuple[list[bytes], float]] = []
-        late: list[tuple[list[bytes], float]] = []
+        late: list[tuple[list[bytes], float, str]] = []
         for item in self._queue:
             frames, arrived = item
-            due = now - arrived > self._busy_after and not self._never_busy(frames)
-            (late if due else kept).append(item)
+            if self._never_busy(frames):
+                kept.append(item)
+            elif now - arrived > self._busy_after:
+                late.append((frames, arrived, ""))
+            elif (due := self._due(frames, arrived)) is not None and now + WATCH_S >= due:
+                # Its caller stops waiting before this watchdog looks again.
+                late.append((frames, arrived, self._late(now - arrived, due - arrived)))
+            else:
+                kept.append(item)
+        if not late:
+            return
         self._queue.clear()
         self._queue.extend(kept)
-        for frames, arrived in late:
-            self._send(self._busy(frames, now - arrived))
+        for frames, arrived, why in late:
+            self._send(self._busy(frames, now - arrived, why))
 
     def _admit(self, frames: list[bytes]) -> None:
-        """Queue one arrived request, or answer it ``busy`` at once."""
+        """Queue one arrived request, or answer it ``busy`` at once: when it would
+        start after ``busy_after_s``, or after its caller stops waiting (its
+        ``wait_s`` or ``deadline``)."""
         now = time.monotonic()
         working = self._working_since
         wait = (now - working if working is not None else 0.0) \
             + len(self._queue) * self._service_s
-        if wait <= self._busy_after or self._never_busy(frames):
-            self._queue.append((frames, now))
-        else:
-            self._send(self._busy(frames, wait))
+        if wait > min(WATCH_S, self._busy_after) and not self._never_busy(frames):
+            if wait > self._busy_after:
+                self._send(self._busy(frames, wait))
+                return
+            # (Slow path only: reading the request's wait_s / deadline decodes it.)
+            due = self._due(frames, now)
+            if due is not None and now + wait > due:
+                self._send(self._busy(frames, wait, self._late(wait, due - now)))
+                return
+        self._queue.append((frames, now))
 
     def _never_busy(self, frames: list[bytes]) -> bool:
         """Releases and aborts are always served, however late: they only give back
@@ -521,6 +542,26 @@ class Server:
         expires), and drop_select's last release is one-way, so its sender would
         never hear a ``busy``. Read only on the slow path, when ``busy`` is due."""
         return p.peek_op(frames[-1], self.max_bytes) in NEVER_BUSY
+
+    def _due(self, frames: list[bytes], arrived: float) -> float | None:
+        """When (``time.monotonic()``) the request's caller stops waiting: ``arrived``
+        plus its ``wait_s``, or its ``deadline`` (the server's wall clock), the
+        earlier; None for a request without either, or one that does not decode (the
+        serving thread answers that). Decodes the request: slow path only."""
+        try:
+            _, req = p.decode_request(frames[-1], self.max_bytes)
+        except InvalidRequestError:
+            return None
+        wait_s, deadline = getattr(req, "wait_s", None), getattr(req, "deadline", None)
+        dues = [] if wait_s is None else [arrived + wait_s]
+        if deadline is not None:
+            dues.append(time.monotonic() + deadline - time.time())
+        return min(dues) if dues else None
+
+    @staticmethod
+    def _late(wait: float, left: float) -> str:
+        return (f"the request would start after {wait:.2f} s, and its caller waits "
+                f"{max(0.0, left):.2f} s")
 
     def _busy(self, frames: list[bytes], waited: float, why: str = "",
               reached: bool = False) -> list[bytes]:
@@ -824,7 +865,7 @@ class Server:
                 "block_tokens": self.config.store.block_tokens,
                 "max_message_bytes": self.max_bytes, "te_probe": self._te_probe(),
                 "inline_max": self._inline_max, "inline_parts": True,
-                "acquire_deadline": True, "now": time.time()}
+                "acquire_deadline": True, "wait_s": True, "now": time.time()}
 
     def _te_probe(self) -> list[int] | None:
         """[address, nbytes] of one page a TE peer may read: a client's first TE

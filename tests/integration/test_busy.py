@@ -76,9 +76,11 @@ def _behind_a_verify(admin, client) -> tuple[float, bool, threading.Thread,
     raise AssertionError("no stats was answered busy behind any of 5 verifies")
 
 
-def test_a_request_behind_slow_work_is_answered_busy_at_once(server_factory, client_factory):
+def _slow_work_ready(server_factory, client_factory, busy_after: str):
+    """A server whose NVMe tier holds 768 MiB, so that an admin verify of it is slow
+    work on the serving thread; (server, admin client, seconds a verify takes)."""
     srv = server_factory(dram="1GiB", nvme="2GiB",
-                         env={"KVSTORE_SERVER_BUSY_AFTER_S": "0.1",
+                         env={"KVSTORE_SERVER_BUSY_AFTER_S": busy_after,
                               "KVSTORE_POLICY_BACKGROUND_WRITEBACK": "false"})
     admin = client_factory(srv, layout=BIG, timeout_s=120.0)
     for pid in range(96):  # 768 MiB
@@ -90,6 +92,11 @@ def test_a_request_behind_slow_work_is_answered_busy_at_once(server_factory, cli
     _patient(admin.verify)  # reads and checksums every NVMe byte
     alone = time.monotonic() - start
     assert alone > 0.3, f"verify took {alone:.2f} s: too short to be behind"
+    return srv, admin, alone
+
+
+def test_a_request_behind_slow_work_is_answered_busy_at_once(server_factory, client_factory):
+    srv, admin, alone = _slow_work_ready(server_factory, client_factory, "0.1")
 
     other = client_factory(srv, layout=BIG, timeout_s=30.0)  # over the ZeroMQ port
     neighbour = client_factory(srv, layout=BIG, timeout_s=30.0)
@@ -124,3 +131,79 @@ def test_a_request_behind_slow_work_is_answered_busy_at_once(server_factory, cli
     worker.join()
     got = _patient(other.drop_select, _tokens(0))  # served normally again
     assert got.matched_tokens == PROMPT and np.array_equal(got.kv.numpy(), _kv(0))
+
+
+def test_a_lookup_or_drop_select_behind_slow_work_is_busy_within_its_own_timeout(
+        server_factory, client_factory):
+    """Each lookup and acquire says how long its caller waits (``wait_s``): one that
+    cannot start within that is answered busy while the caller still listens, not
+    left to time out (a timed-out lookup makes the vLLM connector skip the server
+    for ``down_s``; a busy one is only a miss). ``busy_after_s`` is set far above
+    the timeouts here, so only ``wait_s`` can make the answer."""
+    from kvstore.core.errors import KVTimeoutError
+
+    srv, admin, alone = _slow_work_ready(server_factory, client_factory, "60")
+    timeout = min(0.3, alone / 3)
+    other = client_factory(srv, layout=BIG, timeout_s=30.0)  # over the ZeroMQ port
+    neighbour = client_factory(srv, layout=BIG, timeout_s=30.0)
+    _patient(neighbour.hello)
+    assert neighbour._rpc.local  # over the same-node socket
+    calls = {"lookup": lambda c: c.lookup(_tokens(1), timeout_s=timeout),
+             "drop_select": lambda c: c.drop_select(_tokens(1), timeout=timeout)}
+    for client in (other, neighbour):
+        for op, call in calls.items():
+            for _ in range(5):  # until one is asked while the verify runs
+                worker = threading.Thread(target=_patient, args=(admin.verify,))
+                worker.start()
+                time.sleep(0.05)  # the verify reaches the serving thread
+                asked = time.monotonic()
+                try:
+                    call(client)
+                except BusyError as exc:
+                    answered = time.monotonic() - asked
+                    assert "its caller waits" in str(exc), exc
+                    break
+                except KVTimeoutError as exc:  # what it was before wait_s
+                    raise AssertionError(f"{op} timed out behind the verify: {exc}")
+                finally:
+                    worker.join()
+            else:
+                raise AssertionError(f"no {op} was asked while a verify ran")
+            assert answered < timeout, (op, answered, timeout)
+    got = _patient(other.drop_select, _tokens(1))  # nothing was taken by the busy ones
+    assert got.matched_tokens == PROMPT and np.array_equal(got.kv.numpy(), _kv(1))
+
+
+# A server from before wait_s: its decoder refuses the field on a hello, a lookup and
+# an acquire, and its hello does not offer it.
+_BEFORE_WAIT_S = (
+    "import runpy, sys\n"
+    "from kvstore.core import protocol\n"
+    "from kvstore.server.loop import Server\n"
+    "for cls in (protocol.Hello, protocol.Lookup, protocol.Acquire):\n"
+    "    del cls.CHECKS['wait_s']\n"
+    "said = Server.hello\n"
+    "Server.hello = lambda self: {k: v for k, v in said(self).items() if k != 'wait_s'}\n"
+    "sys.argv[0] = 'kvstore-server'\n"
+    "runpy.run_module('kvstore.server', run_name='__main__')\n")
+
+
+def test_a_server_older_than_wait_s_is_asked_without_it(server_factory, client_factory):
+    """A rolling upgrade, clients first: a client's hello and a lookup-only client's
+    first lookup are refused for the unknown field, asked again without it, and not
+    sent with it again; acquires follow the hello, which does not offer it."""
+    srv = server_factory(dram="64MiB")
+    srv.stop()
+    srv.argv[1:3] = ["-c", _BEFORE_WAIT_S]
+    srv.start()
+    writer = client_factory(srv, layout=BIG)
+    assert "wait_s" not in writer.hello() and writer._wait_refused
+    assert writer.insert(_tokens(3), _kv(3)).new_blocks == 4
+    looker = client_factory(srv, layout=BIG)  # lookups only: no hello
+    assert looker.lookup(_tokens(3)).matched_tokens == PROMPT and looker._wait_refused
+    assert looker.lookup(_tokens(3)).matched_tokens == PROMPT
+    reader = client_factory(srv, layout=BIG)
+    got = reader.drop_select(_tokens(3))
+    assert got.matched_tokens == PROMPT and np.array_equal(got.kv.numpy(), _kv(3))
+    # Three refusals in all: the two hellos and the first lookup, nothing after.
+    assert reader.stats()["errors"] == 3
