@@ -55,7 +55,7 @@ HELP = {
                              "to the next tier (gpu -> dram -> nvme -> gone).",
     "policy.low_watermark": "Demotion stops once usage is below this fraction.",
     "policy.stage_nvme_hits": "Copy an NVMe hit into DRAM before serving it (TE reads memory).",
-    "server.busy_after_s": "A request that would wait longer than this behind others (a slow request in flight, a queue) is answered `busy` at once, a miss the caller can retry or recompute, instead of a late reply. Hellos, lookups and acquires also carry how long their caller waits (`wait_s`), and writes and acquires their deadline: one that would start after that is answered `busy` too, whatever this is.",
+    "server.busy_after_s": "A request that would wait longer than this behind others (a slow request in flight, a queue) is answered `busy` at once, a miss the caller can retry or recompute, instead of a late reply. Hellos, lookups and acquires also carry how long their caller waits (`wait_s`): one that would start after that is answered `busy` too, whatever this is.",
     "server.gc_young": "Young-generation threshold of the server process's garbage "
                        "collector; at start the objects made so far are frozen out of "
                        "every collection. A request's short-lived objects (~7 000 for a "

@@ -329,10 +329,6 @@ class Server:
             waited = start - arrived
             if waited > self._busy_after and not self._never_busy(frames):
                 reply = self._busy(frames, waited, reached=True)
-            elif waited > WATCH_S and (due := self._due(frames, arrived)) is not None \
-                    and start >= due:
-                reply = self._busy(frames, waited, self._late(waited, due - arrived),
-                                   reached=True)
             else:
                 self._await_sent(frames)
                 after: list[Callable[[], None]] = []
@@ -490,8 +486,8 @@ class Server:
     def _expire_queued(self) -> None:
         """Answer ``busy`` now the queued requests that have waited past
         ``busy_after_s`` behind the work in flight (one admitted while that work was
-        young), or whose callers stop waiting before the next look (``wait_s``,
-        ``deadline``), rather than when the work ends: slow work may outlast their
+        young), or whose callers stop waiting before the next look (``wait_s``),
+        rather than when the work ends: slow work may outlast their
         clients' timeouts. Holds the socket (``_sock_lock``); decodes the queued
         requests, which only a stall of ``WATCH_S`` or more brings about."""
         if not self._queue:
@@ -520,7 +516,7 @@ class Server:
     def _admit(self, frames: list[bytes]) -> None:
         """Queue one arrived request, or answer it ``busy`` at once: when it would
         start after ``busy_after_s``, or after its caller stops waiting (its
-        ``wait_s`` or ``deadline``)."""
+        ``wait_s``)."""
         now = time.monotonic()
         working = self._working_since
         wait = (now - working if working is not None else 0.0) \
@@ -545,18 +541,18 @@ class Server:
 
     def _due(self, frames: list[bytes], arrived: float) -> float | None:
         """When (``time.monotonic()``) the request's caller stops waiting: ``arrived``
-        plus its ``wait_s``, or its ``deadline`` (the server's wall clock), the
-        earlier; None for a request without either, or one that does not decode (the
-        serving thread answers that). Decodes the request: slow path only."""
+        plus its ``wait_s``; None for a request without one (writes: the store judges
+        their ``deadline`` itself, and gives back the room or reservation a late one
+        named), or one that does not decode (the serving thread answers that).
+        Decodes the request: slow path only. (The serving thread does not use it:
+        a request it reaches late goes to the store, which refuses a late acquire
+        itself; a late lookup or hello is answered, to no one.)"""
         try:
             _, req = p.decode_request(frames[-1], self.max_bytes)
         except InvalidRequestError:
             return None
-        wait_s, deadline = getattr(req, "wait_s", None), getattr(req, "deadline", None)
-        dues = [] if wait_s is None else [arrived + wait_s]
-        if deadline is not None:
-            dues.append(time.monotonic() + deadline - time.time())
-        return min(dues) if dues else None
+        wait_s = getattr(req, "wait_s", None)
+        return None if wait_s is None else arrived + wait_s
 
     @staticmethod
     def _late(wait: float, left: float) -> str:

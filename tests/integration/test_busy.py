@@ -156,11 +156,9 @@ def test_a_lookup_or_drop_select_behind_slow_work_is_busy_within_its_own_timeout
                 worker = threading.Thread(target=_patient, args=(admin.verify,))
                 worker.start()
                 time.sleep(0.05)  # the verify reaches the serving thread
-                asked = time.monotonic()
                 try:
                     call(client)
-                except BusyError as exc:
-                    answered = time.monotonic() - asked
+                except BusyError as exc:  # (while the call still listened: no timeout)
                     assert "its caller waits" in str(exc), exc
                     break
                 except KVTimeoutError as exc:  # what it was before wait_s
@@ -169,7 +167,6 @@ def test_a_lookup_or_drop_select_behind_slow_work_is_busy_within_its_own_timeout
                     worker.join()
             else:
                 raise AssertionError(f"no {op} was asked while a verify ran")
-            assert answered < timeout, (op, answered, timeout)
     got = _patient(other.drop_select, _tokens(1))  # nothing was taken by the busy ones
     assert got.matched_tokens == PROMPT and np.array_equal(got.kv.numpy(), _kv(1))
 
