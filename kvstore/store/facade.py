@@ -80,6 +80,8 @@ SCRUB_AFTER_S = 1.0
 # as it took: its walk of the window takes a core (and the GIL), and such rounds
 # must take at most 1 / (1 + this) of it.
 WRITEBACK_IDLE_FACTOR = 9
+# Entries the background demotes per hold of the store's lock (an index flip each).
+DEMOTE_CHUNK = 256
 
 _COUNTED = ("misses", "bytes_in", "bytes_out", "evictions", "demotions", "stagings",
             "checksum_failures", "commit_checksum_failures", "collisions", "commits",
@@ -387,6 +389,10 @@ class Store:
                 except Exception:  # never let the thread die; the step logs its cause
                     log.exception("background writeback round failed")
                     wrote = 0
+                try:
+                    wrote += self.demote_step()
+                except Exception:
+                    log.exception("background demotion failed")
                 if not wrote:
                     took = time.monotonic() - start
                     self._writeback_stop.wait(max(idle_s, WRITEBACK_IDLE_FACTOR * took))
@@ -394,6 +400,26 @@ class Store:
         self._writeback_thread = threading.Thread(target=run, name="kvstore-writeback",
                                                   daemon=True)
         self._writeback_thread.start()
+
+    def demote_step(self) -> int:
+        """Demote ahead of the high watermark (``Placement.demote_ahead``), in chunks
+        of ``DEMOTE_CHUNK`` entries, the lock let go between them: the entries of the
+        tier right above NVMe that have their copies flip to them until it is at the
+        low watermark or its next victim has no copy. Returns the bytes freed. (The
+        writeback thread runs it after each round; a store used in-process by tests
+        calls it itself.)"""
+        freed = 0
+        while True:
+            with self._lock:
+                if self._closed:
+                    return freed
+                try:
+                    chunk = self.place.demote_ahead(DEMOTE_CHUNK, going=freed > 0)
+                except (StorageError, TierFullError):  # the index refused: next round
+                    return freed
+            if not chunk:
+                return freed
+            freed += chunk
 
     def writeback_step(self) -> int:
         """One background writeback round: choose the entries the next demotions

@@ -3,6 +3,7 @@ and staging of NVMe hits into memory; the class says what it owns and keeps."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import Counter
 from typing import NamedTuple
@@ -20,6 +21,7 @@ from kvstore.store.policy import (
     EvictionPolicy,
     Selection,
     bytes_to_free,
+    demote_mark,
     over_watermark,
 )
 from kvstore.store.types import MEMORY_TIERS, NO_ROOM_TO_STAGE, TIER_ORDER
@@ -191,9 +193,10 @@ class Placement:
         return freed
 
     def _victims(self, order: GroupOrder, name: str, nbytes: int,
-                 copies: bool = False) -> Selection:
+                 copies: bool = False, most: int | None = None) -> Selection:
         """Policy victims worth ``nbytes`` of tier ``name``, walking its kept order
-        (O(victims + skipped), not a sort of the tier). A copy is never leased:
+        (O(victims + skipped), not a sort of the tier); among the first ``most``
+        entries of that order only, where given. A copy is never leased:
         dropping it leaves the entry where it is served from; but not the copy a
         staging under way is reading (another reader staged the entry first)."""
         page = self.tiers[name].page_size
@@ -205,7 +208,7 @@ class Placement:
                 (Candidate(r.key, -(-r.nbytes // page) * page, r.last_access, r.created,
                            r.pins, int(r.key in reading) if copies
                            else self.holds.leased.get(r.key, 0))
-                 for r in walk), nbytes)
+                 for r in (walk if most is None else itertools.islice(walk, most))), nbytes)
         finally:
             walk.close()
 
@@ -345,6 +348,37 @@ class Placement:
             planned += rec.nbytes
         self.copies_in_flight += [ext for _, ext in plan]
         return plan
+
+    def demote_ahead(self, most: int, going: bool = False) -> int:
+        """Under the lock, from the writeback thread: once the tier right above NVMe
+        holds more than halfway from the low watermark to the high one (or, when
+        ``going``, the demotion begun, more than the low watermark), demote up to
+        ``most`` of its policy victims that have their NVMe copy (an index flip, no
+        write), towards the low watermark, so that a request's reserve seldom
+        crosses the high watermark and sheds on the serving thread. Stops at the
+        first victim without a copy (the next writeback round copies it: nothing is
+        written under the lock here). Returns the bytes freed (0: nothing to do)."""
+        names = [n for n in self.tiers if n != "nvme"]
+        pol = self.config.policy
+        if "nvme" not in self.tiers or not names or not pol.background_writeback:
+            return 0
+        name = names[-1]
+        tier = self.tiers[name]
+        mark = pol.low_watermark if going else \
+            demote_mark(pol.high_watermark, pol.low_watermark)
+        if tier.used <= tier.capacity * mark:
+            return 0
+        want = bytes_to_free(tier.used, 0, tier.capacity, pol.low_watermark)
+        recs: list[Record] = []
+        for key in self._victims(self.catalog.orders[name], name, want, most=most).keys:
+            rec = self.catalog.records[key]
+            if rec.nvme_copy is None:
+                break
+            recs.append(rec)
+        if not recs:
+            return 0
+        self._back_to_copies(recs)
+        return sum(r.nbytes for r in recs)
 
     def finish_writeback(self, plan: list[tuple[Record, Extent]], written: bool) -> int:
         """Record the copies ``plan``'s writes made (``written``: they reached NVMe,

@@ -130,6 +130,13 @@ def over_watermark(used: int, incoming: int, capacity: int, high: float) -> bool
     return used + incoming > high * capacity
 
 
+def demote_mark(high: float, low: float) -> float:
+    """The fraction of a tier above which the background demotes its entries that
+    have NVMe copies (halfway from ``low`` to ``high``): ahead of the high
+    watermark, where a request's reserve would shed on the serving thread."""
+    return (high + low) / 2
+
+
 def bytes_to_free(used: int, incoming: int, capacity: int, low: float) -> int:
     """Bytes that must leave so ``used + incoming`` is at most ``low`` of capacity."""
     return max(0, used + incoming - int(low * capacity))

@@ -244,3 +244,46 @@ def test_the_walk_of_the_window_is_made_without_the_stores_lock(make_store, monk
     _rounds(store)
     assert free and all(free) and _copies(store) == {3, 4, 5, 6}
     store.check_integrity()
+
+
+def test_demotion_runs_ahead_of_the_high_watermark_off_the_request_path(make_store,
+                                                                          monkeypatch):
+    """Past halfway from low to high, the writeback thread flips the victims that
+    have their copies (no write), in chunks of DEMOTE_CHUNK per hold of the lock,
+    down to the low watermark: the next puts shed nothing on the request path."""
+    from kvstore.store import facade
+
+    # DRAM 20, high 0.95 / low 0.85: copies from 13, demotion ahead from 18 (0.90).
+    store = make_store(dram=20, nvme=40, high=0.95, low=0.85)
+    for i in range(1, 19):
+        put(store, [i])
+    _rounds(store)
+    assert store.demote_step() == 0  # 18 of 20: not past the mark
+    put(store, [19])  # 19 of 20: past the mark, not over high (no shed)
+    assert store.stats()["demotions"] == 0
+    holds = []
+    real = store.place.demote_ahead
+    monkeypatch.setattr(store.place, "demote_ahead",
+                        lambda most, going=False: holds.append(going) or real(most, going))
+    monkeypatch.setattr(facade, "DEMOTE_CHUNK", 1)
+    nvme = store.place.tiers["nvme"]
+    writes = []
+    real_write = nvme.write_many
+    monkeypatch.setattr(nvme, "write_many", lambda *a: (writes.append(a), real_write(*a)))
+    assert store.demote_step() == 2 * 4096  # down to 17 of 20 (low): 1 and 2 flipped
+    assert holds == [False, True, True] and writes == []  # one entry per hold, to low
+    assert {i for i, t in where(store).items() if t == "nvme"} == {1, 2}
+    put(store, [20])  # 18 of 20: no shed
+    assert store.stats()["demotions"] == 2 and writes == []
+    store.check_integrity()
+
+
+def test_demotion_ahead_stops_at_a_victim_without_its_copy(make_store):
+    """Nothing is written under the lock: a victim the writeback has not copied yet
+    waits for its copy (the request path still sheds it if a reserve needs room)."""
+    store = make_store(dram=20, nvme=40, high=0.95, low=0.85)
+    for i in range(1, 20):
+        put(store, [i])  # no writeback round: no copies
+    assert store.demote_step() == 0 and store.stats()["demotions"] == 0
+    _rounds(store)
+    assert store.demote_step() > 0 and store.stats()["demotions"] == 2

@@ -281,8 +281,12 @@ def test_writeback_section_rows_compare_both_modes_on_the_same_puts(tmp_path):
     off, on = rows
     assert off["writeback"].startswith("off") and on["writeback"] == "on"
     assert off["copies written ahead"] == 0 and on["copies written ahead"] > 0
-    # Both runs demoted the same prompts (same sizes, same order): only how differs.
-    assert off["demotions"] == on["demotions"] > 0
+    # Off, every demotion is a put's; on, the thread demotes ahead of the high
+    # watermark (quick: a prompt is more than the tier's distance from that mark to
+    # high, so the puts still make theirs; tests/unit/test_store_writeback.py has
+    # the case where they make none).
+    assert off["demotions"] == off["of them by the puts"] > 0 and on["demotions"] > 0
+    assert on["of them by the puts"] <= on["demotions"]
     assert off["median x off"] == 1.0 and on["median x off"] > 0
 
 
