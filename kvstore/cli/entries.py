@@ -20,7 +20,6 @@ from kvstore.cli.views import SORT_FIELDS, ls_table, sort_entries
 from kvstore.cli.format import format_bytes, format_count, parse_duration
 
 LS_PAGE = 1000
-VERIFY_BATCH = 512
 
 
 # ------------------------------------------------------------------ ls
@@ -289,8 +288,8 @@ def _verify_node(admin: Admin, server: str, channel: Any) -> dict:
     checked, bad = 0, []
     with click.progressbar(length=len(keys), label=f"verifying {server}", file=sys.stderr,
                            hidden=admin.as_json or not sys.stderr.isatty()) as bar:
-        for start in range(0, len(keys), VERIFY_BATCH):
-            batch = tuple(keys[start:start + VERIFY_BATCH])
+        for start in range(0, len(keys), p.VERIFY_BATCH):
+            batch = tuple(keys[start:start + p.VERIFY_BATCH])
             reply = channel.call(p.Verify(keys=batch))
             checked += reply["checked"]
             bad += [k.hex() for k in reply["bad"]]

@@ -24,7 +24,6 @@ from kvstore.cli.cluster import etcd_option as cluster_etcd_option
 from kvstore.cli.cluster import prefix_option as cluster_prefix_option
 from kvstore.cli.entries import (
     LS_PAGE,
-    VERIFY_BATCH,
     clear,
     demote,
     evict,
@@ -39,7 +38,7 @@ from kvstore.cli.views import stats_view
 from kvstore.cli.format import format_count
 
 # Re-exported: these lived here before cli_group.py / cli_entries.py.
-__all__ = ["CONTEXT", "LS_PAGE", "VERIFY_BATCH", "AdminGroup", "OneLineUsageError", "bench",
+__all__ = ["CONTEXT", "LS_PAGE", "AdminGroup", "OneLineUsageError", "bench",
            "clear", "cli", "demo", "demote", "emit", "evict", "health", "keys", "ls", "main", "one_line",
            "pin", "stats", "unpin", "verify"]
 

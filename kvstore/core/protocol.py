@@ -29,6 +29,9 @@ MAX_ENTRY_BYTES = 1 << 34  # one entry (block) of one TP rank
 MAX_ROOM_BYTES = MAX_KEYS * MAX_ENTRY_BYTES  # a room holds at most one message's entries
 MAX_TOKEN_BYTES = 4 * 8192  # one block's int32 token ids
 MAX_LEASE_S = 3600.0
+# Keys per ``verify`` request that clients send (``KVStoreClient.verify``, ``kvstore
+# verify``): the server holds its lock for one batch's reads at a time.
+VERIFY_BATCH = 512
 MAX_ID = (1 << 63) - 1
 MAX_LS_LIMIT = 10_000
 MAX_META_BYTES = 1024  # the index keeps at most this much caller meta per entry

@@ -178,6 +178,14 @@ def test_admin_calls(clean_server, client_factory):
     entries = client.ls()
     assert sorted(e["key"] for e in entries) == sorted(keys) and entries[0]["tier"] == "dram"
     assert len(client.ls(limit=1)) == 3
+    # verify goes in batches of keys: the server's lock is never held for a whole
+    # tier's read.
+    sent = []
+    real = client._rpc.call
+    client._rpc.call = lambda req, *a, **k: (sent.append(req), real(req, *a, **k))[1]
+    assert client.verify(batch=2) == {"checked": 3, "bad": []}
+    del client._rpc.call
+    assert [len(r.keys) for r in sent if isinstance(r, p.Verify)] == [2, 1]
     assert client.pin(keys[:1]) == 1
     res = client.evict(everything=True)
     assert res["count"] == 2 and res["skipped"] == 1
