@@ -57,6 +57,7 @@ _DEADLINE_SLACK_S = 1.0
 _CLOCK_ERROR_S = 0.25
 # The most a lookup's or acquire's ``wait_s`` leaves for the way back of a ``busy``.
 _WAIT_MARGIN_S = 0.1
+_WAIT_FLOOR_S = 0.001  # the least wait_s sent (the protocol takes (0, MAX_LEASE_S])
 
 
 class InsertResult(NamedTuple):
@@ -349,7 +350,9 @@ class KVStoreClient:
         if (not hello.get("wait_s")) if hello is not None else self._wait_refused:
             return None
         left = max(0.0, left)
-        return left - min(left / 10, _WAIT_MARGIN_S)
+        # Within what the server takes: a call with no time left still says a little
+        # (it then hears busy or times out: a miss), one of hours says the most.
+        return min(p.MAX_LEASE_S, max(_WAIT_FLOOR_S, left - min(left / 10, _WAIT_MARGIN_S)))
 
     def keys_for(self, tokens: Sequence[int] | np.ndarray,
                  scope: bytes | str = b"") -> list[bytes]:

@@ -171,6 +171,24 @@ def test_a_bad_timeout_is_refused_before_anything_is_sent(clean_server, client_f
     assert got.matched_tokens == 8 and np.array_equal(got.kv.numpy(), make_kv(8, 9))
 
 
+def test_wait_s_is_always_one_the_server_takes(clean_server, client_factory):
+    """A call with no time left, or with hours of it, still sends a wait_s within the
+    protocol's (0, MAX_LEASE_S]: the call ends as a miss or succeeds, never with the
+    server refusing the request as invalid."""
+    from kvstore.core.errors import MissError
+
+    client = client_factory(clean_server, same_node=False)
+    client.insert(prompt(8, 3), make_kv(8, 3))
+    client.hello()
+    with pytest.raises(MissError):
+        client.drop_select(prompt(8, 3), timeout=1e-7)
+    patient = client_factory(clean_server, same_node=False, timeout_s=5000.0)
+    assert patient.hello()["wait_s"]
+    assert patient.lookup(prompt(8, 3), timeout_s=4000).matched_tokens == 8
+    got = patient.drop_select(prompt(8, 3))
+    assert got.matched_tokens == 8 and np.array_equal(got.kv.numpy(), make_kv(8, 3))
+
+
 def test_admin_calls(clean_server, client_factory):
     client = client_factory(clean_server)
     client.insert(prompt(12, 6), make_kv(12, 6))
