@@ -76,10 +76,11 @@ log = logging.getLogger(__name__)
 
 # The server's scrub hashes an entry committed unhashed once it is this old (seconds).
 SCRUB_AFTER_S = 1.0
-# After a writeback round that wrote nothing, wait at least this many times as long
-# as it took: its walk of the window takes a core (and the GIL), and such rounds
+# After a writeback round that wrote nothing, wait at least this many times the CPU
+# time it took: its walk of the window takes a core (and the GIL), and such rounds
 # must take at most 1 / (1 + this) of it.
 WRITEBACK_IDLE_FACTOR = 9
+WRITEBACK_PAUSE_MAX_S = 2.0  # ... but never longer than this
 # Entries the background demotes per hold of the store's lock (an index flip each).
 DEMOTE_CHUNK = 256
 
@@ -372,8 +373,9 @@ class Store:
         """Run ``writeback_step`` in a background thread until ``close`` (the
         server does; a store used in-process by tests calls the step itself).
         After a round that wrote nothing it waits ``idle_s``, or
-        ``WRITEBACK_IDLE_FACTOR`` times as long as that round took where that is
-        longer: a round's choice walks the tier's least recently used entries
+        ``WRITEBACK_IDLE_FACTOR`` times the CPU time that round took where that is
+        longer (at most ``WRITEBACK_PAUSE_MAX_S``; time spent waiting for the store's
+        lock or the GIL is not counted, so slow work elsewhere does not stop it): a round's choice walks the tier's least recently used entries
         (O(entries in the window): tens of ms at 100k entries; without the store's
         lock, but on the GIL), and rounds that find them all copied must not take
         most of a core. (A tier whose every entry has its copy costs a round no walk
@@ -383,7 +385,7 @@ class Store:
 
         def run() -> None:
             while not self._writeback_stop.is_set():
-                start = time.monotonic()
+                start = time.thread_time()  # (waiting for the lock or the GIL: not counted)
                 try:
                     wrote = self.writeback_step()
                 except Exception:  # never let the thread die; the step logs its cause
@@ -394,8 +396,9 @@ class Store:
                 except Exception:
                     log.exception("background demotion failed")
                 if not wrote:
-                    took = time.monotonic() - start
-                    self._writeback_stop.wait(max(idle_s, WRITEBACK_IDLE_FACTOR * took))
+                    took = time.thread_time() - start
+                    self._writeback_stop.wait(min(WRITEBACK_PAUSE_MAX_S,
+                                                  max(idle_s, WRITEBACK_IDLE_FACTOR * took)))
 
         self._writeback_thread = threading.Thread(target=run, name="kvstore-writeback",
                                                   daemon=True)

@@ -3,6 +3,8 @@ written without the store's lock, so demotion under pressure is an index flip.
 Real tiers, real LMDB; the rounds are driven by calling ``writeback_step`` (the
 server runs it in a thread: tests/integration/test_server.py covers that)."""
 
+import time
+
 from kvstore.store import Store
 from tests.unit.conftest import data, key, put, store_config, toks, where
 
@@ -195,7 +197,6 @@ def test_rounds_that_write_nothing_take_a_tenth_of_the_time_at_most(make_store,
     """The writeback thread waits at least WRITEBACK_IDLE_FACTOR times as long as a
     round that wrote nothing took (its walk takes a core and the GIL)."""
     import threading
-    import time
 
     from kvstore.store import facade
 
@@ -208,11 +209,51 @@ def test_rounds_that_write_nothing_take_a_tenth_of_the_time_at_most(make_store,
             self.set()  # one round is enough
             return True
 
+    def busy_round() -> int:  # 30 ms of this thread's CPU, nothing written
+        start = time.thread_time()
+        while time.thread_time() - start < 0.03:
+            pass
+        return 0
+
     monkeypatch.setattr(store, "_writeback_stop", Stop())
-    monkeypatch.setattr(store, "writeback_step", lambda: (time.sleep(0.03), 0)[1])
+    monkeypatch.setattr(store, "writeback_step", busy_round)
     store.start_writeback(idle_s=0.05)
     store._writeback_thread.join(5)
     assert len(waits) == 1 and waits[0] >= facade.WRITEBACK_IDLE_FACTOR * 0.03
+    assert waits[0] <= facade.WRITEBACK_PAUSE_MAX_S
+
+
+def test_a_round_that_only_waited_for_the_lock_is_not_paused_for_it(make_store,
+                                                                    monkeypatch):
+    """The pause counts the round's CPU time: a round that waited a second for the
+    store's lock (slow work on the serving thread) must not stop the writeback and
+    the demotion ahead for nine more."""
+    import threading
+
+    store = make_store(dram=8, nvme=16, high=0.9, low=0.6)
+    waits = []
+
+    class Stop(threading.Event):
+        def wait(self, timeout=None):
+            waits.append(timeout)
+            self.set()
+            return True
+
+    held = threading.Event()
+
+    def holder():
+        with store._lock:
+            held.set()
+            time.sleep(0.5)
+
+    other = threading.Thread(target=holder)
+    other.start()
+    held.wait(5)
+    monkeypatch.setattr(store, "_writeback_stop", Stop())
+    store.start_writeback(idle_s=0.05)  # its round waits ~0.5 s for the lock
+    store._writeback_thread.join(5)
+    other.join()
+    assert waits == [0.05]
 
 
 def test_the_walk_of_the_window_is_made_without_the_stores_lock(make_store, monkeypatch):
