@@ -3,7 +3,6 @@ and staging of NVMe hits into memory; the class says what it owns and keeps."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections import Counter
 from typing import NamedTuple
@@ -37,6 +36,10 @@ class StagingPlan(NamedTuple):
     staging: list[tuple[int, Extent | None]]  # each NVMe entry's index and staging extent
     upto: int  # the prefix ends before this index: no room to stage it
     target: str  # the memory tier staged into
+
+
+# Pinned or leased entries a chunk of demotion ahead passes over, per entry it may take.
+DEMOTE_SKIP_FACTOR = 16
 
 
 class WritebackWindow(NamedTuple):
@@ -193,10 +196,9 @@ class Placement:
         return freed
 
     def _victims(self, order: GroupOrder, name: str, nbytes: int,
-                 copies: bool = False, most: int | None = None) -> Selection:
+                 copies: bool = False) -> Selection:
         """Policy victims worth ``nbytes`` of tier ``name``, walking its kept order
-        (O(victims + skipped), not a sort of the tier); among the first ``most``
-        entries of that order only, where given. A copy is never leased:
+        (O(victims + skipped), not a sort of the tier). A copy is never leased:
         dropping it leaves the entry where it is served from; but not the copy a
         staging under way is reading (another reader staged the entry first)."""
         page = self.tiers[name].page_size
@@ -208,7 +210,7 @@ class Placement:
                 (Candidate(r.key, -(-r.nbytes // page) * page, r.last_access, r.created,
                            r.pins, int(r.key in reading) if copies
                            else self.holds.leased.get(r.key, 0))
-                 for r in (walk if most is None else itertools.islice(walk, most))), nbytes)
+                 for r in walk), nbytes)
         finally:
             walk.close()
 
@@ -369,16 +371,31 @@ class Placement:
         if tier.used <= tier.capacity * mark:
             return 0
         want = bytes_to_free(tier.used, 0, tier.capacity, pol.low_watermark)
+        # The policy's order, pinned and leased entries passed over (as victims are
+        # chosen), at most ``DEMOTE_SKIP_FACTOR * most`` of them a chunk.
         recs: list[Record] = []
-        for key in self._victims(self.catalog.orders[name], name, want, most=most).keys:
-            rec = self.catalog.records[key]
-            if rec.nvme_copy is None:
-                break
-            recs.append(rec)
+        freed = skipped = 0
+        leased = self.holds.leased
+        walk = self.catalog.orders[name].walk()
+        try:
+            for rec in walk:
+                if rec.pins or leased.get(rec.key):
+                    skipped += 1
+                    if skipped > DEMOTE_SKIP_FACTOR * most:
+                        break
+                    continue
+                if rec.nvme_copy is None:
+                    break
+                recs.append(rec)
+                freed += rec.nbytes
+                if len(recs) >= most or freed >= want:
+                    break
+        finally:
+            walk.close()
         if not recs:
             return 0
         self._back_to_copies(recs)
-        return sum(r.nbytes for r in recs)
+        return freed
 
     def finish_writeback(self, plan: list[tuple[Record, Extent]], written: bool) -> int:
         """Record the copies ``plan``'s writes made (``written``: they reached NVMe,

@@ -328,3 +328,19 @@ def test_demotion_ahead_stops_at_a_victim_without_its_copy(make_store):
     assert store.demote_step() == 0 and store.stats()["demotions"] == 0
     _rounds(store)
     assert store.demote_step() > 0 and store.stats()["demotions"] == 2
+
+
+def test_demotion_ahead_passes_over_pinned_entries_at_the_front(make_store, monkeypatch):
+    """Pinned (or leased) entries never demote, and idle pinned template blocks sit
+    at the front of the order: a chunk passes over them instead of ending there."""
+    from kvstore.store import facade
+
+    monkeypatch.setattr(facade, "DEMOTE_CHUNK", 2)
+    store = make_store(dram=20, nvme=40, high=0.95, low=0.85)
+    for i in range(1, 20):
+        put(store, [i])
+    _rounds(store)
+    store.pin([key(1), key(2)])
+    assert store.demote_step() == 2 * 4096
+    assert {i for i, t in where(store).items() if t == "nvme"} == {3, 4}
+    store.check_integrity()
