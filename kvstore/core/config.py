@@ -337,8 +337,9 @@ def load_config(path: str | os.PathLike | None = None,
                 data = tomllib.load(f)
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read config {path}: {exc}") from exc
-        if sections is not None:
-            data = {k: v for k, v in data.items() if k in set(sections)}
+        if sections is not None:  # (a name that is no section still fails _merge)
+            known = {f.name for f in fields(KVStoreConfig)}
+            data = {k: v for k, v in data.items() if k in set(sections) or k not in known}
         cfg = _merge(cfg, data)
     source = os.environ if env is None else env
     if sections is not None:

@@ -102,6 +102,10 @@ def test_sections_read_only_their_own_part_of_the_file(tmp_path):
     assert load_config(path, sections=("client",)).client.timeout_s == 3
     with pytest.raises(ConfigError, match="ports must be"):
         load_config(path)  # every section: the server's own start refuses it
+    # A name that is no section at all is still refused: a typo must not pass.
+    path.write_text('[clinet]\nserver = "tcp://10.0.0.5:7700"\n')
+    with pytest.raises(ConfigError, match=r"unknown config section \[clinet\]"):
+        load_config(path, sections=("client",))
 
 
 def test_curve_keys_may_come_from_different_places(tmp_path):
