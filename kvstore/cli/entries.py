@@ -279,17 +279,18 @@ def verify(admin: Admin) -> None:
 
 
 def _verify_node(admin: Admin, server: str, channel: Any) -> dict:
-    """Verify one node in batches of keys: real progress, and the server's store lock
-    is held for one batch at a time, never for a whole tier's read."""
+    """Verify one node in batches of keys (``protocol.verify_batches``: 512 keys or
+    64 MiB): real progress, and the server's store lock is held for one batch at a
+    time, never for a whole tier's read."""
     try:
-        keys = [e["key"] for e in _all_entries(channel, None)]
+        entries = _all_entries(channel, None)
     except KVStoreError as exc:
         raise _as_verify(exc) from None
     checked, bad = 0, []
-    with click.progressbar(length=len(keys), label=f"verifying {server}", file=sys.stderr,
+    with click.progressbar(length=len(entries), label=f"verifying {server}",
+                           file=sys.stderr,
                            hidden=admin.as_json or not sys.stderr.isatty()) as bar:
-        for start in range(0, len(keys), p.VERIFY_BATCH):
-            batch = tuple(keys[start:start + p.VERIFY_BATCH])
+        for batch in p.verify_batches(entries):
             reply = channel.call(p.Verify(keys=batch))
             checked += reply["checked"]
             bad += [k.hex() for k in reply["bad"]]

@@ -973,15 +973,16 @@ class KVStoreClient:
     def clear(self) -> dict[str, Any]:
         return self._rpc.call(p.Clear())
 
-    def verify(self, batch: int = p.VERIFY_BATCH) -> dict[str, Any]:
-        """Re-check every entry's checksum and drop the bad ones, ``batch`` keys per
-        request: the server holds its lock for one batch at a time, never for a whole
-        NVMe tier's read (which every other request would wait behind). Entries
-        stored meanwhile are not checked. {"checked": how many, "bad": their keys}."""
-        keys = [e["key"] for e in self.ls()]
+    def verify(self, batch: int = p.VERIFY_BATCH,
+               batch_bytes: int = p.VERIFY_BATCH_BYTES) -> dict[str, Any]:
+        """Re-check every entry's checksum and drop the bad ones, at most ``batch``
+        keys and ``batch_bytes`` bytes per request: the server holds its lock for one
+        batch's reads at a time, never for a whole NVMe tier's (which every other
+        request would wait behind). Entries stored meanwhile are not checked.
+        {"checked": how many, "bad": their keys}."""
         checked, bad = 0, []
-        for start in range(0, len(keys), batch):
-            reply = self._rpc.call(p.Verify(keys=tuple(keys[start:start + batch])))
+        for keys in p.verify_batches(self.ls(), batch, batch_bytes):
+            reply = self._rpc.call(p.Verify(keys=keys))
             checked += reply["checked"]
             bad += reply["bad"]
         return {"checked": checked, "bad": bad}

@@ -29,9 +29,10 @@ MAX_ENTRY_BYTES = 1 << 34  # one entry (block) of one TP rank
 MAX_ROOM_BYTES = MAX_KEYS * MAX_ENTRY_BYTES  # a room holds at most one message's entries
 MAX_TOKEN_BYTES = 4 * 8192  # one block's int32 token ids
 MAX_LEASE_S = 3600.0
-# Keys per ``verify`` request that clients send (``KVStoreClient.verify``, ``kvstore
-# verify``): the server holds its lock for one batch's reads at a time.
+# Keys, and bytes, per ``verify`` request that clients send (``KVStoreClient.verify``,
+# ``kvstore verify``): the server holds its lock for one batch's reads at a time.
 VERIFY_BATCH = 512
+VERIFY_BATCH_BYTES = 64 << 20
 MAX_ID = (1 << 63) - 1
 MAX_LS_LIMIT = 10_000
 MAX_META_BYTES = 1024  # the index keeps at most this much caller meta per entry
@@ -187,6 +188,26 @@ _DEADLINE = {"deadline": _opt(_float, 0.0, 1e11)}
 # Relative, so it needs no clock: the server counts it from the request's arrival.
 # Servers before this field refuse it as unknown; their hello has no ``wait_s``.
 _WAIT = {"wait_s": _opt(_float, 0.0, MAX_LEASE_S)}
+
+
+def verify_batches(entries: list[dict], most: int = VERIFY_BATCH,
+                   most_bytes: int = VERIFY_BATCH_BYTES) -> list[tuple[bytes, ...]]:
+    """The keys of ``entries`` (``ls`` replies' entries) in ``verify`` requests of at
+    most ``most`` keys and ``most_bytes`` bytes each (at least one key each)."""
+    if most < 1:
+        raise InvalidRequestError(f"a verify batch must hold at least 1 key, got {most}")
+    batches: list[tuple[bytes, ...]] = []
+    keys: list[bytes] = []
+    size = 0
+    for e in entries:
+        if keys and (len(keys) >= most or size + e["nbytes"] > most_bytes):
+            batches.append(tuple(keys))
+            keys, size = [], 0
+        keys.append(e["key"])
+        size += e["nbytes"]
+    if keys:
+        batches.append(tuple(keys))
+    return batches
 
 
 # ------------------------------------------------------------------ messages

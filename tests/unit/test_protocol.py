@@ -226,3 +226,14 @@ def test_parts_that_do_not_add_up_fall_back_to_te(caplog):
         result = {"aid": 3, "inline": 6, "parts": parts}
         _inline_frame(result, [Frame(b"m"), Frame(b"abcd")])
         assert result == {"aid": 3}, parts
+
+
+def test_verify_batches_bound_keys_and_bytes():
+    entries = [{"key": bytes([i]) * 16, "nbytes": n} for i, n in
+               enumerate([10, 10, 10, 50, 5, 200, 1])]
+    got = p.verify_batches(entries, most=2, most_bytes=60)
+    assert [[k[0] for k in b] for b in got] == [[0, 1], [2, 3], [4], [5], [6]]
+    # (an entry over the byte bound goes alone; every batch holds at least one key)
+    assert p.verify_batches([], most=2) == []
+    with pytest.raises(InvalidRequestError):
+        p.verify_batches(entries, most=0)
