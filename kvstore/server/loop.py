@@ -84,6 +84,8 @@ log = logging.getLogger(__name__)
 POLL_MS = 100  # upper bound on how long a stop request waits for the loop
 # A request in flight this long lets the watchdog answer what arrives meanwhile.
 WATCH_S = 0.02
+# The ops whose requests may say how long their caller waits (``protocol._WAIT``).
+WAIT_OPS = frozenset({p.Hello.OP, p.Lookup.OP, p.Acquire.OP})
 _EWMA = 0.2  # weight of the latest request in the recent service time
 _REAPING: list[bytes] = []  # ``Server._working_on`` while the reaper runs
 BUSY_NOTE_S = 10.0  # ``busy`` answers are logged at most once per this many seconds
@@ -547,6 +549,8 @@ class Server:
         Decodes the request: slow path only. (The serving thread does not use it:
         a request it reaches late goes to the store, which refuses a late acquire
         itself; a late lookup or hello is answered, to no one.)"""
+        if p.peek_op(frames[-1], self.max_bytes) not in WAIT_OPS:
+            return None  # (cheap: a write is not decoded for nothing)
         try:
             _, req = p.decode_request(frames[-1], self.max_bytes)
         except InvalidRequestError:
