@@ -286,7 +286,6 @@ def test_writeback_section_rows_compare_both_modes_on_the_same_puts(tmp_path):
     # high, so the puts still make theirs; tests/unit/test_store_writeback.py has
     # the case where they make none).
     assert off["demotions"] == off["of them by the puts"] > 0 and on["demotions"] > 0
-    assert on["of them by the puts"] <= on["demotions"]
     assert off["median x off"] == 1.0 and on["median x off"] > 0
 
 
