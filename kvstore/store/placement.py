@@ -40,6 +40,10 @@ class StagingPlan(NamedTuple):
 
 # Pinned or leased entries a chunk of demotion ahead passes over, per entry it may take.
 DEMOTE_SKIP_FACTOR = 16
+# Entries a writeback round copies at most (besides policy.writeback_batch_bytes): its
+# allocation and its record of the copies hold the store's lock for each of them
+# (~60 ms at 16k small entries, what 64 MiB of 4 KiB ones would be).
+WRITEBACK_ROUND_ENTRIES = 1024
 
 
 class WritebackWindow(NamedTuple):
@@ -319,7 +323,7 @@ class Placement:
             rec = records.get(key)
             if rec is None or rec.nvme_copy is not None:
                 continue
-            if planned > 2 * limit:
+            if planned > 2 * limit or len(keys) >= 2 * WRITEBACK_ROUND_ENTRIES:
                 break
             keys.append(key)
             planned += rec.nbytes
@@ -328,7 +332,7 @@ class Placement:
     def allocate_writeback(self, keys: list[bytes], limit: int) -> list[tuple[Record, Extent]]:
         """Under the lock: a free NVMe extent for each of ``keys`` that is still in
         the tier above NVMe, without a copy, and neither pinned nor leased, up to
-        ``limit`` bytes (at least one entry)."""
+        ``limit`` bytes and ``WRITEBACK_ROUND_ENTRIES`` entries (at least one)."""
         names = [n for n in self.tiers if n != "nvme"]
         if "nvme" not in self.tiers or not names:
             return []
@@ -340,7 +344,7 @@ class Placement:
             if rec is None or rec.tier != name or rec.nvme_copy is not None or rec.pins \
                     or self.holds.leased.get(key):
                 continue
-            if planned + rec.nbytes > limit and plan:
+            if (planned + rec.nbytes > limit or len(plan) >= WRITEBACK_ROUND_ENTRIES) and plan:
                 break
             try:
                 ext = nvme.allocate(rec.nbytes)
