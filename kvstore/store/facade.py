@@ -78,7 +78,9 @@ log = logging.getLogger(__name__)
 SCRUB_AFTER_S = 1.0
 # After a writeback round that wrote nothing, wait at least this many times the CPU
 # time it took: its walk of the window takes a core (and the GIL), and such rounds
-# must take at most 1 / (1 + this) of it.
+# must take at most 1 / (1 + this) of it (while a round takes under
+# WRITEBACK_PAUSE_MAX_S / this, ~0.22 s of CPU: a window of ~75k entries; past that
+# the cap below keeps the writeback from lagging further, at more of a core).
 WRITEBACK_IDLE_FACTOR = 9
 WRITEBACK_PAUSE_MAX_S = 2.0  # ... but never longer than this
 # Entries the background demotes per hold of the store's lock (an index flip each).

@@ -379,7 +379,7 @@ class Placement:
         # chosen), at most ``DEMOTE_SKIP_FACTOR * most`` of them a chunk.
         recs: list[Record] = []
         freed = skipped = 0
-        leased = self.holds.leased
+        leased, page = self.holds.leased, tier.page_size
         walk = self.catalog.orders[name].walk()
         try:
             for rec in walk:
@@ -391,7 +391,7 @@ class Placement:
                 if rec.nvme_copy is None:
                     break
                 recs.append(rec)
-                freed += rec.nbytes
+                freed += -(-rec.nbytes // page) * page  # (what the tier's use counts)
                 if len(recs) >= most or freed >= want:
                     break
         finally:

@@ -180,6 +180,8 @@ def test_wait_s_is_always_one_the_server_takes(clean_server, client_factory):
     client = client_factory(clean_server, same_node=False)
     client.insert(prompt(8, 3), make_kv(8, 3))
     client.hello()
+    assert (client._wait_s(-1.0), client._wait_s(0.0), client._wait_s(1e6)) == \
+        (0.001, 0.001, p.MAX_LEASE_S)
     with pytest.raises(MissError):
         client.drop_select(prompt(8, 3), timeout=1e-7)
     patient = client_factory(clean_server, same_node=False, timeout_s=5000.0)

@@ -344,3 +344,15 @@ def test_demotion_ahead_passes_over_pinned_entries_at_the_front(make_store, monk
     assert store.demote_step() == 2 * 4096
     assert {i for i, t in where(store).items() if t == "nvme"} == {3, 4}
     store.check_integrity()
+
+
+def test_demotion_ahead_counts_whole_pages_and_stops_at_the_low_watermark(make_store):
+    """The tier's use counts whole pages: an entry of half a page takes one. The
+    demotion counts what it frees the same way, so it stops at the low watermark
+    rather than demoting twice what it needed."""
+    store = make_store(dram=20, nvme=40, high=0.95, low=0.85)
+    for i in range(1, 20):
+        put(store, [i], nbytes=2048)  # 19 pages of 20 in use
+    _rounds(store)
+    assert store.demote_step() == 2 * 4096  # 19 -> 17 pages: two entries, not four
+    assert {i for i, t in where(store).items() if t == "nvme"} == {1, 2}
