@@ -83,37 +83,32 @@ class GroupOrder:
         record as it is at that moment (dict reads, atomic under the GIL). A member
         that changes meanwhile can come out late or not at all, so whoever acts on
         what it yields checks it again under the lock."""
+        for _, rec in self._members_in_order(heap):
+            yield rec
+
+    def _members_in_order(self, heap: list[tuple]) -> Generator[tuple, None, None]:
+        """(item, record) of each member, popping ``heap``: stale items dropped, a
+        touched member's item pushed again at its current key (lazy re-insertion)."""
         seen: set[bytes] = set()
         while heap:
             item = heapq.heappop(heap)
             key = item[-1]
             rec = self._member(key)
             if rec is None or key in seen:
-                continue
+                continue  # gone from the group, or a repeat already yielded
             now = self._sort_key(rec)
-            if now != item:  # touched since: its place is further on
+            if now != item:  # touched since it was pushed: its place is further on
                 heapq.heappush(heap, now)
                 continue
             seen.add(key)
-            yield rec
+            yield item, rec
 
     def walk(self) -> Generator[Record, None, None]:
         """Members in policy order, lazily. Close the generator when done: every
         live item it popped goes back then (the caller may not act on them)."""
         popped: list[tuple] = []
-        seen: set[bytes] = set()
         try:
-            while self._heap:
-                item = heapq.heappop(self._heap)
-                key = item[-1]
-                rec = self._member(key)
-                if rec is None or key in seen:
-                    continue  # gone from the group, or a repeat already yielded
-                now = self._sort_key(rec)
-                if now != item:  # touched since it was pushed: its place is further on
-                    heapq.heappush(self._heap, now)
-                    continue
-                seen.add(key)
+            for item, rec in self._members_in_order(self._heap):
                 popped.append(item)
                 yield rec
         finally:
