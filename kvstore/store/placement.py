@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from kvstore.core.config import KVStoreConfig
@@ -205,18 +206,24 @@ class Placement:
         (O(victims + skipped), not a sort of the tier). A copy is never leased:
         dropping it leaves the entry where it is served from; but not the copy a
         staging under way is reading (another reader staged the entry first)."""
+        walk = order.walk()
+        try:
+            return self._take(walk, name, nbytes, copies)
+        finally:
+            walk.close()
+
+    def _take(self, recs: Iterable[Record], name: str, nbytes: int,
+              copies: bool = False) -> Selection:
+        """The policy's victims worth ``nbytes`` among ``recs`` (in policy order) of
+        tier ``name``: their sizes in its pages, pinned and held ones passed over."""
         page = self.tiers[name].page_size
         reading = {plan.recs[i].key for plan in self.staging_in_flight.values()
                    for i, _ in plan.staging} if copies else set()
-        walk = order.walk()
-        try:
-            return self.policy.take(
-                (Candidate(r.key, -(-r.nbytes // page) * page, r.last_access, r.created,
-                           r.pins, int(r.key in reading) if copies
-                           else self.holds.leased.get(r.key, 0))
-                 for r in walk), nbytes)
-        finally:
-            walk.close()
+        leased = self.holds.leased
+        return self.policy.take(
+            (Candidate(r.key, -(-r.nbytes // page) * page, r.last_access, r.created,
+                       r.pins, int(r.key in reading) if copies else leased.get(r.key, 0))
+             for r in recs), nbytes)
 
     def move_down(self, name: str, keys: list[bytes]) -> None:
         recs = self._back_to_copies([self.catalog.records[k] for k in keys])
@@ -289,15 +296,24 @@ class Placement:
             return []
         return self.allocate_writeback(self.writeback_candidates(window, limit), limit)
 
+    def _above_nvme(self, background: bool = True) -> str | None:
+        """The tier right above NVMe, whose entries the background copies and
+        demotes; None without NVMe, without a tier above it, or (``background``)
+        with ``policy.background_writeback`` off."""
+        names = [n for n in self.tiers if n != "nvme"]
+        if "nvme" not in self.tiers or not names or \
+                (background and not self.config.policy.background_writeback):
+            return None
+        return names[-1]
+
     def writeback_window(self) -> WritebackWindow | None:
         """Under the lock: what a round walks (None: nothing to copy). The window
         is the ``ahead`` bytes the next three demotions would take: a shed frees down
         to low (plus what the reserve that triggers it needs), and the next ones come
         after (high - low) more bytes each."""
-        names = [n for n in self.tiers if n != "nvme"]
-        if "nvme" not in self.tiers or not names or not self.config.policy.background_writeback:
+        name, pol = self._above_nvme(), self.config.policy
+        if name is None:
             return None
-        name, pol = names[-1], self.config.policy
         tier = self.tiers[name]
         start = max(0.0, pol.low_watermark - 2 * (pol.high_watermark - pol.low_watermark))
         ahead = tier.used - int(tier.capacity * start)
@@ -311,12 +327,8 @@ class Placement:
         policy order, about ``limit`` bytes of them (``allocate_writeback`` stops at
         ``limit``; a few more cover the ones that changed meanwhile). Reads only
         records and leases, one dict read each (atomic under the GIL)."""
-        page = self.tiers[window.tier].page_size
-        records, leased = self.catalog.records, self.holds.leased
-        sel = self.policy.take(
-            (Candidate(r.key, -(-r.nbytes // page) * page, r.last_access, r.created,
-                       r.pins, leased.get(r.key, 0))
-             for r in window.order.walk_snapshot(window.heap)), window.ahead)
+        records = self.catalog.records
+        sel = self._take(window.order.walk_snapshot(window.heap), window.tier, window.ahead)
         keys: list[bytes] = []
         planned = 0
         for key in sel.keys:
@@ -333,10 +345,10 @@ class Placement:
         """Under the lock: a free NVMe extent for each of ``keys`` that is still in
         the tier above NVMe, without a copy, and neither pinned nor leased, up to
         ``limit`` bytes and ``WRITEBACK_ROUND_ENTRIES`` entries (at least one)."""
-        names = [n for n in self.tiers if n != "nvme"]
-        if "nvme" not in self.tiers or not names:
+        name = self._above_nvme(background=False)
+        if name is None:
             return []
-        name, nvme = names[-1], self.tiers["nvme"]
+        nvme = self.tiers["nvme"]
         plan: list[tuple[Record, Extent]] = []
         planned = 0
         for key in keys:
@@ -364,11 +376,9 @@ class Placement:
         crosses the high watermark and sheds on the serving thread. Stops at the
         first victim without a copy (the next writeback round copies it: nothing is
         written under the lock here). Returns the bytes freed (0: nothing to do)."""
-        names = [n for n in self.tiers if n != "nvme"]
-        pol = self.config.policy
-        if "nvme" not in self.tiers or not names or not pol.background_writeback:
+        name, pol = self._above_nvme(), self.config.policy
+        if name is None:
             return 0
-        name = names[-1]
         tier = self.tiers[name]
         mark = pol.low_watermark if going else \
             demote_mark(pol.high_watermark, pol.low_watermark)
