@@ -224,13 +224,21 @@ class KVStoreClient:
         older server refuses it as an unknown field: then asked again without)."""
         wait_s = None if self._wait_refused else \
             self._wait_s(_timeout(timeout_s, self.timeout_s))
+        return self._call_waiting(p.Hello(wait_s=wait_s),
+                                  lambda req: self._rpc.call(req, timeout_s))
+
+    def _call_waiting(self, req: p.Hello | p.Lookup,
+                      call: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+        """``call(req)``; where the server refuses ``req``'s ``wait_s`` as an unknown
+        field (an older server: at this address since the hello that named it, or
+        asked without a hello), asked again without it, and not sent again."""
         try:
-            return self._rpc.call(p.Hello(wait_s=wait_s), timeout_s)
+            return call(req)
         except InvalidRequestError as exc:
-            if wait_s is None or "unknown field 'wait_s'" not in str(exc):
+            if req.wait_s is None or "unknown field 'wait_s'" not in str(exc):
                 raise
-            self._wait_refused = True
-            return self._rpc.call(p.Hello(), timeout_s)
+            self._hello, self._wait_refused = None, True
+            return call(dataclasses.replace(req, wait_s=None))
 
     def _door(self, info: dict[str, Any]) -> str | tuple[str, int] | None:
         """The socket a hello's server names for this client's requests: its Unix
@@ -926,17 +934,10 @@ class KVStoreClient:
         call (default: the client's)."""
         timeout_s = _timeout(timeout_s, self.timeout_s)
         prompt = self._prompt(tokens, scope)
-        req = p.Lookup(keys=tuple(prompt.keys), tokens=tuple(prompt.tokens),
-                       wait_s=self._wait_s(timeout_s))
-        try:
-            res = self._call(req, timeout_s)
-        except InvalidRequestError as exc:
-            if req.wait_s is None or "unknown field 'wait_s'" not in str(exc):
-                raise
-            # An older server: at this address since the hello that named wait_s, or
-            # asked without one.
-            self._hello, self._wait_refused = None, True
-            res = self._call(dataclasses.replace(req, wait_s=None), timeout_s)
+        res = self._call_waiting(
+            p.Lookup(keys=tuple(prompt.keys), tokens=tuple(prompt.tokens),
+                     wait_s=self._wait_s(timeout_s)),
+            lambda req: self._call(req, timeout_s))
         return LookupResult(res["matched_tokens"], res["matched_blocks"], list(res["tiers"]))
 
     # ----------------------------------------------------------------- admin
