@@ -33,7 +33,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -398,6 +398,10 @@ class Store:
                     wrote += self.demote_step()
                 except Exception:
                     log.exception("background demotion failed")
+                try:
+                    wrote += self.evict_step()
+                except Exception:
+                    log.exception("background eviction failed")
                 if not wrote:
                     took = time.thread_time() - start
                     self._writeback_stop.wait(min(WRITEBACK_PAUSE_MAX_S,
@@ -408,19 +412,29 @@ class Store:
         self._writeback_thread.start()
 
     def demote_step(self) -> int:
-        """Demote ahead of the high watermark (``Placement.demote_ahead``), in chunks
-        of ``DEMOTE_CHUNK`` entries, the lock let go between them: the entries of the
-        tier right above NVMe that have their copies flip to them until it is at the
-        low watermark or its next victim has no copy. Returns the bytes freed. (The
-        writeback thread runs it after each round; a store used in-process by tests
-        calls it itself.)"""
+        """Demote ahead of the high watermark (``Placement.demote_ahead``): the
+        entries of the tier right above NVMe that have their copies flip to them
+        until it is at the low watermark or its next victim has no copy. Returns the
+        bytes freed. (The writeback thread runs it after each round, then
+        ``evict_step``; a store used in-process by tests calls them itself.)"""
+        return self._in_chunks(self.place.demote_ahead)
+
+    def evict_step(self) -> int:
+        """Evict ahead of the high watermark (``Placement.evict_ahead``): the last
+        tier's own victims go until it is at the low watermark. Returns the bytes
+        freed."""
+        return self._in_chunks(self.place.evict_ahead)
+
+    def _in_chunks(self, step: Callable[[int, bool], int]) -> int:
+        """``step`` in chunks of ``DEMOTE_CHUNK`` entries, the lock let go between
+        them, until it frees nothing; the bytes freed."""
         freed = 0
         while True:
             with self._lock:
                 if self._closed:
                     return freed
                 try:
-                    chunk = self.place.demote_ahead(DEMOTE_CHUNK, going=freed > 0)
+                    chunk = step(DEMOTE_CHUNK, freed > 0)
                 except (StorageError, TierFullError):  # the index refused: next round
                     return freed
             if not chunk:

@@ -39,7 +39,8 @@ class StagingPlan(NamedTuple):
     target: str  # the memory tier staged into
 
 
-# Pinned or leased entries a chunk of demotion ahead passes over, per entry it may take.
+# Pinned or leased entries a chunk of demotion or eviction ahead passes over, per entry
+# it may take.
 DEMOTE_SKIP_FACTOR = 16
 # Entries a writeback round copies at most (besides policy.writeback_batch_bytes): its
 # allocation and its record of the copies hold the store's lock for each of them
@@ -410,6 +411,51 @@ class Placement:
             return 0
         self._back_to_copies(recs)
         return freed
+
+    def evict_ahead(self, most: int, going: bool = False) -> int:
+        """Under the lock, from the writeback thread: once the last tier (NVMe, or
+        the lowest memory tier of a server without one) holds more than halfway
+        from the low watermark to the high one (or, when ``going``, the eviction
+        begun, more than the low watermark), evict up to ``most`` of its own policy
+        victims, pinned and leased ones passed over, towards the low watermark. The
+        tier then keeps free room: the writeback's copies and the demotions into it
+        find it there, and a request seldom sheds the last tier (a tenth of it, in
+        one index transaction) on the serving thread. Returns the bytes freed."""
+        names = [n for n in TIER_ORDER if n in self.tiers]
+        pol = self.config.policy
+        if not names or not pol.background_writeback:
+            return 0
+        name = names[-1]
+        tier = self.tiers[name]
+        mark = pol.low_watermark if going else \
+            demote_mark(pol.high_watermark, pol.low_watermark)
+        if tier.used <= tier.capacity * mark:
+            return 0
+        walk = self.catalog.orders[name].walk()
+        try:
+            sel = self._take(self._chunk(walk, most), name,
+                             bytes_to_free(tier.used, 0, tier.capacity, pol.low_watermark))
+        finally:
+            walk.close()
+        if sel.keys:
+            self.move_down(name, sel.keys)  # gone: no tier below
+        return sel.nbytes
+
+    def _chunk(self, recs: Iterable[Record], most: int) -> Iterable[Record]:
+        """``recs`` up to the ``most``-th one that is neither pinned nor leased, and
+        at most ``DEMOTE_SKIP_FACTOR * most`` of those passed over."""
+        leased = self.holds.leased
+        movable = skipped = 0
+        for rec in recs:
+            if rec.pins or leased.get(rec.key):
+                skipped += 1
+                if skipped > DEMOTE_SKIP_FACTOR * most:
+                    return
+            else:
+                movable += 1
+                if movable > most:
+                    return
+            yield rec
 
     def finish_writeback(self, plan: list[tuple[Record, Extent]], written: bool) -> int:
         """Record the copies ``plan``'s writes made (``written``: they reached NVMe,

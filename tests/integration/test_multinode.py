@@ -74,8 +74,10 @@ def _result(proc: subprocess.Popen) -> dict:
 
 def test_b_drop_selects_from_a_including_nvme_and_shared_prefix(cluster, node_servers):
     a, b = cluster.nodes
-    # Tiny DRAM, low watermarks: A's reaper demotes older entries to its NVMe tier.
-    srv = node_servers(a, dram="2MiB", nvme="32MiB",
+    # Tiny DRAM, low watermarks: A's reaper demotes older entries to its NVMe tier,
+    # large enough that the six prompts (512 entries of one 4 KiB page each: 12 MiB)
+    # stay under the mark past which it evicts ahead (0.35 here).
+    srv = node_servers(a, dram="2MiB", nvme="64MiB",
                        extra=("--high-watermark", "0.5", "--low-watermark", "0.2"))
     n, ids = 2048, list(range(6))  # 256 KiB per prompt
     _, again = _job(cluster, a, job="seq", servers=[srv.address], ntokens=n, steps=[

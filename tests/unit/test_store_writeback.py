@@ -356,3 +356,64 @@ def test_demotion_ahead_counts_whole_pages_and_stops_at_the_low_watermark(make_s
     _rounds(store)
     assert store.demote_step() == 2 * 4096  # 19 -> 17 pages: two entries, not four
     assert {i for i, t in where(store).items() if t == "nvme"} == {1, 2}
+
+
+def test_the_last_tier_evicts_ahead_of_the_high_watermark(make_store, monkeypatch):
+    """A server without NVMe: past halfway from low to high, the writeback thread
+    evicts the DRAM tier's victims down to the low watermark, in chunks of
+    DEMOTE_CHUNK per hold of the lock, pinned entries passed over; the next put
+    sheds nothing on the request path."""
+    from kvstore.store import facade
+
+    monkeypatch.setattr(facade, "DEMOTE_CHUNK", 1)
+    store = make_store(dram=20, high=0.95, low=0.85)
+    for i in range(1, 19):
+        put(store, [i])
+    assert store.evict_step() == 0  # 18 of 20: not past the mark (0.90)
+    put(store, [19])  # 19 of 20: past the mark, not over high (no shed)
+    store.pin([key(1)])
+    holds = []
+    real = store.place.evict_ahead
+    monkeypatch.setattr(store.place, "evict_ahead",
+                        lambda most, going=False: holds.append(going) or real(most, going))
+    assert store.stats()["evictions"] == 0
+    assert store.evict_step() == 2 * 4096  # down to 17 of 20 (low): 2 and 3 evicted
+    assert holds == [False, True, True]  # one entry per hold of the lock, to low
+    assert set(where(store)) == {1, *range(4, 20)} and store.stats()["evictions"] == 2
+    put(store, [20])  # 18 of 20: no shed
+    assert store.stats()["evictions"] == 2
+    store.check_integrity()
+
+
+def test_nvme_evicts_its_own_entries_ahead_and_keeps_the_copies(make_store):
+    """With NVMe, the NVMe tier evicts ahead: its own least recently used entries,
+    not the copies of entries served from DRAM (those are the next demotions, an
+    index flip each); the demotions then find room and the puts shed nothing there."""
+    store = make_store(dram=4, nvme=20, high=0.95, low=0.85)
+    for i in range(1, 23):
+        put(store, [i])  # DRAM sheds inline into NVMe (no background rounds)
+    _rounds(store)
+    nvme = store.place.tiers["nvme"]
+    on_nvme = sorted(i for i, t in where(store).items() if t == "nvme")
+    copies = _copies(store)
+    assert nvme.used > 0.90 * nvme.capacity and copies, (on_nvme, copies, nvme.used)
+    evicted = store.stats()["evictions"]
+    freed = store.evict_step()
+    assert freed > 0 and nvme.used <= 0.85 * nvme.capacity
+    gone = set(on_nvme) - set(where(store))
+    assert gone == set(on_nvme[:len(gone)])  # the least recently used first
+    assert _copies(store) == copies  # no copy dropped
+    assert store.stats()["evictions"] == evicted + len(gone)
+    store.check_integrity()
+
+
+def test_nothing_evicts_ahead_with_background_writeback_off(tmp_path):
+    cfg = store_config(tmp_path / "data", dram=20, high=0.95, low=0.85)
+    store = Store(cfg.replace(policy={"background_writeback": False, "high_watermark": 0.95,
+                                      "low_watermark": 0.85}))
+    try:
+        for i in range(1, 20):
+            put(store, [i])
+        assert store.evict_step() == 0 and len(where(store)) == 19
+    finally:
+        store.close()
