@@ -20,6 +20,7 @@ path).
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import sys
 import tempfile
@@ -77,32 +78,36 @@ def bench_writeback(opts: BenchOptions) -> list[Row]:
     prompts = [make_prompt(BIG, prompt_bytes, seed) for seed in range(n)]
     root = Path(tempfile.mkdtemp(prefix="kvbench-writeback-", dir=opts.workdir))
     rows: list[Row] = []
-    # NVMe with room for every prompt; then NVMe as large as DRAM, full after a
-    # few rounds, as a cache's NVMe tier is in its steady state (every demotion
-    # needs NVMe room: evicted ahead by the thread, or a tenth of NVMe shed inline).
-    for nvme, what in ((2 * n * prompt_bytes, "NVMe with room"),
-                       (dram, "NVMe full (evicting)")):
-        results: dict[str, dict[str, float]] = {}
-        for on in (False, True, False, True):  # interleaved: the machine is shared
-            got = _run(root / f"{nvme}-{'on' if on else 'off'}-{len(results)}", on, prompts,
-                       dram, nvme)
-            key = "on" if on else "off"
-            best = results.get(key)
-            if best is None or got["median"] < best["median"]:
-                results[key] = got
-        off, on_ = results["off"], results["on"]
-        rows += [{"table": f"put of an 8 MiB prompt into a full {dram >> 20} MiB DRAM tier "
-                           f"(each put demotes to NVMe)",
-                  "NVMe": f"{what}, {nvme >> 20} MiB",
-                  "writeback": name, "put median ms": r["median"] * 1e3,
-                  "put p99 ms": r["p99"] * 1e3, "demotions": r["demotions"],
-                  "of them by the puts": r["inline"],
-                  "evictions": r["evictions"], "of them by the puts ": r["evicted inline"],
-                  "copies written ahead": r["writebacks"],
-                  "writeback rounds s (off the request path)": r["writeback_s"],
-                  "median x off": ratio(r["median"], off["median"]),
-                  "p99 x off": ratio(r["p99"], off["p99"])}
-                 for name, r in (("off (demotion writes inline)", off), ("on", on_))]
+    try:  # (run alone, its work directory is not a section's: gone with it)
+        # NVMe with room for every prompt; then NVMe as large as DRAM, full after a
+        # few rounds, as a cache's NVMe tier is in its steady state (every demotion
+        # needs NVMe room: evicted ahead by the thread, or a tenth of NVMe shed inline).
+        for nvme, what in ((2 * n * prompt_bytes, "NVMe with room"),
+                           (dram, "NVMe full (evicting)")):
+            results: dict[str, dict[str, float]] = {}
+            for on in (False, True, False, True):  # interleaved: the machine is shared
+                where = root / f"{nvme}-{'on' if on else 'off'}-{len(results)}"
+                got = _run(where, on, prompts, dram, nvme)
+                shutil.rmtree(where, ignore_errors=True)  # its NVMe slab: up to 1.5 GiB
+                key = "on" if on else "off"
+                best = results.get(key)
+                if best is None or got["median"] < best["median"]:
+                    results[key] = got
+            off, on_ = results["off"], results["on"]
+            rows += [{"table": f"put of an 8 MiB prompt into a full {dram >> 20} MiB DRAM tier "
+                               f"(each put demotes to NVMe)",
+                      "NVMe": f"{what}, {nvme >> 20} MiB",
+                      "writeback": name, "put median ms": r["median"] * 1e3,
+                      "put p99 ms": r["p99"] * 1e3, "demotions": r["demotions"],
+                      "of them by the puts": r["inline"],
+                      "evictions": r["evictions"], "of them by the puts ": r["evicted inline"],
+                      "copies written ahead": r["writebacks"],
+                      "writeback rounds s (off the request path)": r["writeback_s"],
+                      "median x off": ratio(r["median"], off["median"]),
+                      "p99 x off": ratio(r["p99"], off["p99"])}
+                     for name, r in (("off (demotion writes inline)", off), ("on", on_))]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     return rows
 
 
