@@ -27,7 +27,8 @@ class Catalog:
     """Owner of: ``records`` (key -> Record), ``keys`` (their keys in key order, for
     ``ls``), ``by_tier`` (tier -> its keys, in insertion order), ``copies`` (keys
     served from memory that keep an NVMe copy), the durable ``index``, ``orders`` (one
-    ``GroupOrder`` per tier) and ``copy_order`` (the NVMe copies). Others read these;
+    ``GroupOrder`` per tier, of its entries that are not pinned) and ``copy_order``
+    (the NVMe copies). Others read these;
     only ``apply`` (and ``touch``, for access times) writes them.
 
     Invariants kept here:
@@ -295,8 +296,8 @@ class Catalog:
         a new item where it joined a group or moved in it."""
         key = self._sort_key
         moved = old is None or key(old) != key(rec)
-        if moved or old is None or old.tier != rec.tier:
-            self.orders[rec.tier].push(rec)
+        if moved or old is None or old.tier != rec.tier or (old.pins and not rec.pins):
+            self.orders[rec.tier].push(rec)  # (unpinned: back in the order)
         if rec.nvme_copy is not None and (moved or old is None or old.nvme_copy is None):
             self.copy_order.push(rec)
 
@@ -311,9 +312,11 @@ class Catalog:
                       "reads go on)", exc, self._counts["storage_errors"])
 
     def _member_of(self, name: str) -> Callable[[bytes], Record | None]:
+        # Pinned entries are never victims: out of the order, no walk passes over
+        # them (pinned template blocks would sit at its front for ever).
         def member(key: bytes) -> Record | None:
             rec = self.records.get(key)
-            return rec if rec is not None and rec.tier == name else None
+            return rec if rec is not None and rec.tier == name and not rec.pins else None
         return member
 
     def _members_of(self, name: str) -> Callable[[], dict[bytes, None]]:

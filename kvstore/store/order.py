@@ -8,7 +8,9 @@ only grows (access time), so its old item still sits no later than it should;
 when the walk pops an item whose record has moved on, it pushes the current key
 and goes on (lazy re-insertion), so reads pay nothing for the order. Items of
 entries gone from the group are dropped as the walk meets them, and the heap is
-rebuilt when stale items outnumber live ones (memory stays O(entries)).
+rebuilt when stale items outnumber live ones (memory stays O(entries)). (A tier's
+group leaves out its pinned entries, which are never victims: the catalog pushes
+an entry again when it is unpinned.)
 
 Invariant: every live member has an item whose key is at most its current sort
 key. So the smallest item whose key is current belongs to the member that sorts

@@ -417,3 +417,25 @@ def test_nothing_evicts_ahead_with_background_writeback_off(tmp_path):
         assert store.evict_step() == 0 and len(where(store)) == 19
     finally:
         store.close()
+
+
+def test_pinned_entries_are_out_of_the_order_so_any_number_of_them_stops_nothing(
+        make_store, monkeypatch):
+    """Pinned entries (template blocks, say) are not in the victim order at all: a
+    chunk of eviction (or demotion) ahead meets none of them, however many sit
+    where the least recently used entries are; unpinned, they are back in it."""
+    from kvstore.store import facade, placement
+
+    monkeypatch.setattr(facade, "DEMOTE_CHUNK", 1)  # a chunk passes over 16 at most
+    store = make_store(dram=60, high=0.95, low=0.85)
+    for i in range(1, 57):
+        put(store, [i])  # 56 of 60: past the mark (54)
+    store.pin([key(i) for i in range(1, 41)])  # the 40 least recently used
+    assert 40 > placement.DEMOTE_SKIP_FACTOR * facade.DEMOTE_CHUNK
+    assert store.evict_step() == 5 * 4096  # down to 51 (low)
+    assert set(where(store)) == {*range(1, 41), *range(46, 57)}
+    store.unpin([key(i) for i in range(1, 41)])
+    put(store, [57, 58, 59])  # 54 of 60, then the mark again
+    put(store, [60])
+    assert store.evict_step() == 4 * 4096 and set(where(store)) - {*range(5, 61)} == set()
+    store.check_integrity()
