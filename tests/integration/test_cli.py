@@ -283,6 +283,13 @@ def test_evict_by_key_prefix_bytes_and_all(filled):
     result = run("evict", "--server", addr, "--all")
     assert result.exit_code == 0 and "evicted 1 entries" in result.stdout
     assert total_entries(addr) == 0
+    # Named entries none of which is stored: said so, exit 1 (a script's
+    # ``evict --key K || ...`` learns K was not there); nothing named, no such rule.
+    gone = run("evict", "--server", addr, "--key", a_keys[0].hex(), "--key", a_keys[1].hex())
+    assert gone.exit_code == 1 and "evicted 0 entries" in gone.stdout, gone.output
+    assert gone.stderr.strip() == f"kvstore evict: none of the 2 entries named is stored on " \
+        f"{addr}"
+    assert run("evict", "--server", addr, "--all").exit_code == 0
 
 
 def test_prompt_selection_includes_its_hidden_state_entry(filled, writer):
