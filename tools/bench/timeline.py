@@ -59,6 +59,7 @@ HOOKS = (
     ("kvstore.server.loop", "Server._serve", "srv"),  # with "arr": when it arrived
     ("kvstore.server.loop", "Server._respond", "rsp"),
     ("kvstore.server.loop", "Server._send", "snd"),
+    ("kvstore.client.local", "Control.send", "ows"),  # a one-way send: the release
 )
 FLUSH_S = 0.2  # a stamping process appends its stamps to its file this often
 
@@ -239,6 +240,7 @@ PHASES = (
 INSIDE = (
     ("client: keys (hashing the tokens)", "C:key0", "C:key1"),
     ("server: reply and bytes handed to the socket", "S:snd0", "S:snd1"),
+    ("client: the release's one-way send", "C:ows0", "C:ows1"),
 )
 TOTAL = ("drop_select", "C:sel0", "C:sel1")
 _SERVED = ("srv0", "rsp0", "rsp1", "snd0", "snd1", "srv1")
