@@ -158,10 +158,11 @@ def evict(admin: Admin, tier: str | None, nbytes: int | None, fraction: float | 
     emit(admin, [(s, {**r, "dry_run": dry_run, "keys": [k.hex() for k in r["keys"]]})
                  for s, r in results],
          lambda s, r: _removed_text(s, verb, r, dry_run))
-    _named_found(admin, selected, results)
+    _named_found(admin, selected, results, tier)
 
 
-def _named_found(admin: Admin, selected: list[bytes], results: list[tuple[str, dict]]) -> None:
+def _named_found(admin: Admin, selected: list[bytes], results: list[tuple[str, dict]],
+                 tier: str | None) -> None:
     """Entries named by key or prompt of which no server asked holds one (none
     chosen, none kept as pinned or being read): a stderr line and exit 1, as for a
     server that said no (a script's ``evict --key K || ...`` learns K is not there).
@@ -169,7 +170,8 @@ def _named_found(admin: Admin, selected: list[bytes], results: list[tuple[str, d
     written."""
     if not selected or any(r["count"] or r.get("skipped") for _, r in results):
         return
-    click.echo(f"kvstore evict: none of the {len(selected)} entries named is stored on "
+    where = f"in the {tier} tier of" if tier else "on"
+    click.echo(f"kvstore evict: none of the {len(selected)} entries named is stored {where} "
                f"{', '.join(admin.servers)}", err=True)
     sys.exit(1)
 

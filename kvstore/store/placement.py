@@ -286,7 +286,8 @@ class Placement:
         the tier right above NVMe that the next demotions (down to the low
         watermark, three rounds ahead) would take and that have no NVMe copy yet,
         each with a free NVMe extent for its copy, at most ``limit`` bytes. Free
-        NVMe space only: writeback never evicts anything. The caller reads and
+        NVMe space only: a round never evicts anything (``evict_ahead`` keeps
+        room free). The caller reads and
         writes their bytes without the store's lock. The entries are *not* held:
         a round must never keep room-making from demoting or evicting them (a
         reserve that needs the room would fail), so an entry may move or go while
@@ -383,9 +384,10 @@ class Placement:
         tier = self.tiers[name]
         mark = pol.low_watermark if going else \
             demote_mark(pol.high_watermark, pol.low_watermark)
-        if tier.used <= tier.capacity * mark:
+        used = self._stored(name)
+        if used <= tier.capacity * mark:
             return 0
-        want = bytes_to_free(tier.used, 0, tier.capacity, pol.low_watermark)
+        want = bytes_to_free(used, 0, tier.capacity, pol.low_watermark)
         # The policy's order, pinned and leased entries passed over (as victims are
         # chosen), at most ``DEMOTE_SKIP_FACTOR * most`` of them a chunk.
         recs: list[Record] = []
@@ -429,17 +431,25 @@ class Placement:
         tier = self.tiers[name]
         mark = pol.low_watermark if going else \
             demote_mark(pol.high_watermark, pol.low_watermark)
-        if tier.used <= tier.capacity * mark:
+        used = self._stored(name)
+        if used <= tier.capacity * mark:
             return 0
         walk = self.catalog.orders[name].walk()
         try:
             sel = self._take(self._chunk(walk, most), name,
-                             bytes_to_free(tier.used, 0, tier.capacity, pol.low_watermark))
+                             bytes_to_free(used, 0, tier.capacity, pol.low_watermark))
         finally:
             walk.close()
         if sel.keys:
             self.move_down(name, sel.keys)  # gone: no tier below
         return sel.nbytes
+
+    def _stored(self, name: str) -> int:
+        """What tier ``name`` holds for the background's demotion and eviction ahead:
+        its use but the writers' open rooms (DRAM), which are cut from free memory
+        and must never cost a stored entry (``room_extent``)."""
+        used = self.tiers[name].used
+        return used - self.holds.room_bytes() if name == "dram" else used
 
     def _chunk(self, recs: Iterable[Record], most: int) -> Iterable[Record]:
         """``recs`` up to the ``most``-th one that is neither pinned nor leased, and

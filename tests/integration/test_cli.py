@@ -290,6 +290,9 @@ def test_evict_by_key_prefix_bytes_and_all(filled):
     assert gone.stderr.strip() == f"kvstore evict: none of the 2 entries named is stored on " \
         f"{addr}"
     assert run("evict", "--server", addr, "--all").exit_code == 0
+    elsewhere = run("evict", "--server", addr, "--tier", "nvme", "--key", a_keys[0].hex())
+    assert elsewhere.exit_code == 1 and elsewhere.stderr.strip() == \
+        f"kvstore evict: none of the 1 entries named is stored in the nvme tier of {addr}"
 
 
 def test_prompt_selection_includes_its_hidden_state_entry(filled, writer):

@@ -439,3 +439,16 @@ def test_pinned_entries_are_out_of_the_order_so_any_number_of_them_stops_nothing
     put(store, [60])
     assert store.evict_step() == 4 * 4096 and set(where(store)) - {*range(5, 61)} == set()
     store.check_integrity()
+
+
+def test_a_writers_open_room_never_costs_a_stored_entry_ahead(make_store):
+    """A room is cut from free memory and must never cost a stored entry: the
+    background's eviction (and demotion) ahead leaves the rooms' bytes out."""
+    store = make_store(dram=20, high=0.95, low=0.85)
+    for i in range(1, 15):
+        put(store, [i])  # 14 of 20
+    room = store.grant_room(5 * 4096)  # 19 of 20 in use: past the mark (18)
+    assert room is not None and store.place.tiers["dram"].used == 19 * 4096
+    assert store.evict_step() == 0 and store.demote_step() == 0
+    assert set(where(store)) == set(range(1, 15)) and store.stats()["evictions"] == 0
+    store.abort(room.id)

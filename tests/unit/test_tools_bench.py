@@ -287,13 +287,13 @@ def test_writeback_section_rows_compare_both_modes_on_the_same_puts(tmp_path):
         # watermark (quick: a prompt is more than the tier's distance from that mark
         # to high, so the puts still make theirs; tests/unit/test_store_writeback.py
         # has the case where they make none).
-        assert off["demotions"] == off["of them by the puts"] > 0 and on["demotions"] > 0
+        assert off["demotions"] == off["demotions by the puts"] > 0 and on["demotions"] > 0
         assert off["median x off"] == 1.0 and on["median x off"] > 0
     room, full = rows[1], rows[2:]
     assert room["evictions"] == 0
     # A full NVMe tier evicts: off, on the puts; on, ahead of them, in the thread.
-    assert full[0]["evictions"] == full[0]["of them by the puts "] > 0
-    assert full[1]["evictions"] > 0 and full[1]["of them by the puts "] == 0
+    assert full[0]["evictions"] == full[0]["evictions by the puts"] > 0
+    assert full[1]["evictions"] > 0 and full[1]["evictions by the puts"] == 0
 
 
 def test_store_ab_runs_two_checkouts_in_turn():

@@ -63,12 +63,12 @@ def _run(workdir: Path, on: bool, prompts: list, dram: int, nvme: int) -> dict[s
             evicted += after["evictions"] - before["evictions"]
         stats = store.stats()
     warm = puts[len(puts) // 4:]  # past the first fill: every put demotes
-    warm.sort()
-    return {"median": statistics.median(warm), "p99": warm[min(len(warm) - 1,
-                                                               int(len(warm) * 0.99))],
+    return {"median": statistics.median(warm), "max": max(warm),  # (24 - 72 puts)
             "writeback_s": sum(rounds), "demotions": stats["demotions"],
             "inline": inline, "writebacks": stats["writebacks"],
-            "evictions": stats["evictions"], "evicted inline": evicted}
+            "evictions": stats["evictions"], "evicted inline": evicted,
+            "entries": stats["entries"], "nvme entries": stats["tiers"]["nvme"]["entries"],
+            "copies": stats["nvme_copies"]}
 
 
 def bench_writeback(opts: BenchOptions) -> list[Row]:
@@ -98,13 +98,18 @@ def bench_writeback(opts: BenchOptions) -> list[Row]:
                                f"(each put demotes to NVMe)",
                       "NVMe": f"{what}, {nvme >> 20} MiB",
                       "writeback": name, "put median ms": r["median"] * 1e3,
-                      "put p99 ms": r["p99"] * 1e3, "demotions": r["demotions"],
-                      "of them by the puts": r["inline"],
-                      "evictions": r["evictions"], "of them by the puts ": r["evicted inline"],
+                      "put max ms": r["max"] * 1e3, "demotions": r["demotions"],
+                      "demotions by the puts": r["inline"],
+                      "evictions": r["evictions"], "evictions by the puts": r["evicted inline"],
                       "copies written ahead": r["writebacks"],
+                      # What is held at the end: the copies are of entries served
+                      # from DRAM (each the same bytes twice), so they take NVMe room
+                      # that stored entries would otherwise have.
+                      "entries at the end": r["entries"], "of them on NVMe": r["nvme entries"],
+                      "NVMe copies at the end": r["copies"],
                       "writeback rounds s (off the request path)": r["writeback_s"],
                       "median x off": ratio(r["median"], off["median"]),
-                      "p99 x off": ratio(r["p99"], off["p99"])}
+                      "max x off": ratio(r["max"], off["max"])}
                      for name, r in (("off (demotion writes inline)", off), ("on", on_))]
     finally:
         shutil.rmtree(root, ignore_errors=True)
