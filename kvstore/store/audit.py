@@ -54,6 +54,10 @@ class Audit(Operations):
                                  f"{dict(copied)}")
         if copies != set(self.catalog.copies):
             raise IntegrityError("NVMe copy list differs from the records")
+        copy_bytes = sum(self.catalog.copy_pages(self.catalog.records[k].nbytes) for k in copies)
+        if copy_bytes != self.catalog.copy_bytes:
+            raise IntegrityError(f"NVMe copies take {copy_bytes} bytes, the catalog counts "
+                                 f"{self.catalog.copy_bytes}")
 
     def _owned_bytes(self) -> collections.Counter[str]:
         """Page-rounded bytes per tier of every record, NVMe copy and open reservation;

@@ -67,6 +67,10 @@ class Catalog:
         # Of those, how many each tier holds: a tier whose every entry has its copy
         # gives the background writeback nothing to do, known without a walk.
         self.copied: dict[str, int] = {name: 0 for name in tiers}
+        # ... and the NVMe bytes (whole pages) they take: what the background's
+        # eviction ahead may count as room (kvstore/store/placement.py, evict_ahead).
+        self.copy_bytes = 0
+        self._copy_page = tiers["nvme"].page_size if "nvme" in tiers else 1
         self.pinned = 0  # records with pins > 0 (stats reads it: no scan of the records)
         # Records committed without the server hashing their bytes
         # (store.verify_commits = "background"): key -> the checksum the writer gave.
@@ -94,6 +98,7 @@ class Catalog:
             if rec.nvme_copy is not None:
                 self.copies[rec.key] = None
                 self.copied[rec.tier] += 1
+                self.copy_bytes += self.copy_pages(rec.nbytes)
         self.keys.add_many(rec.key for rec in recovered)
         for order in self.orders.values():
             order.rebuild()
@@ -211,11 +216,13 @@ class Catalog:
             by_tier[rec.tier][rec.key] = None
             if old is not None and old.nvme_copy is not None:
                 self.copied[old.tier] -= 1
+                self.copy_bytes -= self.copy_pages(old.nbytes)
             if rec.nvme_copy is None:
                 self.copies.pop(rec.key, None)
             else:
                 self.copies[rec.key] = None
                 self.copied[rec.tier] += 1
+                self.copy_bytes += self.copy_pages(rec.nbytes)
             self._reordered(rec, old)
             if old is not None:
                 for ext in set(owned(old)) - set(owned(rec)):
@@ -240,6 +247,7 @@ class Catalog:
             del by_tier[rec.tier][key]
             if copies.pop(key, 0) is None:  # (a stored copy's value is None)
                 self.copied[rec.tier] -= 1
+                self.copy_bytes -= self.copy_pages(rec.nbytes)
             ext = make(Extent, (rec.tier, rec.offset, rec.nbytes))
             group = freed.get(ext[0])
             if group is None:
@@ -310,6 +318,11 @@ class Catalog:
             self._storage_logged_at = now
             log.error("%s (%d index writes failed so far; writes that need space fail, "
                       "reads go on)", exc, self._counts["storage_errors"])
+
+    def copy_pages(self, nbytes: int) -> int:
+        """What a copy of ``nbytes`` takes of the NVMe tier (whole pages)."""
+        page = self._copy_page
+        return -(-nbytes // page) * page
 
     def _member_of(self, name: str) -> Callable[[bytes], Record | None]:
         # Pinned entries are never victims: out of the order, no walk passes over

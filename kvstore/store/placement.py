@@ -313,16 +313,21 @@ class Placement:
         is the ``ahead`` bytes the next three demotions would take: a shed frees down
         to low (plus what the reserve that triggers it needs), and the next ones come
         after (high - low) more bytes each."""
-        name, pol = self._above_nvme(), self.config.policy
+        name = self._above_nvme()
         if name is None:
             return None
-        tier = self.tiers[name]
-        start = max(0.0, pol.low_watermark - 2 * (pol.high_watermark - pol.low_watermark))
-        ahead = tier.used - int(tier.capacity * start)
+        ahead = self._window_bytes(name)
         if ahead <= 0 or self.catalog.copied[name] == len(self.catalog.by_tier[name]):
             return None  # every entry of the tier has its copy: known without a walk
         order = self.catalog.orders[name]
         return WritebackWindow(name, order, order.snapshot(), ahead)
+
+    def _window_bytes(self, name: str) -> int:
+        """The bytes of tier ``name`` (right above NVMe) the next three demotions
+        would take: its use above ``low - 2 (high - low)`` of it (0 if none)."""
+        pol, tier = self.config.policy, self.tiers[name]
+        start = max(0.0, pol.low_watermark - 2 * (pol.high_watermark - pol.low_watermark))
+        return max(0, tier.used - int(tier.capacity * start))
 
     def writeback_candidates(self, window: WritebackWindow, limit: int) -> list[bytes]:
         """Without the lock (or with it): the window's entries that have no copy, in
@@ -447,9 +452,19 @@ class Placement:
     def _stored(self, name: str) -> int:
         """What tier ``name`` holds for the background's demotion and eviction ahead:
         its use but the writers' open rooms (DRAM), which are cut from free memory
-        and must never cost a stored entry (``room_extent``)."""
+        and must never cost a stored entry (``room_extent``), and, on NVMe, but the
+        copies beyond the writeback's window: copies of entries that were read
+        again after they were copied and so are no next demotions any more (a
+        prefix cache's hot entries). Those would otherwise push out entries that
+        live on NVMe alone; a shed on the request path drops copies first."""
         used = self.tiers[name].used
-        return used - self.holds.room_bytes() if name == "dram" else used
+        if name == "dram":
+            return used - self.holds.room_bytes()
+        if name == "nvme" and self.catalog.copy_bytes:
+            above = self._above_nvme(background=False)
+            window = self._window_bytes(above) if above is not None else 0
+            return used - max(0, self.catalog.copy_bytes - window)
+        return used
 
     def _chunk(self, recs: Iterable[Record], most: int) -> Iterable[Record]:
         """``recs`` up to the ``most``-th one that is neither pinned nor leased, and

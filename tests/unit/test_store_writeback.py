@@ -452,3 +452,27 @@ def test_a_writers_open_room_never_costs_a_stored_entry_ahead(make_store):
     assert store.evict_step() == 0 and store.demote_step() == 0
     assert set(where(store)) == set(range(1, 15)) and store.stats()["evictions"] == 0
     store.abort(room.id)
+
+
+def test_copies_of_entries_read_again_push_out_no_nvme_entry(make_store):
+    """A copy whose entry was read after it was copied is no next demotion any
+    more (it left the writeback's window): eviction ahead does not count such
+    copies, so they cannot push out entries that live on NVMe alone (a shed on the
+    request path, over the high watermark, drops copies first)."""
+    store = make_store(dram=20, nvme=24, high=0.95, low=0.85)
+    for i in range(1, 19):
+        put(store, [i])  # DRAM 18 of 20: the window is 18 - 13 = 5 entries
+    _rounds(store)
+    assert _copies(store) == {1, 2, 3, 4, 5}
+    acq = store.acquire([key(i) for i in range(1, 6)], [toks(i) for i in range(1, 6)])
+    store.release(acq.id)  # read again: the most recently used now
+    store.demote([key(i) for i in range(11, 19)])  # DRAM 10: no window at all
+    for i in range(19, 28):
+        put(store, [i])
+        store.demote([key(i)])
+    nvme = store.place.tiers["nvme"]
+    assert nvme.used == 22 * 4096 > 0.90 * nvme.capacity  # 17 entries and 5 copies
+    assert store.evict_step() == 0 and store.stats()["evictions"] == 0
+    assert sum(t == "nvme" for t in where(store).values()) == 17
+    assert _copies(store) == {1, 2, 3, 4, 5}
+    store.check_integrity()
