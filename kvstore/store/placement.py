@@ -142,9 +142,11 @@ class Placement:
         """An extent of ``nbytes`` of the DRAM tier for a writer's room, if it fits
         below the high watermark and, with the ``held`` bytes of the rooms already
         open, within ``policy.room_fraction`` of the tier; else None. Never makes
-        room: a room is taken from free space only, so holding one never costs a
-        stored entry. (DRAM only: rooms are for writers on this node, which copy
-        into the shared arena, ``Writes.grant_room``.)"""
+        room: a room is taken from free space only, so granting one never costs a
+        stored entry. (Held, it counts as used, as the insert it will hold: the
+        background's demotion and eviction ahead make room past it.) (DRAM only:
+        rooms are for writers on this node, which copy into the shared arena,
+        ``Writes.grant_room``.)"""
         pol, tier = self.config.policy, self.tiers.get("dram")
         if tier is None:
             return None
@@ -451,15 +453,16 @@ class Placement:
 
     def _stored(self, name: str) -> int:
         """What tier ``name`` holds for the background's demotion and eviction ahead:
-        its use but the writers' open rooms (DRAM), which are cut from free memory
-        and must never cost a stored entry (``room_extent``), and, on NVMe, but the
-        copies beyond the writeback's window: copies of entries that were read
-        again after they were copied and so are no next demotions any more (a
-        prefix cache's hot entries). Those would otherwise push out entries that
-        live on NVMe alone; a shed on the request path drops copies first."""
+        its use, but on NVMe not the copies past the bytes of the writeback's window
+        (counted by bytes, not by whose copies they are). Copies of entries read
+        again after they were copied are no next demotions any more (a prefix
+        cache's hot entries), and can pile up to the whole tier above NVMe; counted,
+        they would push out entries that live on NVMe alone, where a shed on the
+        request path drops copies first. (Writers' open rooms count as used: each
+        is its writer's next insert. Left out, they kept a tier's real use over the
+        high watermark, where ``room_extent`` grants no next room, and writers fell
+        back to two round trips an insert.)"""
         used = self.tiers[name].used
-        if name == "dram":
-            return used - self.holds.room_bytes()
         if name == "nvme" and self.catalog.copy_bytes:
             above = self._above_nvme(background=False)
             window = self._window_bytes(above) if above is not None else 0
