@@ -385,16 +385,13 @@ class Placement:
         crosses the high watermark and sheds on the serving thread. Stops at the
         first victim without a copy (the next writeback round copies it: nothing is
         written under the lock here). Returns the bytes freed (0: nothing to do)."""
-        name, pol = self._above_nvme(), self.config.policy
+        name = self._above_nvme()
         if name is None:
             return 0
-        tier = self.tiers[name]
-        mark = pol.low_watermark if going else \
-            demote_mark(pol.high_watermark, pol.low_watermark)
-        used = self._stored(name)
-        if used <= tier.capacity * mark:
+        want = self._ahead(name, going)
+        if not want:
             return 0
-        want = bytes_to_free(used, 0, tier.capacity, pol.low_watermark)
+        tier = self.tiers[name]
         # The policy's order, pinned and leased entries passed over (as victims are
         # chosen), at most ``DEMOTE_SKIP_FACTOR * most`` of them a chunk.
         recs: list[Record] = []
@@ -435,21 +432,30 @@ class Placement:
         if not names or not pol.background_writeback:
             return 0
         name = names[-1]
-        tier = self.tiers[name]
-        mark = pol.low_watermark if going else \
-            demote_mark(pol.high_watermark, pol.low_watermark)
-        used = self._stored(name)
-        if used <= tier.capacity * mark:
+        want = self._ahead(name, going)
+        if not want:
             return 0
         walk = self.catalog.orders[name].walk()
         try:
-            sel = self._take(self._chunk(walk, most), name,
-                             bytes_to_free(used, 0, tier.capacity, pol.low_watermark))
+            sel = self._take(self._chunk(walk, most), name, want)
         finally:
             walk.close()
         if sel.keys:
             self.move_down(name, sel.keys)  # gone: no tier below
         return sel.nbytes
+
+    def _ahead(self, name: str, going: bool) -> int:
+        """The bytes the background's demotion or eviction ahead frees from tier
+        ``name`` now: down to the low watermark once it holds more than
+        ``demote_mark`` (when ``going``, the work begun: more than the low
+        watermark); 0 below that."""
+        pol, tier = self.config.policy, self.tiers[name]
+        mark = pol.low_watermark if going else \
+            demote_mark(pol.high_watermark, pol.low_watermark)
+        used = self._stored(name)
+        if used <= tier.capacity * mark:
+            return 0
+        return bytes_to_free(used, 0, tier.capacity, pol.low_watermark)
 
     def _stored(self, name: str) -> int:
         """What tier ``name`` holds for the background's demotion and eviction ahead:
