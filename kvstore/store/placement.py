@@ -391,25 +391,21 @@ class Placement:
         want = self._ahead(name, going)
         if not want:
             return 0
-        tier = self.tiers[name]
-        # The policy's order, pinned and leased entries passed over (as victims are
-        # chosen), at most ``DEMOTE_SKIP_FACTOR * most`` of them a chunk.
+        # The policy's order, leased entries passed over (as victims are chosen),
+        # at most ``most`` taken a chunk (``_chunk``).
         recs: list[Record] = []
-        freed = skipped = 0
-        leased, page = self.holds.leased, tier.page_size
+        freed = 0
+        leased, page = self.holds.leased, self.tiers[name].page_size
         walk = self.catalog.orders[name].walk()
         try:
-            for rec in walk:
+            for rec in self._chunk(walk, most):
                 if rec.pins or leased.get(rec.key):
-                    skipped += 1
-                    if skipped > DEMOTE_SKIP_FACTOR * most:
-                        break
                     continue
                 if rec.nvme_copy is None:
                     break
                 recs.append(rec)
                 freed += -(-rec.nbytes // page) * page  # (what the tier's use counts)
-                if len(recs) >= most or freed >= want:
+                if freed >= want:
                     break
         finally:
             walk.close()
