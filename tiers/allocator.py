@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import operator
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from tiers.errors import ConfigError, IntegrityError, InvalidRequestError, TierFullError
@@ -78,6 +79,13 @@ class ExtentAllocator:
     def is_live(self, offset: int, nbytes: int) -> bool:
         """True if ``[offset, offset + nbytes)`` was handed out as one range."""
         return nbytes > 0 and self._live.get(offset) == self.round_up(nbytes)
+
+    def all_live(self, offsets: Sequence[int], sizes: Sequence[int]) -> bool:
+        """``is_live`` of each ``(offset, nbytes)`` pair, the lookups in one C-level
+        pass (a server checks a reply's 32 - 128 entries so on every small read)."""
+        page = self.page_size
+        return len(offsets) == len(sizes) and min(sizes, default=1) > 0 and \
+            list(map(self._live.get, offsets)) == [-(-n // page) * page for n in sizes]
 
     # ------------------------------------------------------------ changes
     def allocate_many(self, sizes: list[int]) -> list[int]:

@@ -15,10 +15,12 @@ copy nor TE's send from it takes a page fault on the request path.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import mmap
 import os
 import sys
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -188,16 +190,17 @@ class DramTier(ArenaTier):
             out.append(arena[ext.offset:ext.offset + ext.nbytes].data)
         return out
 
-    def span(self, extents: list[Extent]) -> memoryview | None:
-        """One view over ``extents`` when each is live and each starts where the one
-        before ends (a prompt's entries, reserved back to back); else None."""
-        arena, live = self._arena(), self._alloc.is_live
-        end = extents[0].offset if extents else 0
-        for ext in extents:
-            if ext.tier != self.name or ext.offset != end or not live(ext.offset, ext.nbytes):
-                return None
-            end = ext.offset + ext.nbytes
-        return arena[extents[0].offset:end].data if extents else None
+    def span_of(self, offsets: Sequence[int], sizes: Sequence[int]) -> memoryview | None:
+        """``Tier.span_of``, checked in C-level passes rather than per extent in
+        Python (that loop took a third of a server's handling of a 128-entry inline
+        read)."""
+        if not offsets:
+            return None
+        start = offsets[0]
+        ends = list(itertools.accumulate(sizes, initial=start))
+        if ends[:-1] != list(offsets) or not self._alloc.all_live(offsets, sizes):
+            return None
+        return self._arena()[start:ends[-1]].data
 
     def address(self, extent: Extent) -> int:
         self._own(extent)

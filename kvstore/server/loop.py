@@ -765,8 +765,9 @@ class Server:
         all in DRAM, and a slot is free: at most ``INLINE_BACKLOG`` replies' bytes are
         handed to ZeroMQ and not sent yet. With ``part`` (``Acquire.inline_part``) and
         more than that many bytes, they go in parts (``"parts"``: their lengths)."""
-        nbytes = sum(e.nbytes for e in acq.entries)
-        if not acq.entries or nbytes > min(cap, self._inline_max):
+        sizes = [e[3] for e in acq.entries]  # (EntryInfo.nbytes)
+        nbytes = sum(sizes)
+        if not sizes or nbytes > min(cap, self._inline_max):
             return
         # (The slots are the serving thread's alone: it fills, sends and settles them.)
         self._settle_slots()  # after which a slot is free exactly when it has no bytes
@@ -781,7 +782,7 @@ class Server:
             return
         if type(data) is memoryview:  # the arena itself: its entries stay until it is out
             self.store.hold_send(acq.id)
-        slot.take(data, acq.id, _parts([e.nbytes for e in acq.entries], part))
+        slot.take(data, acq.id, _parts(sizes, part))
         result["inline"] = nbytes
         if slot.parts:
             result["parts"] = slot.parts

@@ -15,6 +15,7 @@ Invariants kept here:
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -54,6 +55,9 @@ _META: Final = 11
 assert [Record._fields[i] for i in (_KEY, _TIER, _OFFSET, _NBYTES, _NTOKENS, _TOKENS,
                                     _CHECKSUM, _PENDING, _META)] == [
     "key", "tier", "offset", "nbytes", "ntokens", "tokens", "checksum", "pending", "meta"]
+_pending_of = operator.itemgetter(_PENDING)
+_key_of = operator.itemgetter(_KEY)
+_tier_of = operator.itemgetter(_TIER)
 
 
 class Staging:
@@ -158,9 +162,9 @@ class Reads(Operations):
             if claim:
                 recs, take, end = self._takeable(recs, len(keys) - bool(optional_tail))
                 claim = take
-            found_in = [r.tier for r in recs]
+            found_in = list(map(_tier_of, recs))
             nblocks = len(keys) - bool(optional_tail)
-            self.holds.hold([r.key for r in recs])
+            self.holds.hold(list(map(_key_of, recs)))
             try:
                 plan = self.place.plan_staging(recs)
             except BaseException:
@@ -300,7 +304,7 @@ class Reads(Operations):
             records = self.catalog.records
             recs = [records[r.key] for r in recs]
         aid = new_id()
-        keys = [r.key for r in recs]
+        keys = list(map(_key_of, recs))
         if end is not None and end not in keys:
             end = None  # staging cut the lease before the prompt's end: a later round
         if not claim:
@@ -386,6 +390,8 @@ class Reads(Operations):
 
     def _claimable_prefix(self, recs: list[Record]) -> list[Record]:
         claims = self.holds.claims  # (``Holds.unclaimed``, inlined: once per entry)
+        if not claims and min(map(_pending_of, recs), default=1) > 0:
+            return recs  # the usual case (no drop_select in flight), in one C-level pass
         for i, rec in enumerate(recs):
             if rec[_PENDING] - claims.get(rec[_KEY], 0) <= 0:
                 return recs[:i]
@@ -452,8 +458,9 @@ class Reads(Operations):
         its offset, or None), each built with ``tuple.__new__`` (an acquire builds one
         per entry: this loop was half of a 2 048-entry acquire)."""
         tiers, new = self.place.tiers, tuple.__new__
-        if recs and all(rec[_TIER] == recs[0][_TIER] for rec in recs):  # the usual case
-            name = recs[0][_TIER]
+        names = list(map(_tier_of, recs))
+        if names and names.count(names[0]) == len(names):  # the usual case
+            name = names[0]
             base = tiers[name].address(Extent(name, 0, 0))
             if base is not None:
                 return [new(EntryInfo, (rec[_KEY], name, rec[_OFFSET], rec[_NBYTES],

@@ -115,6 +115,27 @@ def test_entry_larger_than_every_tier_is_tier_full(make_store):
     store.check_integrity()
 
 
+def test_dram_bytes_is_a_view_when_back_to_back_else_a_copy_and_none_off_dram(make_store):
+    # (A server sends a small read's bytes so: Server._inline.)
+    store = make_store(dram=8, nvme=8, stage=False)  # NVMe hits are read there
+    put(store, [1, 2, 3])  # one reservation: back to back in the arena
+    acq = acquire(store, [1, 2, 3])
+    whole = data(1) + data(2) + data(3)
+    view = store.dram_bytes(acq.entries)
+    assert type(view) is memoryview and bytes(view) == whole
+    back = store.dram_bytes(acq.entries[::-1])  # not in arena order: one copy
+    assert type(back) is bytes and back == data(3) + data(2) + data(1)
+    assert store.dram_bytes(acq.entries[::2]) == data(1) + data(3)  # a gap: a copy
+    assert store.dram_bytes([acq.entries[0]._replace(tier="nvme")]) is None
+    assert store.dram_bytes([]) == b""
+    store.release(acq.id)
+    store.demote_entries(tier="dram", keys=[key(2)])
+    acq = acquire(store, [1, 2, 3])
+    assert [e.tier for e in acq.entries] == ["dram", "nvme", "dram"]
+    assert store.dram_bytes(acq.entries) is None
+    store.release(acq.id)
+
+
 # ------------------------------------------------------------------ pins, leases
 def test_pinned_entries_are_never_evicted_full_tier_says_so(make_store):
     store = make_store(dram=2)

@@ -167,6 +167,10 @@ def test_dram_span_is_one_view_over_neighbouring_live_extents():
         assert span[4096] == 9  # a view, not a copy
         assert t.span([a, c]) is None  # a gap between them
         assert t.span([b, a]) is None  # out of order
+        assert t.span([a, Extent("nvme", b.offset, b.nbytes)]) is None  # another tier's
+        assert t.span([a, Extent("dram", b.offset, 0)]) is None  # an empty one
+        assert t.span([a, Extent("dram", b.offset, 4096)]) is None  # b is not 4096 long
+        assert t.span_of([a.offset, b.offset], [a.nbytes, b.nbytes]).nbytes == 12288
         odd = t.allocate_many([100, 100])  # each rounded up to a page: not back to back
         assert t.span(odd) is None
         t.free(c)
