@@ -7,6 +7,7 @@ import pytest
 import xxhash
 
 from kvstore.client.datapath import DataPath
+from kvstore.client.rpc import Incoming
 from kvstore.core.errors import ChecksumError, InvalidRequestError
 
 SIZES = [4096, 512, 8192, 4096, 100, 4096]  # (a sub-page entry, an odd one)
@@ -81,3 +82,41 @@ def test_a_bad_entry_in_any_part_is_named_by_its_position(path, bad):
         with pytest.raises(ChecksumError) as err:
             path.take_inline(acq, skip)
         assert err.value.position == bad - skip
+
+
+class Trickle(Incoming):
+    """The stream door's ``Incoming`` with its reads cut where the test says (``cuts``
+    bytes each, then the rest): a socket gives what has come, which a test over a
+    real one cannot choose (tests/integration/test_stream_door.py reads real ones)."""
+
+    def __init__(self, data: np.ndarray, cuts: list[int]) -> None:
+        self.data, self.cuts = data.tobytes(), list(cuts)
+        self.nbytes = self.left = len(self.data)
+
+    def read_some(self, view: memoryview) -> int:
+        n = min(len(view), self.left, self.cuts.pop(0) if self.cuts else self.left)
+        at = self.nbytes - self.left
+        view[:n] = self.data[at:at + n]
+        self.left -= n
+        return n
+
+
+@pytest.mark.parametrize("cuts", [[], [1], [4095, 4097, 1], [100] * 300, [4096, 512, 8192]])
+@pytest.mark.parametrize("bad", [None, 0, 3, 5])
+def test_stream_bytes_land_and_a_bad_entry_is_named_however_the_reads_fall(path, cuts, bad):
+    # Entries are hashed as reads complete them (``_take_stream``): a read that ends
+    # inside an entry, or completes several, must not lose or misplace one.
+    data, entries = data_and_entries(4)
+    if bad is not None:
+        entries[bad][4] ^= 1
+    incoming = Trickle(data, cuts)
+    into = np.zeros(data.size + 64, np.uint8)
+    acq = {"entries": entries, "inline": data.size}
+    if bad is None:
+        out = path.take_parts(acq, incoming, into)
+        assert out.tobytes() == data.tobytes() and (into[data.size:] == 0).all()
+    else:
+        with pytest.raises(ChecksumError) as err:
+            path.take_parts(acq, incoming, into)
+        assert err.value.position == bad
+    assert incoming.left == 0  # every byte read: the connection stays in step
