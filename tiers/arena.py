@@ -54,11 +54,13 @@ class ArenaTier(Tier):
         self._alloc.free(extent.offset, extent.nbytes)
 
     def free_many(self, extents: list[Extent]) -> None:
-        name = self.name
-        if any(e.tier != name for e in extents):
+        if not extents:
+            return
+        tiers, offsets, sizes = zip(*extents)  # (C-level passes: a release frees each entry)
+        if tiers.count(self.name) != len(tiers):
             for extent in extents:
                 self._own(extent)  # raises for the first foreign one
-        self._alloc.free_many([(e.offset, e.nbytes) for e in extents])
+        self._alloc.free_many(list(zip(offsets, sizes)))
 
     def retain(self, extent: Extent, pieces: list[tuple[int, int]]) -> list[Extent]:
         self._own(extent)

@@ -5,7 +5,10 @@ owns and keeps."""
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
+import operator
 import shutil
 import time
 from collections import Counter
@@ -232,6 +235,8 @@ class Catalog:
         self.keys.add_many(new)
 
     def _drop_records(self, drop: list[bytes]) -> None:
+        if self._drop_one_tier(drop):
+            return
         self.keys.discard_many(drop)
         records, by_tier, copies = self.records, self.by_tier, self.copies
         unchecked, condemned, reported = self.unchecked, self.condemned, self.reported
@@ -260,14 +265,46 @@ class Catalog:
         for name, group in freed.items():
             self._tiers[name].free_many(group)
 
+    def _drop_one_tier(self, drop: list[bytes]) -> bool:
+        """``_drop_records`` of the usual release: stored keys of one tier, none with
+        an NVMe copy, none condemned, none pinned; done in C-level passes (the loop
+        cost ~1.5 us an entry, a third of a 128-entry release). False, with nothing
+        changed, for anything else."""
+        records = self.records
+        recs = list(map(records.__getitem__, drop))
+        if not recs:
+            return False
+        tiers = list(map(_TIER_OF, recs))
+        tier = tiers[0]
+        unchecked, condemned, copies = self.unchecked, self.condemned, self.copies
+        if tiers.count(tier) != len(tiers) or \
+                list(map(_COPY_OF, recs)).count(None) != len(recs) or \
+                list(map(_PINS_OF, recs)).count(0) != len(recs) or \
+                (condemned and not condemned.keys().isdisjoint(drop)) or \
+                (copies and not copies.keys().isdisjoint(drop)):
+            return False
+        self.keys.discard_many(drop)
+        if unchecked:  # (not yet scrubbed: a drop_select soon after its insert)
+            list(map(unchecked.pop, drop, itertools.repeat(None, len(drop))))
+        list(map(records.__delitem__, drop))
+        list(map(self.by_tier[tier].__delitem__, drop))
+        self._tiers[tier].free_many(list(map(
+            _extent, zip(itertools.repeat(tier), map(_OFFSET_OF, recs), map(_NBYTES_OF, recs)))))
+        return True
+
     def _write_index(self, put: Sequence[Record], drop: list[bytes]) -> None:
         """The change's records that name NVMe bytes into the durable index (as
         ``on_disk`` has them), in one transaction, and out of it those that stop
         naming them (staged and their copy dropped, or dropped). Rows whose only
         change is the access time are written with the rest, or left as they are if
         the index refuses them. A change of memory-tier records only writes nothing."""
-        dput, ddel, touched = [], [], []
         records = self.records
+        if not put:  # a release's drop: its entries are in memory tiers, none copied?
+            recs = list(map(records.__getitem__, drop))
+            if "nvme" not in map(_TIER_OF, recs) and \
+                    list(map(_COPY_OF, recs)).count(None) == len(recs):
+                return  # (no durable record among them: nothing to write)
+        dput, ddel, touched = [], [], []
         for rec in put:
             if rec.tier == "nvme" or rec.nvme_copy is not None:  # durable(rec), inlined
                 # Only NVMe bytes are durable (on_disk): staging an NVMe hit, or
@@ -343,6 +380,11 @@ class Catalog:
 _LAST_ACCESS = Record._fields.index("last_access")
 _TIER, _OFFSET = Record._fields.index("tier"), Record._fields.index("offset")
 _COPY = Record._fields.index("nvme_copy")
+_TIER_OF, _OFFSET_OF = operator.itemgetter(_TIER), operator.itemgetter(_OFFSET)
+_NBYTES_OF = operator.itemgetter(Record._fields.index("nbytes"))
+_COPY_OF = operator.itemgetter(_COPY)
+_PINS_OF = operator.itemgetter(Record._fields.index("pins"))
+_extent = functools.partial(tuple.__new__, Extent)  # Extent((tier, offset, nbytes))
 # Where earlier versions kept the records of memory tiers in LMDB; removed on open.
 _OLD_VOLATILE_INDEX = "index-volatile"
 

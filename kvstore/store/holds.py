@@ -4,6 +4,8 @@ reservations and read leases that make them; the class says what it owns and kee
 from __future__ import annotations
 
 import collections
+import itertools
+import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, TypeVar
@@ -100,6 +102,8 @@ class Holds:
         """Drop one hold per key; returns the keys now due to be freed (pending 0,
         unpinned, unheld)."""
         uncount(self.leased, keys)
+        if all(map(self.leased.__contains__, keys)):  # all still held: none idle
+            return []
         return [k for k in dict.fromkeys(keys)
                 if k in self._records and self.idle_at_zero(self._records[k])]
 
@@ -253,6 +257,15 @@ def count(counts: dict[bytes, int], keys: Sequence[bytes]) -> None:
 def uncount(counts: dict[bytes, int], keys: Sequence[bytes]) -> None:
     """One less of each key in ``counts``; a key at zero leaves it (so ``counts``
     only ever holds positive counts). Each key must be there."""
+    if len(keys) > 4 and len(set(keys)) == len(keys):  # the usual: each key once
+        held = list(map(counts.__getitem__, keys))
+        ones = held.count(1)
+        if ones == len(held):  # (C-level passes; the loop below for a mix)
+            list(map(counts.__delitem__, keys))
+            return
+        if not ones:
+            counts.update(zip(keys, map(operator.sub, held, itertools.repeat(1))))
+            return
     for key in keys:
         left = counts[key] - 1
         if left:

@@ -69,6 +69,22 @@ class AllocatorModel(RuleBasedStateMachine):
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
+    def free_many_back_to_back(self, data):
+        """A release's batch: neighbouring live ranges, in order (the one-run path,
+        ``_free_run``), each given with any size inside its pages."""
+        offs = sorted(self.live)
+        i = data.draw(st.integers(0, len(offs) - 1))
+        run = [offs[i]]
+        while run[-1] + self.live[run[-1]] in self.live:
+            run.append(run[-1] + self.live[run[-1]])
+        run = run[:data.draw(st.integers(1, len(run)))]
+        self.a.free_many([(off, self.live[off] - data.draw(st.integers(0, PAGE - 1)))
+                          for off in run])
+        for off in run:
+            self.freed.append((off, self.live.pop(off)))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
     def free_many_with_a_bad_range_frees_nothing(self, data):
         offs = data.draw(st.lists(st.sampled_from(sorted(self.live)), min_size=1,
                                   unique=True))
