@@ -298,14 +298,18 @@ def test_writeback_section_rows_compare_both_modes_on_the_same_puts(tmp_path):
 
 def test_store_ab_runs_two_checkouts_in_turn():
     """``tools.bench.store_ab`` against this very checkout: both workers store,
-    acquire and release every entry (a worker that acquired fewer stops the run)."""
+    acquire and release every entry (a worker that acquired fewer, or whose acquire
+    did not come with its bytes, stops the run)."""
     from pathlib import Path
 
     from tools.bench import store_ab
 
     root = Path(__file__).resolve().parents[2]
-    for claim in (False, True):  # a get's acquire, then a drop_select's
-        result = store_ab.run(root, entries=8, reps=2, claim=claim)
+    for claim, server in ((False, False), (True, False), (True, True)):
+        # a get's acquire, a drop_select's, then a drop_select's through a real
+        # server's handle (its bytes in the reply; the worker stops unless its
+        # release leaves nothing stored)
+        result = store_ab.run(root, entries=8, reps=2, claim=claim, server=server)
         assert set(result) == {"base", "this"}
         for steps in result.values():
             assert list(steps) == list(store_ab.STEPS) and all(v > 0 for v in steps.values())

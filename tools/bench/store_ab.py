@@ -18,6 +18,13 @@ rounds are warm-up) and base / this (> 1: this is faster).
 ``--this``: measure that checkout instead of this one. A checkout must have rooms
 (``Store.grant_room``, from 6736e70 on). Make one with ``git worktree add /tmp/base
 <commit>``.
+
+``--server``: the serving thread's whole handling instead (``Server.handle``, with a
+real server around the store: its TE engine started, no socket used): the acquire
+of a drop_select from another node (claiming, its bytes asked in the reply, which
+come as a view of the arena), then, as once its bytes are out, its one-way release
+with drop. A request's decode, the store's work, the reply's encoding; not the
+sockets. ``--entries 32`` is the transfer benchmark's small 512-token prompt.
 """
 
 from __future__ import annotations
@@ -81,15 +88,73 @@ def worker(entries: int, claim: bool = False) -> None:
         store.close()
 
 
+def server_worker(entries: int) -> None:
+    """``worker`` through ``Server.handle`` (``--server``): a round's acquire and
+    release are request frames, answered as the serving thread answers them."""
+    import time
+
+    import numpy as np
+
+    from kvstore.core import protocol as p
+    from kvstore.core.config import KVStoreConfig
+    from kvstore.server.cli import open_server
+    from kvstore.transport.env import free_port
+
+    with tempfile.TemporaryDirectory(prefix="store-ab-") as data_dir:
+        cfg = KVStoreConfig().replace(
+            tiers={"dram_bytes": 4 * entries * ENTRY, "nvme_bytes": 0, "gpu_bytes": 0,
+                   "gpu_device": "cpu"},
+            store={"data_dir": data_dir},
+            server={"host": "127.0.0.1", "port": free_port("127.0.0.1"), "metrics_port": 0,
+                    "inline_max_bytes": max(entries * ENTRY, 1 << 20)})
+        server = open_server(cfg)
+        store = server.store
+        tokens = [np.full(16, i, dtype="<i4").tobytes() for i in range(entries)]
+        sizes, offsets = [ENTRY] * entries, [i * ENTRY for i in range(entries)]
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(GC_YOUNG, *gc.get_threshold()[1:])
+        try:
+            for rid, _ in enumerate(sys.stdin):
+                keys = [os.urandom(16) for _ in range(entries)]
+                room = store.grant_room(entries * ENTRY)
+                work: list = []
+                t0 = time.perf_counter()
+                store.put(room.id, keys, sizes, tokens, offsets, [0] * entries,
+                          later=work.append)
+                for step in work:
+                    step()
+                t1 = time.perf_counter()
+                reply = server.handle(
+                    p.encode_request(2 * rid + 1, p.Acquire(
+                        keys=tuple(keys), tokens=tuple(tokens), claim=True,
+                        inline=entries * ENTRY)),
+                    defer=lambda *a: None, inline=True)
+                t2 = time.perf_counter()
+                slot = getattr(reply, "data", None)
+                if slot is None:
+                    raise SystemExit(f"the acquire was not answered with its bytes: "
+                                     f"{bytes(reply)[:200]!r}")
+                slot.handed = False  # as if sent: the release settles its hold first
+                server.handle(p.encode_request(2 * rid + 2, p.Release(aid=slot.aid,
+                                                                      drop=True)))
+                t3 = time.perf_counter()
+                if store.stats()["entries"]:
+                    raise SystemExit("the release left entries stored")
+                print(json.dumps([t1 - t0, t2 - t1, t3 - t2, t3 - t0]), flush=True)
+        finally:
+            server.close()
+
+
 def run(base: Path, entries: int, reps: int, this: Path | None = None,
-        claim: bool = False) -> dict[str, dict[str, float]]:
+        claim: bool = False, server: bool = False) -> dict[str, dict[str, float]]:
     """Median ms per step for ``base`` and ``this`` (default: this checkout), taking
     turns; ``claim``: the acquire claims, as a drop_select's does."""
     here = Path(__file__).resolve().parents[2]
     trees = {"base": base.resolve(), "this": (this or here).resolve()}
     # run_path, not ``python FILE``: the script's folder on sys.path would shadow
     # modules (tools/bench/profile.py is also a stdlib module's name).
-    flags = ", '--claim'" if claim else ""
+    flags = (", '--claim'" if claim else "") + (", '--server'" if server else "")
     start = (f"import runpy, sys; sys.argv = [{__file__!r}, '--worker', '{entries}'{flags}]; "
              f"runpy.run_path({__file__!r}, run_name='__main__')")
     procs = {name: subprocess.Popen(
@@ -128,10 +193,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--claim", action="store_true",
                         help="the acquire claims its entries, as a drop_select's does "
                              "(default: a get's acquire)")
+    parser.add_argument("--server", action="store_true",
+                        help="time Server.handle of a drop_select's acquire (bytes in "
+                             "the reply) and its release, not the store's calls")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
-        worker(args.worker, args.claim)
+        if args.server:
+            server_worker(args.worker)
+        else:
+            worker(args.worker, args.claim)
         return 0
     if args.base is None:
         parser.error("--base is required")
@@ -140,9 +211,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{flag} {tree}: not a kvstore checkout (no kvstore/store/facade.py)")
     if args.entries < 1 or args.reps < 1:
         parser.error("--entries and --reps must be >= 1")
-    result = run(args.base, args.entries, args.reps, args.this, args.claim)
-    print(f"{args.entries} entries of 64 KiB, {'claiming' if args.claim else 'plain'} "
-          f"acquires, median ms of {args.reps} rounds:")
+    result = run(args.base, args.entries, args.reps, args.this, args.claim, args.server)
+    what = "Server.handle of a drop_select's acquire (bytes in the reply) and release" \
+        if args.server else f"{'claiming' if args.claim else 'plain'} acquires"
+    print(f"{args.entries} entries of 64 KiB, {what}, median ms of {args.reps} rounds:")
     for name, steps in result.items():
         print(f"  {name:4s} " + "  ".join(f"{s} {v:.3f}" for s, v in steps.items()))
     print("  base / this  " + "  ".join(f"{s} {result['base'][s] / result['this'][s]:.2f}x"
