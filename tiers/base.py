@@ -122,13 +122,13 @@ class Tier(ABC):
         """One zero-copy view over live ``extents`` that lie back to back, in order,
         for memory tiers; else None (block tiers: always)."""
         if not extents:
-            return None
+            return self.span_of((), ())
         tiers, offsets, sizes = zip(*extents)
         return self.span_of(offsets, sizes) if tiers.count(self.name) == len(tiers) \
             else None
 
     def span_of(self, offsets: Sequence[int], sizes: Sequence[int]) -> memoryview | None:
-        """``span`` of this tier's extents at ``offsets`` of ``sizes``."""
+        """``span`` of this tier's extents at ``offsets`` of ``sizes`` (none: None)."""
         return None
 
     def address(self, extent: Extent) -> int | None:

@@ -232,14 +232,16 @@ class Store:
         they lie back to back in it (a prompt's entries, reserved together), else
         one copy; None unless all are in DRAM. Their lease keeps them where they are
         while this runs; a caller that keeps a view longer holds them (``hold_send``)."""
-        if not entries:
-            return b""
-        # (EntryInfo's fields transposed in one C-level pass: no Python per entry on
-        # the usual path, where they lie back to back.)
-        _, tiers, offsets, sizes = list(zip(*entries))[:4]
         with self._lock:
             dram = self.place.tiers.get("dram")
-            if dram is None or tiers.count("dram") != len(tiers):
+            if dram is None:
+                return None
+            if not entries:
+                return b"".join(cast(list[memoryview], dram.views([])))  # (closed: raises)
+            # (EntryInfo's fields transposed in one C-level pass: no Python per entry
+            # on the usual path, where they lie back to back.)
+            _, tiers, offsets, sizes = list(zip(*entries))[:4]
+            if tiers.count("dram") != len(tiers):
                 return None
             span = dram.span_of(offsets, sizes)
             if span is not None:

@@ -256,7 +256,9 @@ def count(counts: dict[bytes, int], keys: Sequence[bytes]) -> None:
 
 def uncount(counts: dict[bytes, int], keys: Sequence[bytes]) -> None:
     """One less of each key in ``counts``; a key at zero leaves it (so ``counts``
-    only ever holds positive counts). Each key must be there."""
+    only ever holds positive counts). Each key must be there: one that is not
+    (the books are broken already) raises ``KeyError``, before any change when
+    the keys are distinct and more than 4, else after those before it."""
     if len(keys) > 4 and len(set(keys)) == len(keys):  # the usual: each key once
         held = list(map(counts.__getitem__, keys))
         ones = held.count(1)

@@ -136,6 +136,10 @@ def test_dram_bytes_is_a_view_when_back_to_back_else_a_copy_and_none_off_dram(ma
     store.release(acq.id)
 
 
+def test_dram_bytes_without_a_dram_tier_is_none(make_store):
+    assert make_store(dram=0, nvme=8, gpu=4).dram_bytes([]) is None
+
+
 # ------------------------------------------------------------------ pins, leases
 def test_pinned_entries_are_never_evicted_full_tier_says_so(make_store):
     store = make_store(dram=2)

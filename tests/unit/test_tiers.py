@@ -154,6 +154,15 @@ def test_dram_view_is_zero_copy():
         t.close()
 
 
+def test_a_closed_dram_tier_refuses_a_span_whatever_the_extents():
+    t = DramTier(CAP)
+    a, b = t.allocate_many([4096, 4096])
+    t.close()
+    for extents in ([a, b], [b, a], []):  # a view, no view, nothing asked
+        with pytest.raises(InvalidRequestError, match="closed"):
+            t.span(extents)
+
+
 def test_dram_span_is_one_view_over_neighbouring_live_extents():
     t = DramTier(CAP)
     try:
