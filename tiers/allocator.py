@@ -84,9 +84,17 @@ class ExtentAllocator:
     def all_live(self, offsets: Sequence[int], sizes: Sequence[int]) -> bool:
         """``is_live`` of each ``(offset, nbytes)`` pair, the lookups in one C-level
         pass (a server checks a reply's 32 - 128 entries so on every small read)."""
+        return self._live_lengths(offsets, sizes) is not None
+
+    def _live_lengths(self, offsets: Sequence[int], sizes: Sequence[int]) -> list[int] | None:
+        """The page lengths of ``(offset, nbytes)`` pairs that are each live (None if
+        one is not): ``all_live``, and the start of ``_free_run``."""
         page = self.page_size
-        return len(offsets) == len(sizes) and min(sizes, default=1) > 0 and \
-            list(map(self._live.get, offsets)) == [-(-n // page) * page for n in sizes]
+        lengths = [-(-n // page) * page for n in sizes]
+        if len(offsets) != len(sizes) or min(sizes, default=1) <= 0 or \
+                list(map(self._live.get, offsets)) != lengths:
+            return None
+        return lengths
 
     # ------------------------------------------------------------ changes
     def allocate_many(self, sizes: list[int]) -> list[int]:
@@ -144,11 +152,11 @@ class ExtentAllocator:
         if not ranges:
             return False
         offsets, sizes = zip(*ranges)
-        page = self.page_size
-        lengths = [-(-n // page) * page for n in sizes]
+        lengths = self._live_lengths(offsets, sizes)
+        if lengths is None:
+            return False
         ends = list(itertools.accumulate(lengths, initial=offsets[0]))
-        if min(lengths) <= 0 or ends[:-1] != list(offsets) or \
-                list(map(self._live.get, offsets)) != lengths:
+        if ends[:-1] != list(offsets):
             return False
         list(map(self._live.__delitem__, offsets))
         self._used -= ends[-1] - offsets[0]

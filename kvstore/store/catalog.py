@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import operator
 import shutil
 import time
 from collections import Counter
@@ -16,7 +15,16 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from kvstore.core.errors import StorageError, TierFullError
-from kvstore.store.index import Index, Record, on_disk
+from kvstore.store.index import (
+    Index,
+    Record,
+    copy_of,
+    nbytes_of,
+    offset_of,
+    on_disk,
+    pins_of,
+    tier_of,
+)
 from kvstore.store.keypages import KeyPages
 from kvstore.store.order import GroupOrder
 from tiers.base import Extent, Tier
@@ -274,12 +282,12 @@ class Catalog:
         recs = list(map(records.__getitem__, drop))
         if not recs:
             return False
-        tiers = list(map(_TIER_OF, recs))
+        tiers = list(map(tier_of, recs))
         tier = tiers[0]
         unchecked, condemned, copies = self.unchecked, self.condemned, self.copies
         if tiers.count(tier) != len(tiers) or \
-                list(map(_COPY_OF, recs)).count(None) != len(recs) or \
-                list(map(_PINS_OF, recs)).count(0) != len(recs) or \
+                list(map(copy_of, recs)).count(None) != len(recs) or \
+                list(map(pins_of, recs)).count(0) != len(recs) or \
                 (condemned and not condemned.keys().isdisjoint(drop)) or \
                 (copies and not copies.keys().isdisjoint(drop)):
             return False
@@ -289,7 +297,7 @@ class Catalog:
         list(map(records.__delitem__, drop))
         list(map(self.by_tier[tier].__delitem__, drop))
         self._tiers[tier].free_many(list(map(
-            _extent, zip(itertools.repeat(tier), map(_OFFSET_OF, recs), map(_NBYTES_OF, recs)))))
+            _extent, zip(itertools.repeat(tier), map(offset_of, recs), map(nbytes_of, recs)))))
         return True
 
     def _write_index(self, put: Sequence[Record], drop: list[bytes]) -> None:
@@ -301,8 +309,8 @@ class Catalog:
         records = self.records
         if not put:  # a release's drop: its entries are in memory tiers, none copied?
             recs = list(map(records.__getitem__, drop))
-            if "nvme" not in map(_TIER_OF, recs) and \
-                    list(map(_COPY_OF, recs)).count(None) == len(recs):
+            if "nvme" not in map(tier_of, recs) and \
+                    list(map(copy_of, recs)).count(None) == len(recs):
                 return  # (no durable record among them: nothing to write)
         dput, ddel, touched = [], [], []
         for rec in put:
@@ -380,10 +388,6 @@ class Catalog:
 _LAST_ACCESS = Record._fields.index("last_access")
 _TIER, _OFFSET = Record._fields.index("tier"), Record._fields.index("offset")
 _COPY = Record._fields.index("nvme_copy")
-_TIER_OF, _OFFSET_OF = operator.itemgetter(_TIER), operator.itemgetter(_OFFSET)
-_NBYTES_OF = operator.itemgetter(Record._fields.index("nbytes"))
-_COPY_OF = operator.itemgetter(_COPY)
-_PINS_OF = operator.itemgetter(Record._fields.index("pins"))
 _extent = functools.partial(tuple.__new__, Extent)  # Extent((tier, offset, nbytes))
 # Where earlier versions kept the records of memory tiers in LMDB; removed on open.
 _OLD_VOLATILE_INDEX = "index-volatile"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import os
 import struct
 import time
@@ -79,6 +80,12 @@ class Record(NamedTuple):
 
 
 _OFFSET, _COPY = Record._fields.index("offset"), Record._fields.index("nvme_copy")
+# One field of each of many records in a C-level pass (``map(tier_of, recs)``): the
+# store's per-request passes over a prompt's records, where ``rec.tier`` would be a
+# descriptor call per record.
+key_of, tier_of, offset_of, nbytes_of, pins_of, pending_of, copy_of = (
+    operator.itemgetter(Record._fields.index(name))
+    for name in ("key", "tier", "offset", "nbytes", "pins", "pending", "nvme_copy"))
 
 
 def on_disk(rec: Record) -> Record:

@@ -4,7 +4,6 @@ and staging of NVMe hits into memory; the class says what it owns and keeps."""
 from __future__ import annotations
 
 import logging
-import operator
 from collections import Counter
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -15,7 +14,7 @@ from kvstore.core.hashing import checksum
 from kvstore.store.bytes_io import ByteIO
 from kvstore.store.catalog import Catalog
 from kvstore.store.holds import Holds
-from kvstore.store.index import Record, on_disk
+from kvstore.store.index import Record, on_disk, tier_of
 from kvstore.store.order import GroupOrder
 from kvstore.store.policy import (
     Candidate,
@@ -27,8 +26,6 @@ from kvstore.store.policy import (
 )
 from kvstore.store.types import MEMORY_TIERS, NO_ROOM_TO_STAGE, TIER_ORDER
 from tiers.base import Extent, Tier, free_by_tier
-
-_tier_of = operator.itemgetter(Record._fields.index("tier"))
 
 log = logging.getLogger(__name__)
 
@@ -526,7 +523,7 @@ class Placement:
     # The entries are held all along, so none of them can move or go meanwhile.
     def plan_staging(self, recs: list[Record]) -> StagingPlan | None:
         """Staging extents for the NVMe entries of a held prefix; None: there are none."""
-        if "nvme" not in map(_tier_of, recs):  # the usual case, in one C-level pass
+        if "nvme" not in map(tier_of, recs):  # the usual case, in one C-level pass
             return None
         nv = [i for i, r in enumerate(recs) if r.tier == "nvme"]
         stage = self.config.policy.stage_nvme_hits

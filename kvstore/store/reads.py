@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import operator
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -24,7 +23,7 @@ from typing import Callable, Final, cast
 
 from kvstore.core.errors import LATE_READ, ChecksumError, InvalidRequestError
 from kvstore.core.hashing import checksum
-from kvstore.store.index import Record
+from kvstore.store.index import Record, key_of, pending_of, pins_of, tier_of
 from kvstore.store.holds import Lease
 from kvstore.store.parts import Operations
 from kvstore.store.placement import StagingPlan
@@ -56,10 +55,6 @@ _META: Final = 11
 assert [Record._fields[i] for i in (_KEY, _TIER, _OFFSET, _NBYTES, _NTOKENS, _TOKENS,
                                     _CHECKSUM, _PENDING, _META)] == [
     "key", "tier", "offset", "nbytes", "ntokens", "tokens", "checksum", "pending", "meta"]
-_pending_of = operator.itemgetter(_PENDING)
-_pins_of = operator.itemgetter(Record._fields.index("pins"))
-_key_of = operator.itemgetter(_KEY)
-_tier_of = operator.itemgetter(_TIER)
 
 
 class Staging:
@@ -164,9 +159,9 @@ class Reads(Operations):
             if claim:
                 recs, take, end = self._takeable(recs, len(keys) - bool(optional_tail))
                 claim = take
-            found_in = list(map(_tier_of, recs))
+            found_in = list(map(tier_of, recs))
             nblocks = len(keys) - bool(optional_tail)
-            self.holds.hold(list(map(_key_of, recs)))
+            self.holds.hold(list(map(key_of, recs)))
             try:
                 plan = self.place.plan_staging(recs)
             except BaseException:
@@ -306,7 +301,7 @@ class Reads(Operations):
             records = self.catalog.records
             recs = [records[r.key] for r in recs]
         aid = new_id()
-        keys = list(map(_key_of, recs))
+        keys = list(map(key_of, recs))
         if end is not None and end not in keys:
             end = None  # staging cut the lease before the prompt's end: a later round
         if not claim:
@@ -392,7 +387,7 @@ class Reads(Operations):
 
     def _claimable_prefix(self, recs: list[Record]) -> list[Record]:
         claims = self.holds.claims  # (``Holds.unclaimed``, inlined: once per entry)
-        if not claims and min(map(_pending_of, recs), default=1) > 0:
+        if not claims and min(map(pending_of, recs), default=1) > 0:
             return recs  # the usual case (no drop_select in flight), in one C-level pass
         for i, rec in enumerate(recs):
             if rec[_PENDING] - claims.get(rec[_KEY], 0) <= 0:
@@ -449,7 +444,7 @@ class Reads(Operations):
         if not found or None in found or len(set(keys)) != len(keys):
             return False
         recs = cast(list[Record], found)
-        return max(map(_pending_of, recs)) <= 1 and max(map(_pins_of, recs)) == 0 and \
+        return max(map(pending_of, recs)) <= 1 and max(map(pins_of, recs)) == 0 and \
             max(map(self.holds.leased.get, keys, itertools.repeat(0))) <= 1
 
     def _walk(self, keys: list[bytes], tokens: list[bytes]) -> list[Record]:
@@ -478,7 +473,7 @@ class Reads(Operations):
         its offset, or None), each built with ``tuple.__new__`` (an acquire builds one
         per entry: this loop was half of a 2 048-entry acquire)."""
         tiers, new = self.place.tiers, tuple.__new__
-        names = list(map(_tier_of, recs))
+        names = list(map(tier_of, recs))
         if names and names.count(names[0]) == len(names):  # the usual case
             name = names[0]
             base = tiers[name].address(Extent(name, 0, 0))
