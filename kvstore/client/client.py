@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import math
+import operator
 import threading
 import time
 from typing import Any, Callable, NamedTuple, Sequence
@@ -33,8 +35,7 @@ from kvstore.client.datapath import DataPath, Segment, TeEngine, flat_buffer
 from kvstore.core.errors import (LATE_READ, LATE_WRITE, BusyError, ChecksumError, ConfigError,
                                  InvalidRequestError, KVStoreError, KVTimeoutError,
                                  LeaseExpiredError, NotFoundError, PeerUnavailableError)
-from kvstore.core.hashing import (block_keys, block_token_bytes, checksummer, hidden_key,
-                                  namespace_of, tokens_to_array)
+from kvstore.core.hashing import checksummer, hidden_key, namespace_of, prompt_blocks
 from kvstore.core.layout import KVLayout, dtype_name, pack_hf
 from kvstore.client.local import Control, door_address
 from kvstore.client.rpc import Channel, CurveKeys, Take
@@ -383,12 +384,10 @@ class KVStoreClient:
     def _prompt(self, tokens: Sequence[int] | np.ndarray, scope: bytes | str = b"") -> _Prompt:
         namespace = self.namespace_for(scope)
         assert self.layout is not None
-        arr = tokens_to_array(tokens)
-        if arr.size == 0:
+        bk, toks, ntokens = prompt_blocks(namespace, tokens, self.layout.block_tokens)
+        if not ntokens:
             raise InvalidRequestError("empty prompt")
-        bt = self.layout.block_tokens
-        bk = block_keys(namespace, arr, bt)
-        return _Prompt(bk.keys, block_token_bytes(arr, bt), bk.token_counts, int(arr.size))
+        return _Prompt(bk.keys, toks, bk.token_counts, ntokens)
 
     # ---------------------------------------------------------------- insert
     def insert(self, tokens: Sequence[int] | np.ndarray, kv: Any,
@@ -1036,6 +1035,8 @@ def _check_shared_engine(engine: TeEngine, protocol: str | None, devices: str | 
 
 def _need(sizes: list[int], page: int = 4096) -> int:
     """Bytes a room must hold for entries of ``sizes`` laid out page by page."""
+    if not any(map(operator.mod, sizes, itertools.repeat(page))):  # whole pages, in C
+        return sum(sizes)
     return sum(-(-n // page) * page for n in sizes)
 
 
@@ -1216,6 +1217,16 @@ def _write_until(expires: float, lease_s: float) -> float:
 def _room_layout(room: _Room, sizes: list[int]) -> tuple[list[int], list[list]]:
     """Entries of ``sizes`` back to back in ``room``, each page-aligned: their offsets
     from the room's start and their placements ``[tier, offset, nbytes, address]``."""
+    if room.address is not None and not any(map(operator.mod, sizes,
+                                                  itertools.repeat(room.page))):
+        # Whole pages (the usual entry), in C-level passes.
+        ends = list(itertools.accumulate(sizes, initial=0))
+        assert ends[-1] <= room.nbytes  # _take_room measured it
+        offsets = ends[:-1]
+        same = itertools.repeat
+        return offsets, list(map(list, zip(
+            same(room.tier), map(operator.add, offsets, same(room.offset)), sizes,
+            map(operator.add, offsets, same(room.address)))))
     offsets, placements, at = [], [], 0
     for n in sizes:
         offsets.append(at)

@@ -91,9 +91,20 @@ def tokens_to_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         raise InvalidRequestError(f"tokens must be 1-D, got shape {arr.shape}")
     if arr.size and arr.dtype.kind not in "iu":
         raise InvalidRequestError(f"tokens must be integers, got {arr.dtype}")
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _INT32_MAX):
+    if arr.size and _beyond_int32(arr):
         raise InvalidRequestError("token ids must be in 0..2**31-1")
     return arr.astype("<i4", copy=False)
+
+
+def _beyond_int32(arr: np.ndarray) -> bool:
+    """Is an id of the integer array ``arr`` outside 0..2**31-1? One pass where ids
+    are 4 bytes or more: a signed array read as unsigned puts its negative ids above
+    the limit too."""
+    if arr.dtype.kind == "i":
+        if arr.dtype.itemsize < 4:  # (its -1 read as unsigned is below the limit)
+            return int(arr.min()) < 0
+        arr = arr.view(arr.dtype.str.replace("i", "u"))
+    return int(arr.max()) > _INT32_MAX
 
 
 def _int_list_to_array(tokens: list | tuple) -> np.ndarray | None:
@@ -112,10 +123,27 @@ def block_keys(namespace: bytes, tokens: Sequence[int] | np.ndarray, block_token
     """Chained keys of every block of ``tokens`` (and of the partial rest, if asked)."""
     if len(namespace) != KEY_BYTES:
         raise InvalidRequestError(f"namespace must be {KEY_BYTES} bytes")
-    arr = tokens_to_array(tokens)
-    raw = arr.tobytes()
+    return _chained_keys(namespace, tokens_to_array(tokens).tobytes(), block_tokens,
+                         include_partial)
+
+
+def prompt_blocks(namespace: bytes, tokens: Sequence[int] | np.ndarray, block_tokens: int
+                  ) -> tuple[BlockKeys, list[bytes], int]:
+    """``block_keys`` (partial block included), ``block_token_bytes`` and the token
+    count of one prompt, its tokens checked and converted once (an insert's and a
+    select's first step: each conversion checks every id)."""
+    if len(namespace) != KEY_BYTES:
+        raise InvalidRequestError(f"namespace must be {KEY_BYTES} bytes")
+    raw = tokens_to_array(tokens).tobytes()
+    return (_chained_keys(namespace, raw, block_tokens, True),
+            _per_block(raw, block_tokens), len(raw) // 4)
+
+
+def _chained_keys(namespace: bytes, raw: bytes, block_tokens: int, include_partial: bool
+                  ) -> BlockKeys:
+    """``block_keys`` of the int32 LE token bytes ``raw``."""
     step = block_tokens * 4
-    full, rest = divmod(arr.size, block_tokens)
+    full, rest = divmod(len(raw) // 4, block_tokens)
     digest = xxhash.xxh3_128_digest
     keys: list[bytes] = []
     prev = namespace
@@ -132,7 +160,10 @@ def block_keys(namespace: bytes, tokens: Sequence[int] | np.ndarray, block_token
 
 def block_token_bytes(tokens: Sequence[int] | np.ndarray, block_tokens: int) -> list[bytes]:
     """Each block's token ids as int32 LE bytes; entries store these to re-check hits."""
-    raw = tokens_to_array(tokens).tobytes()
+    return _per_block(tokens_to_array(tokens).tobytes(), block_tokens)
+
+
+def _per_block(raw: bytes, block_tokens: int) -> list[bytes]:
     step = block_tokens * 4
     return [raw[i:i + step] for i in range(0, len(raw), step)]
 

@@ -570,14 +570,20 @@ def decode_request(frame: bytes, max_bytes: int) -> tuple[int, Request]:
 
 
 def encode_request(rid: int, req: Request) -> bytes:
-    """Request -> frame. Unset optional fields are left out."""
+    """Request -> frame. Unset optional fields are left out. (msgpack packs a tuple
+    as the array a list would be.)"""
     body: dict[str, Any] = {"v": VERSION, "op": req.OP, "id": rid}
-    for f in fields(req):
-        value = getattr(req, f.name)
-        if value is None:
-            continue
-        body[f.name] = list(value) if isinstance(value, tuple) else value
+    names = _FIELD_NAMES.get(type(req))
+    if names is None:
+        names = _FIELD_NAMES[type(req)] = tuple(f.name for f in fields(req))
+    for name in names:
+        value = getattr(req, name)
+        if value is not None:
+            body[name] = value
     return msgpack.packb(body, use_bin_type=True)
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}  # each request class's, in order
 
 
 def encode_ok(rid: int, result: dict[str, Any]) -> bytes:

@@ -279,6 +279,26 @@ def test_layer_writes_group_a_prompts_blocks_into_strided_runs():
                                     (4 * n, 512, 49152, (1 << 30) - 49152, 2)]
 
 
+@pytest.mark.parametrize("sizes", [[65536] * 32, [65536] * 7 + [4096], [8192, 4096, 12288],
+                                   [65536] * 3 + [1000], [1, 4097, 8192], [4096]])
+@pytest.mark.parametrize("address", [1 << 30, None])
+def test_a_rooms_layout_is_whole_pages_back_to_back(sizes, address):
+    """An insert's entries in its room: each at the page after the one before, its
+    placement the room's tier, offset and address plus that (whole pages take the
+    C-level passes, anything else the loop: the same result)."""
+    from kvstore.client.client import _need, _Room, _room_layout
+
+    room = _Room(7, "dram", 3 << 20, 4 << 20, address, 4096, 0.0, 0.0, None)
+    offsets, placements = _room_layout(room, sizes)
+    at = 0
+    for n, off, pl in zip(sizes, offsets, placements):
+        assert off == at
+        assert pl == ["dram", room.offset + at, n, None if address is None else address + at]
+        at += -(-n // 4096) * 4096
+    assert len(offsets) == len(placements) == len(sizes)
+    assert _need(sizes) == at == sum(-(-n // 4096) * 4096 for n in sizes)
+
+
 # ------------------------------------------------------------ non-temporal copies
 def test_the_streaming_copy_is_built_here():
     """pyproject builds kvstore.client._ntcopy (optional: a machine without a C

@@ -21,6 +21,7 @@ from kvstore.core.hashing import (
     checksum,
     hidden_key,
     namespace_of,
+    prompt_blocks,
     tokens_to_array,
 )
 from kvstore.core.layout import KVLayout
@@ -171,8 +172,33 @@ def test_invalid_tokens_raise(bad):
         tokens_to_array(bad)
 
 
+@pytest.mark.parametrize("dtype", ["i1", "i2", "<i4", ">i4", "<i8", ">i8", "u1", "u2", "<u4",
+                                   "<u8", ">u8"])
+def test_every_integer_dtype_is_checked_for_range(dtype):
+    """A negative id, or one past int32, is refused from an array of any integer dtype
+    (signed ones of 4 bytes and more are checked read as unsigned: one pass)."""
+    info = np.iinfo(dtype)
+    good = np.array([0, 5, min(info.max, 2**31 - 1)], dtype=dtype)
+    assert tokens_to_array(good).tolist() == good.astype(np.int64).tolist()
+    assert tokens_to_array(good[::2]).tolist() == good[::2].astype(np.int64).tolist()
+    bad = [v for v in (-1, info.min, 2**31, info.max) if info.min <= v <= info.max
+           and not 0 <= v <= 2**31 - 1]
+    for value in bad:
+        with pytest.raises(InvalidRequestError):
+            tokens_to_array(np.array([3, value, 4], dtype=dtype))
+        with pytest.raises(InvalidRequestError):
+            tokens_to_array(np.array([value, 3, 4], dtype=dtype)[::2])
+    assert bad or dtype in ("u1", "u2")  # (those two cannot hold a bad id)
+
+
 def test_empty_prompt_has_no_keys():
     assert block_keys(NS, [], BT) == ([], [], False)
+
+
+@given(prompts, st.sampled_from([list, tuple, np.array]))
+def test_prompt_blocks_is_the_keys_and_token_bytes_at_once(tokens, form):
+    assert prompt_blocks(NS, form(tokens), BT) == (block_keys(NS, tokens, BT),
+                                                   block_token_bytes(tokens, BT), len(tokens))
 
 
 @given(prompts)
