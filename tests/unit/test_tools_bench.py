@@ -299,7 +299,8 @@ def test_writeback_section_rows_compare_both_modes_on_the_same_puts(tmp_path):
 def test_store_ab_runs_two_checkouts_in_turn():
     """``tools.bench.store_ab`` against this very checkout: both workers store,
     acquire and release every entry (a worker that acquired fewer, or whose acquire
-    did not come with its bytes, stops the run)."""
+    did not come with its bytes, or whose put through a server stored fewer, stops
+    the run)."""
     from pathlib import Path
 
     from tools.bench import store_ab
@@ -312,7 +313,8 @@ def test_store_ab_runs_two_checkouts_in_turn():
         result = store_ab.run(root, entries=8, reps=2, claim=claim, server=server)
         assert set(result) == {"base", "this"}
         for steps in result.values():
-            assert list(steps) == list(store_ab.STEPS) and all(v > 0 for v in steps.values())
+            want = store_ab.SERVER_STEPS if server else store_ab.STEPS
+            assert list(steps) == list(want) and all(v > 0 for v in steps.values())
 
 
 def _stamp_files(where, **by_pid):

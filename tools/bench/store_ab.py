@@ -20,11 +20,13 @@ rounds are warm-up) and base / this (> 1: this is faster).
 <commit>``.
 
 ``--server``: the serving thread's whole handling instead (``Server.handle``, with a
-real server around the store: its TE engine started, no socket used): the acquire
-of a drop_select from another node (claiming, its bytes asked in the reply, which
-come as a view of the arena), then, as once its bytes are out, its one-way release
-with drop. A request's decode, the store's work, the reply's encoding; not the
-sockets. ``--entries 32`` is the transfer benchmark's small 512-token prompt.
+real server around the store: its TE engine started, no socket used): a same-node
+writer's ``Put`` of entries in its room (``put reply``: until its reply; ``put``:
+with the book-keeping the serving thread does right after), the acquire of a
+drop_select from another node (claiming, its bytes asked in the reply, which come
+as a view of the arena), then, as once its bytes are out, its one-way release with
+drop. A request's decode, the store's work, the reply's encoding; not the sockets.
+``--entries 32`` is the transfer benchmark's small 512-token prompt.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from pathlib import Path
 
 ENTRY = 64 << 10
 STEPS = ("put", "acquire", "release", "round")
+# --server: also the put's time to its reply (its book-keeping comes after that).
+SERVER_STEPS = (*STEPS, "put reply")
 GC_YOUNG = 50_000  # server.gc_young's default (kvstore.server.loop.tune_gc)
 WARMUP = 2
 
@@ -119,14 +123,19 @@ def server_worker(entries: int) -> None:
                 keys = [os.urandom(16) for _ in range(entries)]
                 room = store.grant_room(entries * ENTRY)
                 work: list = []
+                put = p.encode_request(3 * rid + 1, p.Put(
+                    room=room.id, keys=tuple(keys), sizes=tuple(sizes), tokens=tuple(tokens),
+                    offsets=tuple(offsets), checksums=(0,) * entries))
                 t0 = time.perf_counter()
-                store.put(room.id, keys, sizes, tokens, offsets, [0] * entries,
-                          later=work.append)
-                for step in work:
+                done = server.handle(put, defer=lambda *a: None, later=work.append)
+                t_reply = time.perf_counter()
+                for step in work:  # the put's book-keeping, right after its reply
                     step()
                 t1 = time.perf_counter()
+                if p.decode_reply(bytes(done), 1 << 20)[1].get("new") != entries:
+                    raise SystemExit(f"the put did not store every entry: {bytes(done)[:200]!r}")
                 reply = server.handle(
-                    p.encode_request(2 * rid + 1, p.Acquire(
+                    p.encode_request(3 * rid + 2, p.Acquire(
                         keys=tuple(keys), tokens=tuple(tokens), claim=True,
                         inline=entries * ENTRY)),
                     defer=lambda *a: None, inline=True)
@@ -136,12 +145,13 @@ def server_worker(entries: int) -> None:
                     raise SystemExit(f"the acquire was not answered with its bytes: "
                                      f"{bytes(reply)[:200]!r}")
                 slot.handed = False  # as if sent: the release settles its hold first
-                server.handle(p.encode_request(2 * rid + 2, p.Release(aid=slot.aid,
+                server.handle(p.encode_request(3 * rid + 3, p.Release(aid=slot.aid,
                                                                       drop=True)))
                 t3 = time.perf_counter()
                 if store.stats()["entries"]:
                     raise SystemExit("the release left entries stored")
-                print(json.dumps([t1 - t0, t2 - t1, t3 - t2, t3 - t0]), flush=True)
+                print(json.dumps([t1 - t0, t2 - t1, t3 - t2, t3 - t0, t_reply - t0]),
+                      flush=True)
         finally:
             server.close()
 
@@ -179,8 +189,9 @@ def run(base: Path, entries: int, reps: int, this: Path | None = None,
             if proc.stdin is not None:
                 proc.stdin.close()
             proc.wait(timeout=60)
+    steps = SERVER_STEPS if server else STEPS
     return {name: {step: statistics.median(t[i] for t in rows) * 1e3
-                   for i, step in enumerate(STEPS)} for name, rows in times.items()}
+                   for i, step in enumerate(steps)} for name, rows in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,8 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the acquire claims its entries, as a drop_select's does "
                              "(default: a get's acquire)")
     parser.add_argument("--server", action="store_true",
-                        help="time Server.handle of a drop_select's acquire (bytes in "
-                             "the reply) and its release, not the store's calls")
+                        help="time Server.handle of a room's put, a drop_select's "
+                             "acquire (bytes in the reply) and its release, not the "
+                             "store's calls")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
@@ -212,13 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.entries < 1 or args.reps < 1:
         parser.error("--entries and --reps must be >= 1")
     result = run(args.base, args.entries, args.reps, args.this, args.claim, args.server)
-    what = "Server.handle of a drop_select's acquire (bytes in the reply) and release" \
+    what = "Server.handle of a put, a drop_select's acquire (bytes in the reply) and release" \
         if args.server else f"{'claiming' if args.claim else 'plain'} acquires"
     print(f"{args.entries} entries of 64 KiB, {what}, median ms of {args.reps} rounds:")
     for name, steps in result.items():
         print(f"  {name:4s} " + "  ".join(f"{s} {v:.3f}" for s, v in steps.items()))
     print("  base / this  " + "  ".join(f"{s} {result['base'][s] / result['this'][s]:.2f}x"
-                                       for s in STEPS))
+                                       for s in result["this"]))
     return 0
 
 
