@@ -2,19 +2,24 @@
 side by side (in-process ``Store`` calls: no sockets, no copies, one thread).
 
     python -m tools.bench.store_ab --base /path/to/other/checkout [--this /path/to/another]
-                                   [--entries 2048] [--reps 61] [--claim]
+                                   [--entries 2048] [--reps 61] [--claim] [--server]
+                                   [--procs 4]
 
-Starts one worker process per checkout (``PYTHONPATH`` set to it, so each imports its
-own ``kvstore``), each with a DRAM-only store of its own, and has them take turns,
-one round each, the order swapped every round, so both see the same moments of a
-noisy machine. A round: a room for ``entries`` blocks of 64 KiB, a ``put`` of fresh
+Starts ``--procs`` worker processes per checkout (``PYTHONPATH`` set to it, so each
+imports its own ``kvstore``), each with a DRAM-only store of its own, and has the
+checkouts take turns, one round each, the order swapped every round, so both see
+the same moments of a noisy machine; each checkout's rounds go to its processes in
+turn. (One process against one of the same checkout came out anywhere from 0.64x
+to 1.12x at 32 entries, 2026-12-06: a process keeps the speed of where its memory
+and CPU landed, so one process per side measures the processes as much as the
+code.) A round: a room for ``entries`` blocks of 64 KiB, a ``put`` of fresh
 random keys into it (its book-keeping run at once when the store answers first), an
 ``acquire`` of them (with ``--claim``, claiming them as a drop_select's acquire
 does), a ``release`` with drop. Both workers run with the garbage
 collector as a server runs it (``server.gc_young``: start-up frozen, collections
 rare), so that a collection set off by one step is not charged to another. Prints
-the median ms of each step and of the whole round per checkout (the first two
-rounds are warm-up) and base / this (> 1: this is faster).
+the median ms of each step and of the whole round per checkout (each process's
+first two rounds are warm-up) and base / this (> 1: this is faster).
 ``--this``: measure that checkout instead of this one. A checkout must have rooms
 (``Store.grant_room``, from 6736e70 on). Make one with ``git worktree add /tmp/base
 <commit>``.
@@ -26,7 +31,8 @@ with the book-keeping the serving thread does right after), the acquire of a
 drop_select from another node (claiming, its bytes asked in the reply, which come
 as a view of the arena), then, as once its bytes are out, its one-way release with
 drop. A request's decode, the store's work, the reply's encoding; not the sockets.
-``--entries 32`` is the transfer benchmark's small 512-token prompt.
+``--entries 32`` is the transfer benchmark's small 512-token prompt; at most 1 024
+entries (the bytes of one reply).
 """
 
 from __future__ import annotations
@@ -157,9 +163,13 @@ def server_worker(entries: int) -> None:
 
 
 def run(base: Path, entries: int, reps: int, this: Path | None = None,
-        claim: bool = False, server: bool = False) -> dict[str, dict[str, float]]:
+        claim: bool = False, server: bool = False, procs: int = 1
+        ) -> dict[str, dict[str, float]]:
     """Median ms per step for ``base`` and ``this`` (default: this checkout), taking
-    turns; ``claim``: the acquire claims, as a drop_select's does."""
+    turns; ``claim``: the acquire claims, as a drop_select's does. ``procs``: worker
+    processes per checkout, each taking every ``procs``-th round (a process's own
+    speed varies with where its memory and CPU landed: one against one of the same
+    checkout measured 0.64 - 1.12x at 32 entries)."""
     here = Path(__file__).resolve().parents[2]
     trees = {"base": base.resolve(), "this": (this or here).resolve()}
     # run_path, not ``python FILE``: the script's folder on sys.path would shadow
@@ -167,25 +177,26 @@ def run(base: Path, entries: int, reps: int, this: Path | None = None,
     flags = (", '--claim'" if claim else "") + (", '--server'" if server else "")
     start = (f"import runpy, sys; sys.argv = [{__file__!r}, '--worker', '{entries}'{flags}]; "
              f"runpy.run_path({__file__!r}, run_name='__main__')")
-    procs = {name: subprocess.Popen(
+    workers = {name: [subprocess.Popen(
         [sys.executable, "-c", start], cwd=tree,
         env={**os.environ, "PYTHONPATH": str(tree)}, stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, text=True) for name, tree in trees.items()}
+        stdout=subprocess.PIPE, text=True) for _ in range(procs)]
+        for name, tree in trees.items()}
     times: dict[str, list[list[float]]] = {name: [] for name in trees}
     try:
-        for r in range(reps + WARMUP):
+        for r in range(reps + WARMUP * procs):
             for name in (["base", "this"] if r % 2 else ["this", "base"]):
-                proc = procs[name]
+                proc = workers[name][r % procs]
                 assert proc.stdin is not None and proc.stdout is not None
                 proc.stdin.write("go\n")
                 proc.stdin.flush()
                 line = proc.stdout.readline()
                 if not line:
                     raise SystemExit(f"the {name} worker ({trees[name]}) stopped")
-                if r >= WARMUP:
+                if r >= WARMUP * procs:
                     times[name].append(json.loads(line))
     finally:
-        for proc in procs.values():
+        for proc in (proc for group in workers.values() for proc in group):
             if proc.stdin is not None:
                 proc.stdin.close()
             proc.wait(timeout=60)
@@ -208,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="time Server.handle of a room's put, a drop_select's "
                              "acquire (bytes in the reply) and its release, not the "
                              "store's calls")
+    parser.add_argument("--procs", type=int, default=4,
+                        help="worker processes per checkout, taking rounds in turn "
+                             "(one process's own speed is not the checkout's)")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
@@ -221,12 +235,19 @@ def main(argv: list[str] | None = None) -> int:
     for flag, tree in (("--base", args.base), ("--this", args.this)):
         if tree is not None and not (tree / "kvstore" / "store" / "facade.py").is_file():
             parser.error(f"{flag} {tree}: not a kvstore checkout (no kvstore/store/facade.py)")
-    if args.entries < 1 or args.reps < 1:
-        parser.error("--entries and --reps must be >= 1")
-    result = run(args.base, args.entries, args.reps, args.this, args.claim, args.server)
+    if args.entries < 1 or args.reps < 1 or args.procs < 1:
+        parser.error("--entries, --reps and --procs must be >= 1")
+    from kvstore.core.protocol import MAX_INLINE_BYTES
+
+    if args.server and args.entries * ENTRY > MAX_INLINE_BYTES:
+        parser.error(f"--server sends the acquire's bytes in its reply: at most "
+                     f"{MAX_INLINE_BYTES // ENTRY} entries of 64 KiB")
+    result = run(args.base, args.entries, args.reps, args.this, args.claim, args.server,
+                 args.procs)
     what = "Server.handle of a put, a drop_select's acquire (bytes in the reply) and release" \
         if args.server else f"{'claiming' if args.claim else 'plain'} acquires"
-    print(f"{args.entries} entries of 64 KiB, {what}, median ms of {args.reps} rounds:")
+    print(f"{args.entries} entries of 64 KiB, {what}, median ms of {args.reps} rounds "
+          f"({args.procs} worker processes each):")
     for name, steps in result.items():
         print(f"  {name:4s} " + "  ".join(f"{s} {v:.3f}" for s, v in steps.items()))
     print("  base / this  " + "  ".join(f"{s} {result['base'][s] / result['this'][s]:.2f}x"
