@@ -173,8 +173,6 @@ class ExtentAllocator:
         length = self._live.get(offset)
         if length is None:
             raise IntegrityError(f"retain in [{offset}, ...): not a live range")
-        if self._retain_run(offset, length, pieces):
-            return
         page = self.page_size
         # A room's pieces come as plain ints in writing order: rounded inline and
         # checked for order once (a put of 2 048 entries calls this once per entry).
@@ -202,29 +200,6 @@ class ExtentAllocator:
         self._used += sum(size for _, size in kept) - length
         if cursor < end:
             self._release(cursor, end - cursor)
-
-    def _retain_run(self, offset: int, length: int, pieces: list[tuple[int, int]]) -> bool:
-        """``retain``'s usual case in C-level passes: whole pages of plain ints back to
-        back from the range's start (a room's entries as a writer lays them out).
-        False, with nothing changed, for anything else (``retain``'s own loop checks
-        and says why)."""
-        if not pieces:
-            return False
-        starts, sizes = zip(*pieces)
-        pages = itertools.repeat(self.page_size)
-        if set(map(type, sizes)) != {int} or set(map(type, starts)) != {int} \
-                or min(sizes) <= 0 or any(map(operator.mod, sizes, pages)):
-            return False
-        ends = list(itertools.accumulate(sizes, initial=offset))
-        if ends[:-1] != list(starts) or ends[-1] > offset + length:
-            return False
-        live = self._live
-        del live[offset]
-        live.update(pieces)
-        self._used += ends[-1] - offset - length
-        if ends[-1] < offset + length:
-            self._release(ends[-1], offset + length - ends[-1])
-        return True
 
     def claim(self, offset: int, nbytes: int) -> None:
         """Mark a range live again (restart of a persistent tier). It must lie wholly

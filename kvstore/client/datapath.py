@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import mmap
-import operator
 import os
 import secrets
 import threading
@@ -53,8 +52,6 @@ log = logging.getLogger(__name__)
 # Wire layout of placements / entries (kvstore.server.handlers): tier, offset, nbytes, address,
 # and for entries the checksum they were stored with.
 _TIER, _OFFSET, _NBYTES, _ADDRESS, _CHECKSUM = 0, 1, 2, 3, 4
-_nbytes = operator.attrgetter("nbytes")
-_pl_tier, _pl_nbytes = operator.itemgetter(_TIER), operator.itemgetter(_NBYTES)
 _PAGE = 4096  # tiers.dram.PAGE_SIZE: DRAM extents start on, and are rounded up to, pages
 # From this many bytes a TE write goes straight from the caller's buffers, registered
 # for the call (~0.1 ms/GiB), instead of being copied into staging first.
@@ -297,12 +294,6 @@ class DataPath:
         local, remote, where = [], [], []
         if len(buffers) != len(placements):
             raise InvalidRequestError(f"{len(buffers)} buffers for {len(placements)} placements")
-        if buffers and shm is not None \
-                and list(map(_nbytes, buffers)) == list(map(_pl_nbytes, placements)) \
-                and list(map(_pl_tier, placements)).count("dram") == len(placements):
-            # All to this node's arena, each the size of its placement (in C-level passes).
-            self.warm(shm)
-            return copy_in(shm, buffers, placements, stream=self.stream)
         for i, (buf, pl) in enumerate(zip(buffers, placements)):
             if buf.nbytes != pl[_NBYTES]:  # numpy would broadcast a 1-byte buffer
                 raise InvalidRequestError(

@@ -19,7 +19,6 @@ from kvstore.store.index import (
     Index,
     Record,
     copy_of,
-    key_of,
     nbytes_of,
     offset_of,
     on_disk,
@@ -309,11 +308,10 @@ class Catalog:
         the index refuses them. A change of memory-tier records only writes nothing."""
         records = self.records
         if not put:  # a release's drop: its entries are in memory tiers, none copied?
-            if _none_durable(list(map(records.__getitem__, drop))):
+            recs = list(map(records.__getitem__, drop))
+            if "nvme" not in map(tier_of, recs) and \
+                    list(map(copy_of, recs)).count(None) == len(recs):
                 return  # (no durable record among them: nothing to write)
-        elif not drop and _none_durable(put) and _none_durable(
-                list(filter(None, map(records.get, map(key_of, put))))):
-            return  # a put in memory tiers over no durable record (a commit's)
         dput, ddel, touched = [], [], []
         for rec in put:
             if rec.tier == "nvme" or rec.nvme_copy is not None:  # durable(rec), inlined
@@ -393,11 +391,6 @@ _COPY = Record._fields.index("nvme_copy")
 _extent = functools.partial(tuple.__new__, Extent)  # Extent((tier, offset, nbytes))
 # Where earlier versions kept the records of memory tiers in LMDB; removed on open.
 _OLD_VOLATILE_INDEX = "index-volatile"
-
-
-def _none_durable(recs: Sequence[Record]) -> bool:
-    """Does no record of ``recs`` name NVMe bytes (``durable``, in C-level passes)?"""
-    return "nvme" not in map(tier_of, recs) and list(map(copy_of, recs)).count(None) == len(recs)
 
 
 def durable(rec: Record) -> bool:

@@ -25,8 +25,6 @@ Invariants kept here:
 
 from __future__ import annotations
 
-import itertools
-import operator
 import time
 from collections.abc import Callable, Sequence
 
@@ -225,10 +223,9 @@ class Writes(Operations):
             raise InvalidRequestError(f"skip must be in 0..{n}, got {skip!r}")
         if len(offsets) != n - skip:
             raise InvalidRequestError(f"{len(offsets)} offsets for {n - skip} written keys")
-        if not (set(map(type, offsets)) <= {int} and min(offsets, default=0) >= 0):
-            for off in offsets:
-                if type(off) is not int or off < 0:
-                    raise InvalidRequestError(f"offsets must be ints >= 0, got {off!r}")
+        for off in offsets:
+            if type(off) is not int or off < 0:
+                raise InvalidRequestError(f"offsets must be ints >= 0, got {off!r}")
         sums = _match_checksums(checksums, n - skip, list(range(n - skip)))
         with self.lock:
             self.reap_due()
@@ -432,8 +429,6 @@ def _new_records(op: Open, new: list[int], sums: list[int], now: float) -> dict[
     keys, extents, tokens, metas, namespace = op.keys, op.extents, op.tokens, op.meta, \
         op.namespace
     extra_pins, extra, extra_ends = op.extra_pins, op.extra, op.extra_ends
-    if not (extra_pins or extra or extra_ends) and new:
-        return _fresh_records(op, new, sums, now, end)
     # tuple.__new__: a NamedTuple's own __new__ is a Python call per entry (and
     # keyword arguments a third more); the fields in Record's order.
     make = tuple.__new__
@@ -445,29 +440,6 @@ def _new_records(op: Open, new: list[int], sums: list[int], now: float) -> dict[
                                  COMMITTED, None, namespace,
                                  (key == end) + extra_ends.get(key, 0)))
     return put
-
-
-def _fresh_records(op: Open, new: list[int], sums: list[int], now: float, end: bytes
-                   ) -> dict[bytes, Record]:
-    """``_new_records`` when no other writer deduped onto ``op`` (no extra pins,
-    consumers or prompt ends): the records built column by column in C-level passes
-    (a put's usual case; a Python loop per entry was a tenth of serving it)."""
-    if len(new) == len(op.keys):  # every key new (``new`` lists each index once, in order)
-        keys, extents, tokens, metas = op.keys, op.extents, op.tokens, op.meta
-    else:
-        keys = list(map(op.keys.__getitem__, new))
-        extents = list(map(op.extents.__getitem__, new))
-        tokens = list(map(op.tokens.__getitem__, new))
-        metas = list(map(op.meta.__getitem__, new))
-    tiers, offsets, sizes = zip(*extents)
-    ends = [0] * len(keys)
-    if end in keys:
-        ends[keys.index(end)] = 1
-    same = itertools.repeat
-    return dict(zip(keys, map(tuple.__new__, same(Record), zip(
-        keys, tiers, offsets, sizes, map(operator.floordiv, map(len, tokens), same(4)),
-        tokens, sums, same(now), same(now), same(0), same(1), metas, same(COMMITTED),
-        same(None), same(op.namespace), ends))))
 
 
 def _match_checksums(checksums: Sequence[int], nkeys: int, new: list[int]) -> list[int]:

@@ -136,8 +136,7 @@ class AllocatorModel(RuleBasedStateMachine):
     @rule(data=st.data())
     def retain_back_to_back(self, data):
         """A room as a writer fills it: whole pages back to back from its start, the
-        tail (if any) free again (``_retain_run``); a last piece that ends mid-page
-        takes the general path, to the same books."""
+        tail (if any) free again; a last piece may end mid-page (its page is kept)."""
         off = data.draw(st.sampled_from(sorted(self.live)))
         pages = self.live[off] // PAGE
         sizes = data.draw(st.lists(st.integers(1, 3), min_size=1, max_size=pages)
@@ -225,6 +224,39 @@ def test_batch_on_empty_allocator_is_contiguous(sizes):
     rounded = [a.round_up(n) for n in sizes]
     assert offsets == [sum(rounded[:i]) for i in range(len(sizes))]
     assert a.used == sum(rounded) and a.free_runs == (0 if a.used == a.capacity else 1)
+
+
+@settings(max_examples=50, deadline=None)
+@given(pages=st.lists(st.integers(1, 4), min_size=1, max_size=120), tail=st.integers(0, 9),
+       ragged=st.one_of(st.just(0), st.integers(1, PAGE - 1)))
+def test_a_long_room_retained_back_to_back(pages, tail, ragged):
+    """A room of many entries, as a 2 048-block put fills it: each piece live at its
+    own offset, the room's tail (if any) one free run again, the books whole (with
+    and without a last piece that ends mid-page)."""
+    a = ExtentAllocator(1024 * PAGE, PAGE)
+    a.allocate_many([PAGE])  # (the room starts past another range)
+    room = a.allocate_many([(sum(pages) + tail) * PAGE])[0]
+    pieces, at = [], room
+    for n in pages:
+        pieces.append((at, n * PAGE))
+        at += n * PAGE
+    pieces[-1] = (pieces[-1][0], pieces[-1][1] - ragged)  # ragged: the general path
+    a.retain(room, pieces)
+    a.check_integrity()
+    assert a.live_count == 1 + len(pieces)
+    assert a.used == PAGE + sum(pages) * PAGE
+    assert all(a.is_live(start, n) for start, n in pieces)
+
+
+def test_retain_with_a_malformed_piece_changes_nothing():
+    a = ExtentAllocator(64 * PAGE, PAGE)
+    room = a.allocate_many([4 * PAGE])[0]
+    before = snapshot(a)
+    for bad in ([(room, PAGE), (room + PAGE, PAGE, "x")], [(room,)], [(room, PAGE), ()]):
+        with pytest.raises((ValueError, TypeError)):
+            a.retain(room, bad)
+        assert snapshot(a) == before
+    a.check_integrity()
 
 
 def test_churn_then_free_everything_is_one_run():

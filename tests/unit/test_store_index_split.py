@@ -46,6 +46,24 @@ def test_a_dropped_copy_leaves_the_durable_index(make_store, tmp_path):
     store.check_integrity()  # the index agrees with memory
 
 
+def test_a_copy_shed_from_nvme_leaves_the_durable_index(tmp_path):
+    """A staged entry whose NVMe copy is shed (``Placement.shed``: NVMe room is
+    made from copies first) is a memory record again: its durable row goes, though
+    the change puts only memory records (``Catalog._write_index``'s shortcut for
+    those must look at the records they replace)."""
+    cfg = store_config(tmp_path / "d", dram=4, nvme=8)
+    with Store(cfg) as store:
+        put(store, [1, 2])
+        store.demote([key(1)])
+        store.release(store.acquire([key(1)], [toks(1)]).id)  # staged, copy kept
+        assert store.catalog.records[key(1)].nvme_copy is not None
+        assert store.place.shed("nvme", 1) > 0  # the copy goes first
+        assert store.catalog.records[key(1)].nvme_copy is None
+        assert where(store) == {1: "dram", 2: "dram"}
+        store.check_integrity()
+    assert durable_keys(tmp_path / "d") == set()
+
+
 def test_a_refused_durable_write_changes_nothing(make_store):
     """Demotion puts records into the durable index; when its map is full the
     demotion fails and the store is as before."""
