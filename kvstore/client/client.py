@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import logging
 import math
-import operator
 import threading
 import time
 from typing import Any, Callable, NamedTuple, Sequence
@@ -1035,8 +1033,6 @@ def _check_shared_engine(engine: TeEngine, protocol: str | None, devices: str | 
 
 def _need(sizes: list[int], page: int = 4096) -> int:
     """Bytes a room must hold for entries of ``sizes`` laid out page by page."""
-    if not any(map(operator.mod, sizes, itertools.repeat(page))):  # whole pages, in C
-        return sum(sizes)
     return sum(-(-n // page) * page for n in sizes)
 
 
@@ -1217,16 +1213,6 @@ def _write_until(expires: float, lease_s: float) -> float:
 def _room_layout(room: _Room, sizes: list[int]) -> tuple[list[int], list[list]]:
     """Entries of ``sizes`` back to back in ``room``, each page-aligned: their offsets
     from the room's start and their placements ``[tier, offset, nbytes, address]``."""
-    if room.address is not None and not any(map(operator.mod, sizes,
-                                                  itertools.repeat(room.page))):
-        # Whole pages (the usual entry), in C-level passes.
-        ends = list(itertools.accumulate(sizes, initial=0))
-        assert ends[-1] <= room.nbytes  # _take_room measured it
-        offsets = ends[:-1]
-        same = itertools.repeat
-        return offsets, list(map(list, zip(
-            same(room.tier), map(operator.add, offsets, same(room.offset)), sizes,
-            map(operator.add, offsets, same(room.address)))))
     offsets, placements, at = [], [], 0
     for n in sizes:
         offsets.append(at)

@@ -284,8 +284,8 @@ def test_layer_writes_group_a_prompts_blocks_into_strided_runs():
 @pytest.mark.parametrize("address", [1 << 30, None])
 def test_a_rooms_layout_is_whole_pages_back_to_back(sizes, address):
     """An insert's entries in its room: each at the page after the one before, its
-    placement the room's tier, offset and address plus that (whole pages take the
-    C-level passes, anything else the loop: the same result)."""
+    placement the room's tier, offset and address plus that; ``_need`` is the room
+    they take."""
     from kvstore.client.client import _need, _Room, _room_layout
 
     room = _Room(7, "dram", 3 << 20, 4 << 20, address, 4096, 0.0, 0.0, None)
