@@ -163,13 +163,14 @@ def server_worker(entries: int) -> None:
 
 
 def run(base: Path, entries: int, reps: int, this: Path | None = None,
-        claim: bool = False, server: bool = False, procs: int = 1
+        claim: bool = False, server: bool = False, procs: int = 4
         ) -> dict[str, dict[str, float]]:
     """Median ms per step for ``base`` and ``this`` (default: this checkout), taking
     turns; ``claim``: the acquire claims, as a drop_select's does. ``procs``: worker
-    processes per checkout, each taking every ``procs``-th round (a process's own
-    speed varies with where its memory and CPU landed: one against one of the same
-    checkout measured 0.64 - 1.12x at 32 entries)."""
+    processes per checkout, taking rounds in turn, two at a time, so each goes both
+    first and second (a process's own speed varies with where its memory and CPU
+    landed: one against one of the same checkout measured 0.64 - 1.12x at 32
+    entries)."""
     here = Path(__file__).resolve().parents[2]
     trees = {"base": base.resolve(), "this": (this or here).resolve()}
     # run_path, not ``python FILE``: the script's folder on sys.path would shadow
@@ -186,14 +187,14 @@ def run(base: Path, entries: int, reps: int, this: Path | None = None,
     try:
         for r in range(reps + WARMUP * procs):
             for name in (["base", "this"] if r % 2 else ["this", "base"]):
-                proc = workers[name][r % procs]
+                proc = workers[name][r // 2 % procs]
                 assert proc.stdin is not None and proc.stdout is not None
                 proc.stdin.write("go\n")
                 proc.stdin.flush()
                 line = proc.stdout.readline()
                 if not line:
                     raise SystemExit(f"the {name} worker ({trees[name]}) stopped")
-                if r >= WARMUP * procs:
+                if r >= WARMUP * procs:  # (rounds go two by two: each process's first two)
                     times[name].append(json.loads(line))
     finally:
         for proc in (proc for group in workers.values() for proc in group):
