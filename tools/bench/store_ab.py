@@ -9,10 +9,12 @@ Starts ``--procs`` worker processes per checkout (``PYTHONPATH`` set to it, so e
 imports its own ``kvstore``), each with a DRAM-only store of its own, and has the
 checkouts take turns, one round each, the order swapped every round, so both see
 the same moments of a noisy machine; each checkout's rounds go to its processes in
-turn. (One process against one of the same checkout came out anywhere from 0.64x
-to 1.12x at 32 entries, 2026-12-06: a process keeps the speed of where its memory
-and CPU landed, so one process per side measures the processes as much as the
-code.) A round: a room for ``entries`` blocks of 64 KiB, a ``put`` of fresh
+turn, two rounds at a time, so each goes both first and second. (One process
+against one of the same checkout came out anywhere from 0.64x to 1.12x at 32
+entries, 2026-12-06: a process keeps the speed of where its memory and CPU landed,
+so one process per side measures the processes as much as the code. Four a side,
+the same control gave 0.91 - 1.00x: differences under ~10 % are not resolved here.)
+A round: a room for ``entries`` blocks of 64 KiB, a ``put`` of fresh
 random keys into it (its book-keeping run at once when the store answers first), an
 ``acquire`` of them (with ``--claim``, claiming them as a drop_select's acquire
 does), a ``release`` with drop. Both workers run with the garbage
