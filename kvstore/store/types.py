@@ -7,6 +7,7 @@ types without pulling in the tiers.
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -119,9 +120,15 @@ class VerifyResult(NamedTuple):
     bad: list[bytes]  # failed their checksum; dropped unless leased at the time
 
 
+# Ids come from a generator seeded from the OS (again in each forked child): an
+# ``os.urandom`` per id was a system call per reservation, room and acquire.
+_ids = random.Random(os.urandom(32))
+os.register_at_fork(after_in_child=lambda: _ids.seed(os.urandom(32)))
+
+
 def new_id() -> int:
     """Random positive 63-bit id: ids from before a restart never match new ones."""
-    return int.from_bytes(os.urandom(8), "little") >> 1 or 1
+    return _ids.getrandbits(63) or 1
 
 
 def check_keys(keys: Sequence[bytes]) -> list[bytes]:
@@ -158,6 +165,8 @@ def check_tokens(tokens: Sequence[bytes], n: int) -> list[bytes]:
 def check_sizes(sizes: Sequence[int], n: int) -> list[int]:
     if len(sizes) != n:
         raise InvalidRequestError(f"{n} keys but {len(sizes)} sizes")
+    if set(map(type, sizes)) == {int} and min(sizes) > 0:  # the usual case, in C
+        return list(sizes)
     for size in sizes:
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise InvalidRequestError(f"entry sizes must be positive ints, got {size!r}")

@@ -306,11 +306,11 @@ def test_store_ab_runs_two_checkouts_in_turn():
     from tools.bench import store_ab
 
     root = Path(__file__).resolve().parents[2]
-    for claim, server in ((False, False), (True, False), (True, True)):  # two workers a side
+    for claim, server in ((False, False), (True, False), (True, True)):  # 3 workers a side
         # a get's acquire, a drop_select's, then a drop_select's through a real
         # server's handle (its bytes in the reply; the worker stops unless its
         # release leaves nothing stored)
-        result = store_ab.run(root, entries=8, reps=2, claim=claim, server=server, procs=2)
+        result = store_ab.run(root, entries=8, reps=3, claim=claim, server=server, procs=3)
         assert set(result) == {"base", "this"}
         for steps in result.values():
             want = store_ab.SERVER_STEPS if server else store_ab.STEPS

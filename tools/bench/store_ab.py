@@ -3,18 +3,18 @@ side by side (in-process ``Store`` calls: no sockets, no copies, one thread).
 
     python -m tools.bench.store_ab --base /path/to/other/checkout [--this /path/to/another]
                                    [--entries 2048] [--reps 61] [--claim] [--server]
-                                   [--procs 4]
+                                   [--procs 5]
 
 Starts ``--procs`` worker processes per checkout (``PYTHONPATH`` set to it, so each
 imports its own ``kvstore``), each with a DRAM-only store of its own, and has the
 checkouts take turns, one round each, the order swapped every round, so both see
 the same moments of a noisy machine; each checkout's rounds go to its processes in
-turn, two rounds at a time, so each goes both first and second. (One process
-against one of the same checkout came out anywhere from 0.64x to 1.12x at 32
-entries, 2026-12-06: a process keeps the speed of where its memory and CPU landed,
-so one process per side measures the processes as much as the code. Four a side,
-the same control gave 0.91 - 1.00x: differences under ~10 % are not resolved here.)
-A round: a room for ``entries`` blocks of 64 KiB, a ``put`` of fresh
+turn (an odd number of them: each goes first in some rounds and second in others,
+and none serves two rounds in a row). One process against one of the same
+checkout came out anywhere from 0.64x to 1.12x at 32 entries, 2026-12-06: a
+process keeps the speed of where its memory and CPU landed, so one process per
+side measures the processes as much as the code (docs/benchmarks.md, "A prompt's
+keys from one conversion"). A round: a room for ``entries`` blocks of 64 KiB, a ``put`` of fresh
 random keys into it (its book-keeping run at once when the store answers first), an
 ``acquire`` of them (with ``--claim``, claiming them as a drop_select's acquire
 does), a ``release`` with drop. Both workers run with the garbage
@@ -165,14 +165,17 @@ def server_worker(entries: int) -> None:
 
 
 def run(base: Path, entries: int, reps: int, this: Path | None = None,
-        claim: bool = False, server: bool = False, procs: int = 4
+        claim: bool = False, server: bool = False, procs: int = 5
         ) -> dict[str, dict[str, float]]:
     """Median ms per step for ``base`` and ``this`` (default: this checkout), taking
     turns; ``claim``: the acquire claims, as a drop_select's does. ``procs``: worker
-    processes per checkout, taking rounds in turn, two at a time, so each goes both
-    first and second (a process's own speed varies with where its memory and CPU
-    landed: one against one of the same checkout measured 0.64 - 1.12x at 32
-    entries)."""
+    processes per checkout, taking rounds in turn (a process's own speed varies with
+    where its memory and CPU landed: one against one of the same checkout measured
+    0.64 - 1.12x at 32 entries). An odd number, so that each worker goes first in
+    some rounds and second in others, and no worker serves two rounds in a row
+    (its second would find its caches warm)."""
+    if procs < 1 or procs % 2 == 0 and procs > 1:
+        raise ValueError(f"procs must be 1 or odd, got {procs}")
     here = Path(__file__).resolve().parents[2]
     trees = {"base": base.resolve(), "this": (this or here).resolve()}
     # run_path, not ``python FILE``: the script's folder on sys.path would shadow
@@ -189,14 +192,14 @@ def run(base: Path, entries: int, reps: int, this: Path | None = None,
     try:
         for r in range(reps + WARMUP * procs):
             for name in (["base", "this"] if r % 2 else ["this", "base"]):
-                proc = workers[name][r // 2 % procs]
+                proc = workers[name][r % procs]
                 assert proc.stdin is not None and proc.stdout is not None
                 proc.stdin.write("go\n")
                 proc.stdin.flush()
                 line = proc.stdout.readline()
                 if not line:
                     raise SystemExit(f"the {name} worker ({trees[name]}) stopped")
-                if r >= WARMUP * procs:  # (rounds go two by two: each process's first two)
+                if r >= WARMUP * procs:  # (each process's first WARMUP rounds)
                     times[name].append(json.loads(line))
     finally:
         for proc in (proc for group in workers.values() for proc in group):
@@ -222,9 +225,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="time Server.handle of a room's put, a drop_select's "
                              "acquire (bytes in the reply) and its release, not the "
                              "store's calls")
-    parser.add_argument("--procs", type=int, default=4,
+    parser.add_argument("--procs", type=int, default=5,
                         help="worker processes per checkout, taking rounds in turn "
-                             "(one process's own speed is not the checkout's)")
+                             "(one process's own speed is not the checkout's); 1 or odd")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
@@ -238,8 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     for flag, tree in (("--base", args.base), ("--this", args.this)):
         if tree is not None and not (tree / "kvstore" / "store" / "facade.py").is_file():
             parser.error(f"{flag} {tree}: not a kvstore checkout (no kvstore/store/facade.py)")
-    if args.entries < 1 or args.reps < 1 or args.procs < 1:
-        parser.error("--entries, --reps and --procs must be >= 1")
+    if args.entries < 1 or args.reps < 1:
+        parser.error("--entries and --reps must be >= 1")
+    if args.procs < 1 or args.procs % 2 == 0 and args.procs > 1:
+        parser.error("--procs must be 1 or odd (each worker then goes first and second)")
     from kvstore.core.protocol import MAX_INLINE_BYTES
 
     if args.server and args.entries * ENTRY > MAX_INLINE_BYTES:
