@@ -6,8 +6,9 @@ types without pulling in the tiers.
 
 from __future__ import annotations
 
+import array
 import os
-import random
+import threading
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -120,15 +121,29 @@ class VerifyResult(NamedTuple):
     bad: list[bytes]  # failed their checksum; dropped unless leased at the time
 
 
-# Ids come from a generator seeded from the OS (again in each forked child): an
-# ``os.urandom`` per id was a system call per reservation, room and acquire.
-_ids = random.Random(os.urandom(32))
-os.register_at_fork(after_in_child=lambda: _ids.seed(os.urandom(32)))
+# Ids are the OS's random bytes, read 4 KiB at a time (an ``os.urandom`` call per id
+# was a system call per room, reservation and acquire); a forked child reads its own.
+# Not a seeded generator: a client that saw enough of its ids could predict others'.
+_ID_BYTES = 8
+_id_pool = array.array("Q")
+_id_lock = threading.Lock()
+
+
+def _forked() -> None:
+    global _id_lock
+    del _id_pool[:]
+    _id_lock = threading.Lock()  # (another thread may have held it at the fork)
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def new_id() -> int:
     """Random positive 63-bit id: ids from before a restart never match new ones."""
-    return _ids.getrandbits(63) or 1
+    with _id_lock:
+        if not _id_pool:
+            _id_pool.frombytes(os.urandom(512 * _ID_BYTES))
+        return _id_pool.pop() >> 1 or 1
 
 
 def check_keys(keys: Sequence[bytes]) -> list[bytes]:

@@ -34,3 +34,27 @@ def test_a_bad_token_block_anywhere_is_refused(make, bad):
         check_tokens(make([bytes(4), bad]), 2)
     with pytest.raises(InvalidRequestError, match="token blocks"):
         check_tokens(make([bytes(4)]), 2)
+
+
+def test_ids_are_the_os_random_bytes_and_a_forked_child_draws_its_own():
+    """Ids come from a pool of the OS's random bytes (not a seeded generator, whose
+    ids a client could predict): positive 63-bit, never repeated in practice, and
+    a child forked with the parent's pool half used does not hand out the parent's
+    next ids."""
+    import os
+
+    from kvstore.store.types import new_id
+
+    ids = [new_id() for _ in range(3000)]  # (past several refills of the pool)
+    assert len(set(ids)) == len(ids) and all(0 < i < 2**63 for i in ids)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.write(write, b",".join(str(new_id()).encode() for _ in range(8)))
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read, "rb") as f:
+        child = [int(x) for x in f.read().split(b",")]
+    parent = [new_id() for _ in range(8)]
+    assert len(child) == 8 and not set(child) & set(parent)
