@@ -49,8 +49,8 @@ def test_a_dropped_copy_leaves_the_durable_index(make_store, tmp_path):
 def test_a_copy_shed_from_nvme_leaves_the_durable_index(tmp_path):
     """A staged entry whose NVMe copy is shed (``Placement.shed``: NVMe room is
     made from copies first) is a memory record again: its durable row goes, though
-    the change puts only memory records (``Catalog._write_index``'s shortcut for
-    those must look at the records they replace)."""
+    the change puts only memory records (whether it writes the index depends on
+    the records they replace too)."""
     cfg = store_config(tmp_path / "d", dram=4, nvme=8)
     with Store(cfg) as store:
         put(store, [1, 2])

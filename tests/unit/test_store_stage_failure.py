@@ -56,9 +56,12 @@ def test_pinning_dedups_onto_one_in_flight_key_pin_it_once(make_store):
 
 def test_release_whose_index_write_fails_changes_nothing(make_store, monkeypatch):
     """A failed LMDB write at release leaves the lease open and whole, so the
-    caller can release again (before: lease gone, holds dropped, pending changed)."""
-    store = make_store(dram=4)
+    caller can release again (before: lease gone, holds dropped, pending changed).
+    The entry was on NVMe (staged for the read, its copy kept): its drop writes the
+    durable index (a drop of memory records only writes nothing)."""
+    store = make_store(dram=4, nvme=8)
     put(store, [1])
+    store.demote([key(1)])
     got = store.acquire([key(1)], [toks(1)], claim=True)
     real_write = store.catalog._write_index
 
@@ -74,3 +77,19 @@ def test_release_whose_index_write_fails_changes_nothing(make_store, monkeypatch
     monkeypatch.setattr(store.catalog, "_write_index", real_write)
     assert store.release(got.id, drop=True) == 1
     assert list(store.entries()) == [] and not store.holds.leased and not store.holds.claims
+
+
+def test_a_release_of_memory_entries_never_writes_the_index(make_store, monkeypatch):
+    """Memory records are not in LMDB: dropping them at release writes nothing there,
+    so an index that would refuse every write does not stop the drop."""
+    store = make_store(dram=4, nvme=8)
+    put(store, [1, 2])
+    got = store.acquire([key(1), key(2)], [toks(1), toks(2)], claim=True)
+
+    def failing_write(*args, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store.catalog, "_write_index", failing_write)
+    assert store.release(got.id, drop=True) == 2
+    assert list(store.entries()) == [] and not store.holds.leased and not store.holds.claims
+    store.check_integrity()
