@@ -121,8 +121,6 @@ def _int_list_to_array(tokens: list | tuple) -> np.ndarray | None:
 def block_keys(namespace: bytes, tokens: Sequence[int] | np.ndarray, block_tokens: int,
                include_partial: bool = True) -> BlockKeys:
     """Chained keys of every block of ``tokens`` (and of the partial rest, if asked)."""
-    if len(namespace) != KEY_BYTES:
-        raise InvalidRequestError(f"namespace must be {KEY_BYTES} bytes")
     return _chained_keys(namespace, tokens_to_array(tokens).tobytes(), block_tokens,
                          include_partial)
 
@@ -132,8 +130,6 @@ def prompt_blocks(namespace: bytes, tokens: Sequence[int] | np.ndarray, block_to
     """``block_keys`` (partial block included), ``block_token_bytes`` and the token
     count of one prompt, its tokens checked and converted once (an insert's and a
     select's first step: each conversion checks every id)."""
-    if len(namespace) != KEY_BYTES:
-        raise InvalidRequestError(f"namespace must be {KEY_BYTES} bytes")
     raw = tokens_to_array(tokens).tobytes()
     return (_chained_keys(namespace, raw, block_tokens, True),
             _per_block(raw, block_tokens), len(raw) // 4)
@@ -142,6 +138,8 @@ def prompt_blocks(namespace: bytes, tokens: Sequence[int] | np.ndarray, block_to
 def _chained_keys(namespace: bytes, raw: bytes, block_tokens: int, include_partial: bool
                   ) -> BlockKeys:
     """``block_keys`` of the int32 LE token bytes ``raw``."""
+    if len(namespace) != KEY_BYTES:
+        raise InvalidRequestError(f"namespace must be {KEY_BYTES} bytes")
     step = block_tokens * 4
     full, rest = divmod(len(raw) // 4, block_tokens)
     digest = xxhash.xxh3_128_digest

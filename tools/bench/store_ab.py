@@ -14,8 +14,8 @@ and none serves two rounds in a row). One process against one of the same
 checkout came out anywhere from 0.64x to 1.12x at 32 entries, 2026-12-06: a
 process keeps the speed of where its memory and CPU landed, so one process per
 side measures the processes as much as the code (docs/benchmarks.md, "A prompt's
-keys from one conversion"). A round: a room for ``entries`` blocks of 64 KiB, a ``put`` of fresh
-random keys into it (its book-keeping run at once when the store answers first), an
+keys from one conversion"). A round: a room for ``entries`` blocks of 64 KiB, a
+``put`` of fresh random keys into it (its book-keeping run at once when the store answers first), an
 ``acquire`` of them (with ``--claim``, claiming them as a drop_select's acquire
 does), a ``release`` with drop. Both workers run with the garbage
 collector as a server runs it (``server.gc_young``: start-up frozen, collections
@@ -101,8 +101,8 @@ def worker(entries: int, claim: bool = False) -> None:
 
 
 def server_worker(entries: int) -> None:
-    """``worker`` through ``Server.handle`` (``--server``): a round's acquire and
-    release are request frames, answered as the serving thread answers them."""
+    """``worker`` through ``Server.handle`` (``--server``): a round's put, acquire
+    and release are request frames, answered as the serving thread answers them."""
     import time
 
     import numpy as np
@@ -164,6 +164,10 @@ def server_worker(entries: int) -> None:
             server.close()
 
 
+def _procs_ok(procs: int) -> bool:
+    return procs == 1 or procs > 1 and procs % 2 == 1
+
+
 def run(base: Path, entries: int, reps: int, this: Path | None = None,
         claim: bool = False, server: bool = False, procs: int = 5
         ) -> dict[str, dict[str, float]]:
@@ -174,7 +178,7 @@ def run(base: Path, entries: int, reps: int, this: Path | None = None,
     0.64 - 1.12x at 32 entries). An odd number, so that each worker goes first in
     some rounds and second in others, and no worker serves two rounds in a row
     (its second would find its caches warm)."""
-    if procs < 1 or procs % 2 == 0 and procs > 1:
+    if not _procs_ok(procs):
         raise ValueError(f"procs must be 1 or odd, got {procs}")
     here = Path(__file__).resolve().parents[2]
     trees = {"base": base.resolve(), "this": (this or here).resolve()}
@@ -243,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{flag} {tree}: not a kvstore checkout (no kvstore/store/facade.py)")
     if args.entries < 1 or args.reps < 1:
         parser.error("--entries and --reps must be >= 1")
-    if args.procs < 1 or args.procs % 2 == 0 and args.procs > 1:
+    if not _procs_ok(args.procs):
         parser.error("--procs must be 1 or odd (each worker then goes first and second)")
     from kvstore.core.protocol import MAX_INLINE_BYTES
 
