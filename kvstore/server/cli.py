@@ -135,6 +135,10 @@ def _serve(cfg: KVStoreConfig) -> int:
             server.on_result = metrics.on_result
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: server.stop())
+        # A signal that lands on another thread (TE's, ZeroMQ's) still wakes the
+        # serving thread's poll, which then runs the handler: a stop takes
+        # milliseconds, not the poll's timeout.
+        signal.set_wakeup_fd(server.wake_fd, warn_on_full_buffer=False)
         if etcd is not None:
             registration = register_server(etcd, cfg, server)
         log.info("%s", _describe(server, cfg))
@@ -142,6 +146,7 @@ def _serve(cfg: KVStoreConfig) -> int:
         server.serve_forever()
         log.info("kvstore-server stopping")
     finally:
+        signal.set_wakeup_fd(-1)  # before the server closes the descriptor
         if registration is not None:
             registration.close()  # clients stop placing prompts here at once
         if metrics is not None:

@@ -160,6 +160,12 @@ class Server:
         self._staged_at = f"inproc://kvstore-staged-{next(_INPROC)}"
         self._staging_wake = threading.Condition()
         self._requests_done = threading.Event()
+        # Wakes the serving thread's poll: ``stop`` writes to it, and so does the
+        # interpreter on a signal (``wake_fd``, for signal.set_wakeup_fd), whichever
+        # thread the signal lands on; without it a stop waited out the poll.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._ctx = zmq.Context()
         self._auth: ThreadAuthenticator | None = None
         self._local: LocalDoor | None = None
@@ -185,6 +191,7 @@ class Server:
             # Whatever step failed: a socket left open would block the context's
             # termination forever (a hung start instead of the error).
             self._close_zmq(every_socket=True)
+            self._close_wake()
             raise
 
     # ---------------------------------------------------------------- set-up
@@ -255,9 +262,19 @@ class Server:
         self.transport.register_many(regions)
 
     # ---------------------------------------------------------------- serving
+    @property
+    def wake_fd(self) -> int:
+        """A non-blocking descriptor whose write wakes the serving thread's poll:
+        ``kvstore-server`` hands it to ``signal.set_wakeup_fd``."""
+        return self._wake_w
+
     def stop(self) -> None:
         """Ask the loop to exit after the request in flight (signal-safe)."""
         self._stop = True
+        try:
+            os.write(self._wake_w, b"\0")
+        except OSError:  # full (a wake is pending anyway) or closed (stopped already)
+            pass
 
     def serve_forever(self) -> None:
         """The serving thread (the caller's): owns the ROUTER socket, receives each
@@ -289,6 +306,8 @@ class Server:
                         except zmq.ZMQError as exc:
                             if exc.errno != errno.EINTR:
                                 raise
+                        if ready and ready[0][0] == self._wake_r:
+                            _drain_pipe(self._wake_r)
                     self._forward(staged)
                     self._drain(listener_ready=self._local is not None
                                 and self._local.polled_ready(ready))
@@ -315,6 +334,8 @@ class Server:
                     frames, _ = self._queue.popleft()
                     self._send(self._busy(frames, 0.0, "server stopping"))
             self._requests_done.set()
+            with self._staging_wake:  # the staging thread waits for this or more work
+                self._staging_wake.notify_all()
             while stager.is_alive() or watchdog.is_alive():  # stagings left are answered
                 stager.join(POLL_MS / 1000)
                 watchdog.join(POLL_MS / 1000)
@@ -388,6 +409,7 @@ class Server:
         """What the serving thread waits on: the ROUTER, staged replies, and the
         same-node door's listener and connections (rebuilt when those change)."""
         poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)  # first: ``ready[0]`` when it is
         poller.register(self._sock, zmq.POLLIN)
         poller.register(staged, zmq.POLLIN)
         for sock, pending in self._local.sockets() if self._local is not None else ():
@@ -913,6 +935,13 @@ class Server:
             except Exception:  # noqa: BLE001 - keep closing the rest
                 log.exception("closing %s failed", name)
         self._close_zmq()
+        self._close_wake()
+
+    def _close_wake(self) -> None:
+        wake, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+        for fd in wake:
+            if fd >= 0:  # (-1: closed by an earlier close)
+                os.close(fd)
 
     def _close_zmq(self, every_socket: bool = False) -> None:
         """Close the sockets and terminate the context, which waits for every socket
@@ -1066,3 +1095,12 @@ def tune_gc(young: int) -> None:
     gc.freeze()
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(young, older, oldest)
+
+
+def _drain_pipe(fd: int) -> None:
+    """Read what a non-blocking pipe holds, so that it wakes a poll only once."""
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass

@@ -86,6 +86,34 @@ def test_sigterm_closes_cleanly_and_releases_everything(server_factory, client_f
     assert raw_call(srv.address, [req(op="health")])["status"] == "ok"
 
 
+# A server whose serving thread waits up to 10 minutes for a request and whose
+# staging thread waits as long for work: only the stop's wake-ups can end it sooner.
+_SLOW_POLLS = (
+    "import runpy, sys\n"
+    "from kvstore.server import loop\n"
+    "loop.POLL_MS = 600_000\n"
+    "loop._reap_interval = lambda config: 600.0\n"
+    "sys.argv[0] = 'kvstore-server'\n"
+    "runpy.run_module('kvstore.server', run_name='__main__')\n")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_wakes_an_idle_server_at_once(server_factory, client_factory, sig):
+    """An idle server used to notice a stop only when its poll timed out (0.1 s, each
+    of ~300 test servers' stops): the signal now wakes the serving thread's poll,
+    whichever thread it lands on, and the staging thread's wait. With both waits
+    made 10 minutes long, the server still exits at once (within the 60 s asked)."""
+    srv = server_factory(wait=False)
+    srv.stop()
+    srv.argv[1:3] = ["-c", _SLOW_POLLS]
+    srv.start()
+    client_factory(srv).insert(list(range(10)), make_kv(10))  # its threads have run
+    time.sleep(0.2)  # idle in its poll
+    os.kill(srv.pid, sig)
+    assert srv.proc.wait(timeout=60) == 0
+    assert "kvstore-server stopping" in srv.log()
+
+
 def _refused(argv: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=60, env=server_env(),
                           cwd=REPO)
