@@ -44,7 +44,9 @@ log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 32  # CPU attention needs a multiple of 32
 START_TIMEOUT_S = 300.0  # three engines starting at once on 2 cores
-STOP_TIMEOUT_S = 15.0
+# TERM to KILL. A vLLM server that is up exits in under a second; one still starting
+# (Ctrl-C while `make run` starts its engines) ignores the TERM and waits this out.
+STOP_TIMEOUT_S = 8.0
 SERVED_NAME = "tiny"  # the name clients put in "model"; also the connector's model_id
 CONNECTOR = {"kv_connector": "KVStoreConnectorV1",
              "kv_connector_module_path": "kvstore.connector.vllm_v1",
@@ -201,10 +203,13 @@ class PDCluster:
         shielded = (signal.SIGINT, signal.SIGTERM) if main else ()
         previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in shielded}
         try:
-            for service in reversed(self.services):
-                # Each group's files just before it stops, the group frozen meanwhile:
-                # an engine still starting makes new ones until it is stopped.
-                _stop_group(service.proc, noting=lambda pids: self._shm.update(shm_files(pids)))
+            # The engines and the proxy together, then the stores together: one at a
+            # time, their waits add up (a vLLM server still starting ignores the TERM
+            # until the KILL, STOP_TIMEOUT_S later).
+            engines = [s for s in self.services if not s.name.startswith("store-")]
+            stores = [s for s in self.services if s.name.startswith("store-")]
+            for wave in (engines, stores):
+                self._stop_together(wave)
             if not self.leftover_pids():  # nobody of this cluster maps them any more
                 unlink_all(self.shm_left())
             self.cluster.close()
@@ -214,6 +219,25 @@ class PDCluster:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _stop_together(self, services: list[Service]) -> None:
+        """Stop these services' process groups at once (``_stop_group``, one thread
+        each), noting each group's files just before it stops, the group frozen
+        meanwhile: an engine still starting makes new ones until it is stopped."""
+        lock = threading.Lock()
+
+        def note(pids: list[int]) -> None:
+            found = shm_files(pids)
+            with lock:
+                self._shm.update(found)
+
+        threads = [threading.Thread(target=_stop_group, args=(s.proc,),
+                                    kwargs={"noting": note}, name=f"stop-{s.name}")
+                   for s in services]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
 
     def _check_stop(self) -> None:
         if self.stop.is_set():

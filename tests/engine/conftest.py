@@ -61,11 +61,13 @@ class EngineConfig(NamedTuple):
 
 
 # One config runs vLLM's own multi-process layout (the connector's metadata crosses
-# processes, as deployed); the others start ~3x faster in one process each.
+# processes, as deployed); the others start ~3x faster in one process each. Each
+# architecture and each dtype runs; Qwen2 in bf16 (their fourth pairing, ~75 s of
+# the suite, which must stay under ~25 minutes) was dropped: the connector's paths
+# depend on the dtype's size and the cache's layout, which these three cover.
 ENGINE_CONFIGS = [EngineConfig(ModelSpec("llama", "float32"), in_process=False),
                   EngineConfig(ModelSpec("llama", "bfloat16"), in_process=True),
-                  EngineConfig(ModelSpec("qwen2", "float32"), in_process=True),
-                  EngineConfig(ModelSpec("qwen2", "bfloat16"), in_process=True)]
+                  EngineConfig(ModelSpec("qwen2", "float32"), in_process=True)]
 BLOCK = 32  # engine block size (CPU attention needs a multiple of 32) = entry block
 PROMPT_LENS = (1, 31, 32, 33, 37, 300, 2050)
 DECODE_TOKENS = 48  # long enough that a wrong KV shows (the tiny models drift late)

@@ -9,7 +9,8 @@ the decode took (drop) every entry the prefill left.
 Prompt lengths cover the block edges (block size 32): 1 (nothing loadable), 31, 32
 (one partial block loaded), 33 (one full block), 37, 300, 2050; all in one batch, so
 several requests are in flight in each engine, and all engines are alive at once.
-Runs per engine config (Llama and Qwen2, fp32 and bf16: conftest ``ENGINE_CONFIGS``).
+Runs per engine config (Llama in fp32 and bf16, Qwen2 in fp32: conftest
+``ENGINE_CONFIGS``).
 """
 
 from __future__ import annotations
