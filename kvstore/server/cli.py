@@ -124,6 +124,7 @@ def _serve(cfg: KVStoreConfig) -> int:
     etcd = connect_etcd(cfg)  # before opening anything: etcd down is a quick, clear error
     server = open_server(cfg)
     metrics = registration = None
+    previous_wake: int | None = None  # the wakeup fd before ours, once ours is set
     try:
         if cfg.server.metrics_port:
             from kvstore.server.metrics import Metrics
@@ -138,7 +139,7 @@ def _serve(cfg: KVStoreConfig) -> int:
         # A signal that lands on another thread (TE's, ZeroMQ's) still wakes the
         # serving thread's poll, which then runs the handler: a stop takes
         # milliseconds, not the poll's timeout.
-        signal.set_wakeup_fd(server.wake_fd, warn_on_full_buffer=False)
+        previous_wake = signal.set_wakeup_fd(server.wake_fd, warn_on_full_buffer=False)
         if etcd is not None:
             registration = register_server(etcd, cfg, server)
         log.info("%s", _describe(server, cfg))
@@ -146,7 +147,8 @@ def _serve(cfg: KVStoreConfig) -> int:
         server.serve_forever()
         log.info("kvstore-server stopping")
     finally:
-        signal.set_wakeup_fd(-1)  # before the server closes the descriptor
+        if previous_wake is not None:  # before the server closes the descriptor
+            signal.set_wakeup_fd(previous_wake)
         if registration is not None:
             registration.close()  # clients stop placing prompts here at once
         if metrics is not None:

@@ -160,15 +160,15 @@ class Server:
         self._staged_at = f"inproc://kvstore-staged-{next(_INPROC)}"
         self._staging_wake = threading.Condition()
         self._requests_done = threading.Event()
+        self._ctx = zmq.Context()
+        self._auth: ThreadAuthenticator | None = None
+        self._local: LocalDoor | None = None
         # Wakes the serving thread's poll: ``stop`` writes to it, and so does the
         # interpreter on a signal (``wake_fd``, for signal.set_wakeup_fd), whichever
         # thread the signal lands on; without it a stop waited out the poll.
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._ctx = zmq.Context()
-        self._auth: ThreadAuthenticator | None = None
-        self._local: LocalDoor | None = None
         try:
             self._sock = self._bind()
             self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -306,7 +306,7 @@ class Server:
                         except zmq.ZMQError as exc:
                             if exc.errno != errno.EINTR:
                                 raise
-                        if ready and ready[0][0] == self._wake_r:
+                        if any(sock == self._wake_r for sock, _ in ready):
                             _drain_pipe(self._wake_r)
                     self._forward(staged)
                     self._drain(listener_ready=self._local is not None
@@ -409,7 +409,7 @@ class Server:
         """What the serving thread waits on: the ROUTER, staged replies, and the
         same-node door's listener and connections (rebuilt when those change)."""
         poller = zmq.Poller()
-        poller.register(self._wake_r, zmq.POLLIN)  # first: ``ready[0]`` when it is
+        poller.register(self._wake_r, zmq.POLLIN)
         poller.register(self._sock, zmq.POLLIN)
         poller.register(staged, zmq.POLLIN)
         for sock, pending in self._local.sockets() if self._local is not None else ():
@@ -926,7 +926,8 @@ class Server:
 
     # ---------------------------------------------------------------- teardown
     def close(self) -> None:
-        """Close store (LMDB), TE and sockets, in that order; idempotent."""
+        """Close store (LMDB), TE and sockets, in that order; idempotent. Only once
+        ``serve_forever`` has returned: its poll watches the wake pipe closed here."""
         for slot in getattr(self, "_inline_slots", ()):
             slot.data = None  # a view of the arena goes before the arena does
         for name, closer in (("store", self.store.close), ("transport", self.transport.close)):

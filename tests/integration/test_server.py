@@ -13,7 +13,14 @@ import zmq
 
 from kvstore.core.errors import AuthError, PeerUnavailableError
 from kvstore.server.cli import generate_keys
-from tests.integration.conftest import REPO, free_port, make_kv, server_env
+from tests.integration.conftest import (
+    REPO,
+    ServerProc,
+    free_port,
+    make_kv,
+    server_argv,
+    server_env,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -88,24 +95,39 @@ def test_sigterm_closes_cleanly_and_releases_everything(server_factory, client_f
 
 # A server whose serving thread waits up to 10 minutes for a request and whose
 # staging thread waits as long for work: only the stop's wake-ups can end it sooner.
+# With MASKED, the main thread blocks SIGTERM and SIGINT once its other threads have
+# started (at tune_gc, just before it serves), so the signal lands on one of those
+# (ZeroMQ's, TE's): only the interpreter's wakeup fd can wake the poll then.
 _SLOW_POLLS = (
-    "import runpy, sys\n"
+    "import os, runpy, signal, sys\n"
     "from kvstore.server import loop\n"
     "loop.POLL_MS = 600_000\n"
     "loop._reap_interval = lambda config: 600.0\n"
+    "tune = loop.tune_gc\n"
+    "def masked(young):\n"
+    "    if os.environ.get('MASKED'):\n"
+    "        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})\n"
+    "    tune(young)\n"
+    "loop.tune_gc = masked\n"
     "sys.argv[0] = 'kvstore-server'\n"
     "runpy.run_module('kvstore.server', run_name='__main__')\n")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_wakes_an_idle_server_at_once(server_factory, client_factory, sig):
-    """An idle server used to notice a stop only when its poll timed out (0.1 s, each
-    of ~300 test servers' stops): the signal now wakes the serving thread's poll,
-    whichever thread it lands on, and the staging thread's wait. With both waits
-    made 10 minutes long, the server still exits at once (within the 60 s asked)."""
-    srv = server_factory(wait=False)
-    srv.stop()
+@pytest.mark.parametrize(("sig", "masked"), [(signal.SIGTERM, False), (signal.SIGINT, True)],
+                         ids=["SIGTERM-serving-thread", "SIGINT-another-thread"])
+def test_a_signal_wakes_an_idle_server_at_once(server_factory, client_factory, tmp_path,
+                                               sig, masked):
+    """An idle server used to notice a stop only when its poll timed out (0.1 s),
+    then its staging thread's wait: the signal now wakes the serving thread's poll,
+    through ``stop()``'s write when the signal interrupts that thread, through the
+    interpreter's wakeup fd when it lands on another, and the staging thread's
+    wait. With both waits made 10 minutes long, the server still exits at once
+    (within the 60 s asked)."""
+    port = free_port()
+    srv = ServerProc("127.0.0.1", port, tmp_path / "slow", tmp_path / "slow.log",
+                     server_argv(port, tmp_path / "slow"), env={"MASKED": "1"} if masked else {})
     srv.argv[1:3] = ["-c", _SLOW_POLLS]
+    server_factory.started.append(srv)  # stopped at teardown if it is not
     srv.start()
     client_factory(srv).insert(list(range(10)), make_kv(10))  # its threads have run
     time.sleep(0.2)  # idle in its poll
