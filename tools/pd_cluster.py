@@ -47,6 +47,8 @@ START_TIMEOUT_S = 300.0  # three engines starting at once on 2 cores
 # TERM to KILL. A vLLM server that is up exits in under a second; one still starting
 # (Ctrl-C while `make run` starts its engines) ignores the TERM and waits this out.
 STOP_TIMEOUT_S = 8.0
+# The kvstore-servers' (they exit in milliseconds; one KILLed leaves its arena file).
+STORE_STOP_TIMEOUT_S = 15.0
 SERVED_NAME = "tiny"  # the name clients put in "model"; also the connector's model_id
 CONNECTOR = {"kv_connector": "KVStoreConnectorV1",
              "kv_connector_module_path": "kvstore.connector.vllm_v1",
@@ -208,8 +210,8 @@ class PDCluster:
             # until the KILL, STOP_TIMEOUT_S later).
             engines = [s for s in self.services if not s.name.startswith("store-")]
             stores = [s for s in self.services if s.name.startswith("store-")]
-            for wave in (engines, stores):
-                self._stop_together(wave)
+            self._stop_together(engines, STOP_TIMEOUT_S)
+            self._stop_together(stores, STORE_STOP_TIMEOUT_S)
             if not self.leftover_pids():  # nobody of this cluster maps them any more
                 unlink_all(self.shm_left())
             self.cluster.close()
@@ -220,24 +222,34 @@ class PDCluster:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def _stop_together(self, services: list[Service]) -> None:
+    def _stop_together(self, services: list[Service], timeout: float) -> None:
         """Stop these services' process groups at once (``_stop_group``, one thread
         each), noting each group's files just before it stops, the group frozen
-        meanwhile: an engine still starting makes new ones until it is stopped."""
+        meanwhile: an engine still starting makes new ones until it is stopped. The
+        first error of any of them is raised once all have ended."""
         lock = threading.Lock()
+        errors: list[BaseException] = []
 
         def note(pids: list[int]) -> None:
             found = shm_files(pids)
             with lock:
                 self._shm.update(found)
 
-        threads = [threading.Thread(target=_stop_group, args=(s.proc,),
-                                    kwargs={"noting": note}, name=f"stop-{s.name}")
+        def stop(proc: subprocess.Popen) -> None:
+            try:
+                _stop_group(proc, timeout=timeout, noting=note)
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+                with lock:
+                    errors.append(exc)
+
+        threads = [threading.Thread(target=stop, args=(s.proc,), name=f"stop-{s.name}")
                    for s in services]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        if errors:
+            raise errors[0]
 
     def _check_stop(self) -> None:
         if self.stop.is_set():
