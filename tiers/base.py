@@ -131,6 +131,11 @@ class Tier(ABC):
         """``span`` of this tier's extents at ``offsets`` of ``sizes`` (none: None)."""
         return None
 
+    def runs_of(self, offsets: Sequence[int], sizes: Sequence[int]) -> list[memoryview] | None:
+        """Zero-copy views of this tier's extents at ``offsets`` of ``sizes``, in order,
+        back-to-back ones joined (memory tiers; else None)."""
+        return None
+
     def address(self, extent: Extent) -> int | None:
         """Virtual address of the extent for TE, or None when not memory-mapped."""
         return None

@@ -203,6 +203,25 @@ class DramTier(ArenaTier):
             return None
         return arena[start:ends[-1]].data
 
+    def runs_of(self, offsets: Sequence[int], sizes: Sequence[int]) -> list[memoryview] | None:
+        """Views of live extents at ``offsets`` of ``sizes``, in their order, those that
+        lie back to back joined into one view (``span_of``'s when all do); None if one
+        is not live. Nothing is copied: a stream door reply sends the list as it is."""
+        arena = self._arena()
+        if not offsets:
+            return None
+        if not self._alloc.all_live(offsets, sizes):
+            return None
+        runs: list[memoryview] = []
+        start = end = offsets[0]
+        for off, n in zip(offsets, sizes):
+            if off != end:
+                runs.append(arena[start:end].data)
+                start = off
+            end = off + n
+        runs.append(arena[start:end].data)
+        return runs
+
     def address(self, extent: Extent) -> int:
         self._own(extent)
         return self._base + extent.offset

@@ -258,20 +258,22 @@ class LocalDoor:
         del buf[:at]
 
     def send(self, envelope: bytes, body: bytes,
-             data: memoryview | bytes | None = None) -> Sent | None:
+             data: memoryview | bytes | list[memoryview] | None = None) -> Sent | None:
         """The reply ``body`` to the connection ``envelope`` names, without waiting:
         what the socket does not take now is kept and sent as its peer reads.
         Dropped (logged) if the connection is gone or its backlog is over the cap.
-        ``data`` (a stream door connection's only): an acquire's bytes, sent right
-        after the reply, not copied; the ``Sent`` says when the door is done with
-        them (None: dropped, never taken)."""
+        ``data`` (a stream door connection's only): an acquire's bytes (or a list of
+        views of them, in order), sent right after the reply, not copied; the
+        ``Sent`` says when the door is done with them (None: dropped, never taken)."""
         cid = _cid(envelope)
         conn = self._conns.get(cid)
         if conn is None:
             log.debug("reply to a closed or unroutable local connection %r dropped",
                       envelope[:40])
             return None
-        size = len(body) + (0 if data is None else len(data))
+        views: list[memoryview | bytes] = [] if data is None else \
+            list(data) if isinstance(data, list) else [data]
+        size = len(body) + sum(map(len, views))
         if conn.queued - conn.done + size > _BACKLOG_CAP:
             log.warning("local connection %s (%s) has %d bytes of replies unread: "
                         "closing it", cid, conn.peer, conn.queued - conn.done)
@@ -285,8 +287,9 @@ class LocalDoor:
         sent = None
         if data is not None:
             sent = Sent()
-            if len(data):
-                conn.out.append(memoryview(data).cast("B"))
+            pieces = [memoryview(v).cast("B") for v in views if len(v)]
+            if pieces:
+                conn.out.extend(pieces)
                 conn.sent.append((conn.queued, sent))
             else:
                 sent.done = True

@@ -428,14 +428,14 @@ class Server:
             slot = cast(_Slot, last)
             try:  # (the stream door's: no parts; its Sent tracks the bytes as a tracker)
                 slot.tracker = None if self._local is None else \
-                    self._local.send(frames[0], frames[-2], cast(bytes, slot.data))
+                    self._local.send(frames[0], frames[-2], slot.data)
             finally:
                 slot.handed = False
         elif type(frames[-1]) is _Slot:  # an acquire's bytes (``_inline``)
             slot = cast(_Slot, frames[-1])
             try:  # zero-copy: the slot is busy until ZeroMQ is done with the bytes
                 if not slot.parts:
-                    slot.tracker = self._sock.send_multipart([*frames[:-1], slot.data],
+                    slot.tracker = self._sock.send_multipart([*frames[:-1], cast(bytes, slot.data)],
                                                              copy=False, track=True)
                     return
                 # The first part after the reply, each other in a message of its own,
@@ -649,9 +649,9 @@ class Server:
         # would read a part as its next reply; the stream door sends them whole.
         local = bool(envelope) and is_local(envelope[0])
         door = self._local
-        reply = self.handle(body, defer, later,
-                            inline=not local or (door is not None and door.streams(envelope[0])),
-                            parts=len(envelope) == 1 and not local)
+        stream = local and door is not None and door.streams(envelope[0])
+        reply = self.handle(body, defer, later, inline=not local or stream,
+                            parts=len(envelope) == 1 and not local, runs=stream)
         if reply is None:
             return None
         slot = getattr(reply, "data", None)
@@ -711,7 +711,7 @@ class Server:
     def handle(self, frame: bytes,
                defer: Callable[[int, p.Acquire, Staging], None] | None = None,
                later: Later | None = None, inline: bool = False,
-               parts: bool = False) -> bytes | None:
+               parts: bool = False, runs: bool = False) -> bytes | None:
         """One request frame -> one reply frame. Never raises. With ``defer``, an
         acquire that must stage NVMe entries is handed to it instead (None: its
         reply comes from there). With ``later``, a commit or put may hand it the
@@ -719,7 +719,8 @@ class Server:
         With ``inline`` (the request came over the ZeroMQ port), an acquire that asks
         for its bytes in the reply may get them: the reply is then an ``Inline``,
         whose ``data`` goes out as a frame after it; with ``parts`` too (from a
-        DEALER), in parts when it asks so (``Acquire.inline_part``)."""
+        DEALER), in parts when it asks so (``Acquire.inline_part``); with ``runs``
+        (the stream door), as views of the arena however the entries lie in it."""
         start = time.perf_counter()
         try:
             rid, req = p.decode_request(frame, self.max_bytes)
@@ -741,7 +742,7 @@ class Server:
                 result = self._acquired(step)
                 if inline and req.inline:
                     self._inline(req.inline, step, result,
-                                 req.inline_part if parts else None)
+                                 req.inline_part if parts else None, runs)
                 return result
 
             return self._answer(rid, req, start, begin)
@@ -781,12 +782,14 @@ class Server:
         return reply
 
     def _inline(self, cap: int, acq: Acquisition, result: dict,
-                part: int | None = None) -> None:
+                part: int | None = None, runs: bool = False) -> None:
         """Put ``acq``'s bytes in ``result`` (under ``_DATA``, in a ``_Slot``;
         ``"inline"``: their length) when they fit ``cap`` and this server's limit, are
         all in DRAM, and a slot is free: at most ``INLINE_BACKLOG`` replies' bytes are
         handed to ZeroMQ and not sent yet. With ``part`` (``Acquire.inline_part``) and
-        more than that many bytes, they go in parts (``"parts"``: their lengths)."""
+        more than that many bytes, they go in parts (``"parts"``: their lengths).
+        With ``runs`` (a stream door reply), views of the arena wherever the entries
+        lie (``Store.dram_bytes``), never a copy on this thread."""
         sizes = [e[3] for e in acq.entries]  # (EntryInfo.nbytes)
         nbytes = sum(sizes)
         if not sizes or nbytes > min(cap, self._inline_max):
@@ -799,10 +802,10 @@ class Server:
                 return
             slot = _Slot()
             self._inline_slots.append(slot)
-        data = self.store.dram_bytes(acq.entries)
+        data = self.store.dram_bytes(acq.entries, runs)
         if data is None:
             return
-        if type(data) is memoryview:  # the arena itself: its entries stay until it is out
+        if type(data) is not bytes:  # the arena itself: its entries stay until it is out
             self.store.hold_send(acq.id)
         slot.take(data, acq.id, _parts(sizes, part))
         result["inline"] = nbytes
@@ -1002,7 +1005,8 @@ def _parts(sizes: list[int], part: int | None) -> list[int] | None:
 class _Slot:
     """One of the ``INLINE_BACKLOG`` inline replies a server may have handed to
     ZeroMQ and not sent yet: its bytes (``data``: a view of the DRAM arena when the
-    entries lie back to back there, sent without a copy; else one copy of them) and
+    entries lie back to back there, sent without a copy; else one copy of them; to
+    the stream door, a list of views of the arena, never a copy) and
     its acquisition (``aid``), and the lengths of the parts they go in (``parts``;
     None: one). Taken (``handed``) in ``_inline`` until ``_send`` hands the bytes to
     ZeroMQ, then busy until that send's tracker (of every part) is done. While a view
@@ -1021,7 +1025,7 @@ class _Slot:
     LOST_S = 60.0
 
     def __init__(self) -> None:
-        self.data: memoryview | bytes | None = None
+        self.data: memoryview | bytes | list[memoryview] | None = None
         self.aid = 0
         self.parts: list[int] | None = None
         self.handed = False
@@ -1031,9 +1035,10 @@ class _Slot:
     @property
     def held(self) -> bool:
         """Whether its bytes are a view of the arena (whose entries the store holds)."""
-        return type(self.data) is memoryview
+        return self.data is not None and type(self.data) is not bytes
 
-    def take(self, data: memoryview | bytes, aid: int, parts: list[int] | None = None) -> None:
+    def take(self, data: memoryview | bytes | list[memoryview], aid: int,
+             parts: list[int] | None = None) -> None:
         self.data, self.aid, self.parts, self.tracker = data, aid, parts, None
         self.handed, self.taken_at = True, time.monotonic()
 

@@ -83,6 +83,11 @@ SCRUB_AFTER_S = 1.0
 # the cap below keeps the writeback from lagging further, at more of a core).
 WRITEBACK_IDLE_FACTOR = 9
 WRITEBACK_PAUSE_MAX_S = 2.0  # ... but never longer than this
+# A stream door reply sends its entries' runs in the arena as views (``dram_bytes``)
+# when they average at least this many bytes; smaller ones (sub-page entries, a
+# page's gap after each) are copied into one: a view costs the serving thread about
+# what a copy of a few tens of KiB does, and a system call per 64 of them.
+SEND_RUN_BYTES = 32 << 10
 # Entries the background demotes per hold of the store's lock (an index flip each).
 DEMOTE_CHUNK = 256
 DEMOTE_YIELD_S = 0.001  # the pause between two chunks
@@ -226,12 +231,16 @@ class Store:
         return self._reads.begin_acquire(keys, tokens, lease_s, claim, optional_tail,
                                          spend_rest, deadline)
 
-    def dram_bytes(self, entries: Sequence[EntryInfo]) -> memoryview | bytes | None:
+    def dram_bytes(self, entries: Sequence[EntryInfo], runs: bool = False
+                   ) -> memoryview | bytes | list[memoryview] | None:
         """The bytes of acquired entries back to back (a server sends a small
         drop_select's bytes in the acquire's reply): a view of the DRAM arena when
         they lie back to back in it (a prompt's entries, reserved together), else
-        one copy; None unless all are in DRAM. Their lease keeps them where they are
-        while this runs; a caller that keeps a view longer holds them (``hold_send``)."""
+        one copy, or with ``runs`` views of them in order, those back to back joined
+        (``Tier.runs_of``: a stream door sends several without a copy) unless they
+        are smaller than ``SEND_RUN_BYTES`` on average (then one copy); None unless
+        all are in DRAM. Their lease keeps them where they are while this runs; a
+        caller that keeps a view longer holds them (``hold_send``)."""
         with self._lock:
             dram = self.place.tiers.get("dram")
             if dram is None:
@@ -243,6 +252,11 @@ class Store:
             _, tiers, offsets, sizes = list(zip(*entries))[:4]
             if tiers.count("dram") != len(tiers):
                 return None
+            if runs:
+                views = dram.runs_of(offsets, sizes)
+                if views is None or len(views) == 1 or \
+                        sum(sizes) >= SEND_RUN_BYTES * len(views):
+                    return views
             span = dram.span_of(offsets, sizes)
             if span is not None:
                 return span

@@ -20,7 +20,9 @@ import torch
 import kvstore.client.client as client_module
 from kvstore.core import protocol as p
 from kvstore.core.config import ClientConfig
-from kvstore.core.errors import ChecksumError, KVStoreError
+from kvstore.core.errors import ChecksumError, KVStoreError, TierFullError
+from kvstore.core.layout import KVLayout
+from kvstore.store.facade import SEND_RUN_BYTES
 from tests.integration.conftest import LAYOUT, damage_at_rest, free_port, make_kv, wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -259,3 +261,62 @@ def test_bad_frames_on_the_door_get_errors_and_change_nothing(server_factory, cl
         sock.close()
     assert producer.lookup(prompt(20, 9)).matched_tokens == 20
     assert producer.stats()["stream_connections"] == 1  # the reader's, not the closed one
+
+
+# Entries of 38 KiB: each takes 40 KiB of the arena (whole pages), so a prompt's lie
+# 2 KiB apart there, each a run of its own, over the door's SEND_RUN_BYTES.
+GAPPED = KVLayout(num_layers=19, kv_heads=2, head_dim=64, dtype="float16", block_tokens=4)
+
+
+def test_entries_apart_in_the_arena_go_out_from_it_and_stay_until_they_are_out(
+        server_factory, client_factory):
+    """A prompt whose entries do not lie back to back in the arena goes over the door
+    as views of each one there, not a copy made on the serving thread: exact, and
+    counted as sent from the arena. Until a reply's bytes are out the store holds
+    those entries, whatever becomes of the lease: a peer that stops reading keeps
+    them in place (neither evicted nor written over), and they go once it has read
+    them all."""
+    n = 768  # 192 entries, 7.1 MiB: more than the sockets' buffers hold (4 MiB here)
+    entry = GAPPED.entry_sizes(n)[0]
+    assert entry == 38 << 10 and entry % 4096 and entry >= SEND_RUN_BYTES
+    # Room for one such prompt (7.5 MiB of pages) and not two.
+    srv = server_factory(dram="12MiB", nvme="0", block_tokens=GAPPED.block_tokens)
+    producer = client_factory(srv, layout=GAPPED)
+    consumer = reader(client_factory, srv, layout=GAPPED)
+    port = consumer.hello()["stream_port"]
+    kv = make_kv(n, 11, GAPPED)
+    producer.insert(prompt(n, 11), kv)
+    views = producer.stats()["inline_views"]
+    got = consumer.get(prompt(n, 11))
+    assert got.matched_tokens == n and np.array_equal(got.kv.numpy(), kv)
+    assert producer.stats()["inline_views"] == views + 1  # from the arena, not a copy
+    # A peer that asks, with a short lease, and does not read.
+    pr = producer._prompt(prompt(n, 11))
+    req = p.Acquire(keys=tuple(pr.keys), tokens=tuple(pr.tokens), inline=8 << 20,
+                    lease_s=0.2)
+    sleeper = _raw(port)
+    try:
+        sleeper.sendall(HEADER.pack(len(frame := p.encode_request(1, req))) + frame)
+        wait_for(lambda: producer.stats()["inline_views"] == views + 2, 30,
+                 "the reply to be sent")
+        wait_for(lambda: producer.stats()["leases"] == 0, 10, "the lease to run out")
+        # Held in place: not evicted, and the tier has no room for another prompt.
+        assert producer.evict(everything=True)["count"] == 0
+        with pytest.raises(TierFullError):
+            producer.insert(prompt(n, 12), make_kv(n, 12, GAPPED))
+        head = _reply(sleeper)
+        assert head is not None and head["inline"] == kv.size
+        data = bytearray()
+        while len(data) < kv.size:
+            chunk = sleeper.recv(1 << 20)
+            assert chunk
+            data += chunk
+        assert bytes(data) == kv.tobytes()  # exact, after all that
+    finally:
+        sleeper.close()
+    # All out: the hold goes at the next reap, and the entries may go with it.
+    deadline = time.monotonic() + 10
+    while producer.evict(keys=list(pr.keys))["count"] == 0:
+        assert time.monotonic() < deadline, "the entries outlived the reply"
+        time.sleep(0.05)
+    assert producer.health(deep=True)["status"] == "ok"

@@ -189,6 +189,35 @@ def test_dram_span_is_one_view_over_neighbouring_live_extents():
         t.close()
 
 
+def test_dram_runs_are_views_of_each_run_of_neighbouring_live_extents():
+    t = DramTier(CAP)
+    try:
+        a, b, c = t.allocate_many([4096, 8192, 4096])  # one batch: back to back
+        odd, d = t.allocate_many([100, 4096])  # a page's gap after the 100 bytes
+        for i, ext in enumerate((a, b, c, odd, d)):
+            t.view(ext)[:] = bytes([i + 1]) * ext.nbytes
+        whole = t.runs_of([a.offset, b.offset, c.offset], [a.nbytes, b.nbytes, c.nbytes])
+        assert [v.nbytes for v in whole] == [16384]  # one run: span_of's view
+        runs = t.runs_of([b.offset, a.offset, c.offset, odd.offset, d.offset],
+                         [b.nbytes, a.nbytes, c.nbytes, 100, d.nbytes])
+        # In the order asked: b, then a (before b in the arena), then c, odd and d
+        # (c and odd lie back to back; odd's page is not all of it).
+        assert [v.nbytes for v in runs] == [8192, 4096, 4096 + 100, 4096]
+        assert b"".join(runs) == (b"\x02" * 8192 + b"\x01" * 4096 + b"\x03" * 4096
+                                  + b"\x04" * 100 + b"\x05" * 4096)
+        t.view(a)[:1] = b"\x09"
+        assert runs[1][0] == 9  # views, not copies
+        assert t.runs_of([], []) is None
+        t.free(c)
+        assert t.runs_of([a.offset, c.offset], [a.nbytes, c.nbytes]) is None  # c is gone
+        assert t.runs_of([a.offset], [a.nbytes + 1]) is None  # not a's length
+        t.close()
+        with pytest.raises(InvalidRequestError, match="closed"):
+            t.runs_of([a.offset], [a.nbytes])
+    finally:
+        t.close()
+
+
 _CLIENT = """
 import sys
 from kvstore.client.shm import map_shared
