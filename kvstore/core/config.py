@@ -213,7 +213,7 @@ class ServerConfig:
     gc_young: int = 50_000
     # An acquire's bytes, up to this many, go in its reply when the client asks
     # (client.inline_max_bytes) and they are all in DRAM; 0: always over TE.
-    inline_max_bytes: Size = 8 << 20
+    inline_max_bytes: Size = 64 << 20
     # A client connection that answers no ZeroMQ heartbeat for this long is closed
     # (and what was queued for it dropped); 0: never.
     peer_timeout_s: float = 30.0
@@ -277,7 +277,7 @@ class ClientConfig:
     etcd: str = ""
     # A drop_select / get of at most this many bytes asks for them in the acquire's
     # reply (one round trip, no TE read) when te_protocol is tcp; 0: always TE.
-    inline_max_bytes: Size = 8 << 20
+    inline_max_bytes: Size = 64 << 20
     # A client on another node than its server, without CURVE, sends its requests
     # over the server's stream door (server.stream_socket) when its hello names one;
     # acquired bytes then come straight into their destination. false: the ROUTER.

@@ -97,6 +97,11 @@ _INPROC = itertools.count()
 # Inline replies (Server._inline) handed to ZeroMQ and not yet sent, in replies of
 # server.inline_max_bytes: what a client that stops reading can make the server hold.
 INLINE_BACKLOG = 8
+# The most bytes the serving thread copies for one inline reply (entries not back to
+# back in the arena, over the ROUTER; sub-page ones over the stream door): ~1 - 2 ms
+# of its time. Past it the ROUTER's reply names TE addresses and the door's sends
+# each run from the arena (``Store.dram_bytes``).
+INLINE_COPY_MAX = 8 << 20
 _DATA = object()  # the key of an inline reply's bytes in a result map (never encoded)
 # A release waits at most this long for its inline reply's tracker (_await_sent).
 RELEASE_WAIT_S = 0.2
@@ -802,7 +807,7 @@ class Server:
                 return
             slot = _Slot()
             self._inline_slots.append(slot)
-        data = self.store.dram_bytes(acq.entries, runs)
+        data = self.store.dram_bytes(acq.entries, runs, INLINE_COPY_MAX)
         if data is None:
             return
         if type(data) is not bytes:  # the arena itself: its entries stay until it is out

@@ -231,16 +231,19 @@ class Store:
         return self._reads.begin_acquire(keys, tokens, lease_s, claim, optional_tail,
                                          spend_rest, deadline)
 
-    def dram_bytes(self, entries: Sequence[EntryInfo], runs: bool = False
+    def dram_bytes(self, entries: Sequence[EntryInfo], runs: bool = False,
+                   copy_max: int | None = None
                    ) -> memoryview | bytes | list[memoryview] | None:
         """The bytes of acquired entries back to back (a server sends a small
         drop_select's bytes in the acquire's reply): a view of the DRAM arena when
         they lie back to back in it (a prompt's entries, reserved together), else
         one copy, or with ``runs`` views of them in order, those back to back joined
         (``Tier.runs_of``: a stream door sends several without a copy) unless they
-        are smaller than ``SEND_RUN_BYTES`` on average (then one copy); None unless
-        all are in DRAM. Their lease keeps them where they are while this runs; a
-        caller that keeps a view longer holds them (``hold_send``)."""
+        are smaller than ``SEND_RUN_BYTES`` on average (then one copy). A copy is
+        made of at most ``copy_max`` bytes (None: any): past that, ``runs`` gives
+        the views however small, else None. None unless all are in DRAM. Their lease
+        keeps them where they are while this runs; a caller that keeps a view longer
+        holds them (``hold_send``)."""
         with self._lock:
             dram = self.place.tiers.get("dram")
             if dram is None:
@@ -252,13 +255,15 @@ class Store:
             _, tiers, offsets, sizes = list(zip(*entries))[:4]
             if tiers.count("dram") != len(tiers):
                 return None
+            nbytes = sum(sizes)
+            copies = copy_max is None or nbytes <= copy_max
             if runs:
                 views = dram.runs_of(offsets, sizes)
-                if views is None or len(views) == 1 or \
-                        sum(sizes) >= SEND_RUN_BYTES * len(views):
+                if views is None or len(views) == 1 or not copies or \
+                        nbytes >= SEND_RUN_BYTES * len(views):
                     return views
             span = dram.span_of(offsets, sizes)
-            if span is not None:
+            if span is not None or not copies:
                 return span
             extents = [Extent("dram", off, n) for off, n in zip(offsets, sizes)]
             return b"".join(cast(list[memoryview], dram.views(extents)))

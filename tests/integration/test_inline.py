@@ -27,7 +27,7 @@ from kvstore.core import protocol as p
 from kvstore.core.config import ClientConfig
 from kvstore.core.errors import ChecksumError, TierFullError
 from kvstore.core.layout import KVLayout
-from kvstore.server.loop import INLINE_BACKLOG
+from kvstore.server.loop import INLINE_BACKLOG, INLINE_COPY_MAX
 from tests.integration.conftest import LAYOUT, damage_at_rest, make_kv, wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -70,7 +70,7 @@ def inline_stats(client) -> tuple[int, int]:
 def test_a_small_drop_select_comes_in_its_acquires_reply(clean_server, client_factory, stream):
     producer = client_factory(clean_server)  # same node: writes through the arena
     consumer = reader(client_factory, clean_server, stream=stream)
-    assert consumer.hello()["inline_max"] == 8 << 20
+    assert consumer.hello()["inline_max"] == 64 << 20
     before = inline_stats(producer)
     views = inline_views(producer)
     g = torch.Generator().manual_seed(5)
@@ -402,7 +402,7 @@ def test_a_curve_client_reads_over_te(server_factory, client_factory, tmp_path):
     keys = dict(curve_secret_key=client_secret, curve_server_public_key=server_pub)
     producer = client_factory(srv, **keys)
     consumer = reader(client_factory, srv, **keys)
-    assert consumer.hello()["inline_max"] == 8 << 20 and consumer._inline(0) is None
+    assert consumer.hello()["inline_max"] == 64 << 20 and consumer._inline(0) is None
     # Nor is there a stream door, which CURVE would not cover.
     assert consumer.hello()["stream_port"] is None and "stream door port" not in srv.log()
     producer.insert(prompt(9, 2), make_kv(9, 2))
@@ -464,7 +464,7 @@ def test_a_client_whose_server_was_replaced_by_an_older_one_reads_over_te(
     stops asking."""
     srv = server_factory()
     consumer = reader(client_factory, srv)
-    assert consumer.hello()["inline_max"] == 8 << 20
+    assert consumer.hello()["inline_max"] == 64 << 20
     srv.stop()
     assert srv.argv[1:3] == ["-m", "kvstore.server"]
     srv.argv[1:3] = ["-c", _OLDER_SERVER]
@@ -483,3 +483,38 @@ def test_a_client_whose_server_was_replaced_by_an_older_one_reads_over_te(
     stats = consumer.stats()  # after its own one-way release
     assert stats["entries"] == 0 and stats["leases"] == 0
     assert stats["errors"] == 1  # the one refused acquire
+
+
+# Entries of 38 KiB in 40 KiB of the arena each: a prompt's lie 2 KiB apart there.
+GAPPED = KVLayout(num_layers=19, kv_heads=2, head_dim=64, dtype="float16", block_tokens=4)
+
+
+@DOORS
+def test_a_reply_that_would_be_a_large_copy_goes_from_the_arena_or_over_te(
+        server_factory, client_factory, stream):
+    """Entries not back to back in the arena, more than INLINE_COPY_MAX of them: the
+    serving thread does not copy them for a reply. The stream door sends them from
+    the arena, entry by entry; over the ROUTER, which sends one frame, they go over
+    TE. Exact either way."""
+    n = 4 * 244  # 244 entries, 9.1 MiB: over the copy cap, under both inline limits
+    assert GAPPED.nbytes(n) > INLINE_COPY_MAX and GAPPED.entry_sizes(4)[0] % 4096
+    srv = server_factory(dram="32MiB", nvme="0", block_tokens=GAPPED.block_tokens)
+    producer = client_factory(srv, layout=GAPPED)
+    consumer = reader(client_factory, srv, cap=64 << 20, stream=stream, layout=GAPPED)
+    kv = make_kv(n, 21, GAPPED)
+    producer.insert(prompt(n, 21), kv)
+    replies, views = inline_stats(producer)[0], inline_views(producer)
+    got = consumer.drop_select(prompt(n, 21))
+    assert got.matched_tokens == n and np.array_equal(got.kv.numpy(), kv)
+    if stream:
+        assert consumer.ops.count("inline_read") == 1 and "te_read" not in consumer.ops
+        assert inline_views(producer) == views + 1
+    else:
+        assert consumer.ops.count("te_read") == 1 and "inline_read" not in consumer.ops
+        assert inline_stats(producer)[0] == replies
+    # Under the cap the ROUTER's reply is a copy, as before.
+    small = 4 * 100  # 3.7 MiB
+    producer.insert(prompt(small, 22), make_kv(small, 22, GAPPED))
+    got = consumer.drop_select(prompt(small, 22))
+    assert np.array_equal(got.kv.numpy(), make_kv(small, 22, GAPPED))
+    assert consumer.ops.count("inline_read") == 1 + stream

@@ -128,6 +128,16 @@ def test_dram_bytes_is_a_view_when_back_to_back_else_a_copy_and_none_off_dram(ma
     assert store.dram_bytes(acq.entries[::2]) == data(1) + data(3)  # a gap: a copy
     assert store.dram_bytes([acq.entries[0]._replace(tier="nvme")]) is None
     assert store.dram_bytes([]) == b""
+    # Runs (the stream door): views of each, back-to-back ones joined; runs of a
+    # page each are copied, unless a copy would be over ``copy_max``.
+    runs = store.dram_bytes(acq.entries, runs=True)
+    assert type(runs) is list and [bytes(v) for v in runs] == [whole]
+    assert store.dram_bytes(acq.entries[::-1], runs=True) == data(3) + data(2) + data(1)
+    runs = store.dram_bytes(acq.entries[::-1], runs=True, copy_max=2 * ENTRY)
+    assert type(runs) is list and [bytes(v) for v in runs] == [data(3), data(2), data(1)]
+    assert store.dram_bytes(acq.entries[::-1], copy_max=2 * ENTRY) is None
+    assert store.dram_bytes(acq.entries[::-1], copy_max=3 * ENTRY) == data(3) + data(2) + data(1)
+    assert type(store.dram_bytes(acq.entries, copy_max=0)) is memoryview  # no copy needed
     store.release(acq.id)
     store.demote_entries(tier="dram", keys=[key(2)])
     acq = acquire(store, [1, 2, 3])

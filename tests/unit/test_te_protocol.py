@@ -88,7 +88,7 @@ def test_connector_settings_carry_them():
 
 
 def test_connector_settings_carry_the_inline_limit():
-    assert ConnectorSettings.from_extra("kv_both", {}, "m").inline_max_bytes == 8 << 20
+    assert ConnectorSettings.from_extra("kv_both", {}, "m").inline_max_bytes == 64 << 20
     settings = ConnectorSettings.from_extra("kv_both", {"inline_max_bytes": "1MiB"}, "m")
     assert settings.inline_max_bytes == 1 << 20
     assert ConnectorSettings.from_extra("kv_both", {"inline_max_bytes": 0}, "m") \
@@ -109,7 +109,7 @@ def test_an_rdma_client_never_asks_for_bytes_in_the_reply():
     client = KVStoreClient("tcp://127.0.0.1:1", te_engine=engine, te_protocol="rdma")
     assert client._inline_max == 0
     tcp = KVStoreClient("tcp://127.0.0.1:1")
-    assert tcp._inline_max == 8 << 20
+    assert tcp._inline_max == 64 << 20
     client.close()
     tcp.close()
 

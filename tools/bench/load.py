@@ -358,12 +358,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, help="run length per system")
     parser.add_argument("--procs", type=int, help="producers (and as many consumers)")
     parser.add_argument("--only", choices=SYSTEMS, help="one system only")
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), help="the prompts' KV layout")
+    parser.add_argument("--tokens", metavar="MIN:MAX",
+                        help="prompt lengths (whole blocks of the layout)")
+    parser.add_argument("--dram-mib", type=int, help="kvstore's DRAM tier (MiB)")
+    parser.add_argument("--nvme-mib", type=int, help="kvstore's NVMe tier (MiB)")
+    parser.add_argument("--out", type=Path, help="where load.json goes "
+                        "(default $KVSTORE_BENCH_OUT, else bench-results/)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     spec = quick_spec(args.quick)
-    spec = replace(spec, seconds=args.seconds or spec.seconds, procs=args.procs or spec.procs)
+    spec = replace(spec, seconds=args.seconds or spec.seconds, procs=args.procs or spec.procs,
+                   layout=args.layout or spec.layout,
+                   dram_bytes=args.dram_mib * MiB if args.dram_mib else spec.dram_bytes,
+                   nvme_bytes=args.nvme_mib * MiB if args.nvme_mib else spec.nvme_bytes)
+    if args.tokens:
+        low, _, high = args.tokens.partition(":")
+        spec = replace(spec, min_tokens=int(low), max_tokens=int(high or low))
     with tempfile.TemporaryDirectory(prefix="bench-load-") as tmp:
-        opts = BenchOptions(quick=args.quick, workdir=Path(tmp))
+        opts = BenchOptions(quick=args.quick, workdir=Path(tmp), out=args.out)
         print(f"load: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)
         rows = bench_load(opts, spec, (args.only,) if args.only else SYSTEMS)
     print_rows("load", rows)
