@@ -440,8 +440,8 @@ class Server:
             slot = cast(_Slot, frames[-1])
             try:  # zero-copy: the slot is busy until ZeroMQ is done with the bytes
                 if not slot.parts:
-                    slot.tracker = self._sock.send_multipart([*frames[:-1], cast(bytes, slot.data)],
-                                                             copy=False, track=True)
+                    slot.tracker = self._sock.send_multipart(
+                        [*frames[:-1], cast(bytes, slot.data)], copy=False, track=True)
                     return
                 # The first part after the reply, each other in a message of its own,
                 # all handed to ZeroMQ here, in order: nothing comes between them.
@@ -794,7 +794,7 @@ class Server:
         handed to ZeroMQ and not sent yet. With ``part`` (``Acquire.inline_part``) and
         more than that many bytes, they go in parts (``"parts"``: their lengths).
         With ``runs`` (a stream door reply), views of the arena wherever the entries
-        lie (``Store.dram_bytes``), never a copy on this thread."""
+        lie (``Store.dram_bytes``); copies of at most ``INLINE_COPY_MAX`` either way."""
         sizes = [e[3] for e in acq.entries]  # (EntryInfo.nbytes)
         nbytes = sum(sizes)
         if not sizes or nbytes > min(cap, self._inline_max):
@@ -1011,7 +1011,8 @@ class _Slot:
     """One of the ``INLINE_BACKLOG`` inline replies a server may have handed to
     ZeroMQ and not sent yet: its bytes (``data``: a view of the DRAM arena when the
     entries lie back to back there, sent without a copy; else one copy of them; to
-    the stream door, a list of views of the arena, never a copy) and
+    the stream door, a list of views of each run of them there, copied only when
+    they are sub-page entries: ``Store.dram_bytes``) and
     its acquisition (``aid``), and the lengths of the parts they go in (``parts``;
     None: one). Taken (``handed``) in ``_inline`` until ``_send`` hands the bytes to
     ZeroMQ, then busy until that send's tracker (of every part) is done. While a view
