@@ -17,8 +17,9 @@ reply and the connection is closed: the stream cannot be resynchronised.
 Replies never block the serving thread: each is sent without waiting, and what
 the socket does not take at once waits in the connection's own buffer, sent as the
 peer reads (the serving thread then polls that connection for POLLOUT too). A
-connection whose backlog passes ``_BACKLOG_CAP`` or that takes nothing for
-``_STUCK_S`` is closed. Reads take at most ``_READ_CAP`` per connection per pass.
+connection whose backlog passes ``_BACKLOG_CAP`` (its frames and copies: views of
+the arena, bounded by the server's inline slots, cost no memory) or that takes
+nothing for ``_STUCK_S`` is closed. Reads take at most ``_READ_CAP`` per connection per pass.
 
 Who may connect: only processes of the server's own user (or root), checked on
 every accepted connection (``SO_PEERCRED``); others get one ``auth`` error frame
@@ -97,8 +98,8 @@ class Sent:
 
 
 class _Conn:
-    __slots__ = ("sock", "buf", "out", "queued", "done", "sent", "peer", "stuck_since",
-                 "polled_out", "stream")
+    __slots__ = ("sock", "buf", "out", "queued", "done", "sent", "views", "peer",
+                 "stuck_since", "polled_out", "stream")
 
     def __init__(self, sock: socket.socket, peer: int | str, stream: bool = False) -> None:
         self.sock = sock
@@ -106,10 +107,12 @@ class _Conn:
         # Replies the peer has not taken yet, in order: frames (bytes) and an
         # acquire's bytes (views of the arena, not copied).
         self.out: collections.deque[memoryview] = collections.deque()
-        self.queued = 0  # bytes ever put in ``out``
+        self.queued = 0  # bytes ever put in ``out`` (frames with their headers)
         self.done = 0  # bytes ever sent from it
         # (``queued`` just after a view's last byte, its Sent), in order
         self.sent: collections.deque[tuple[int, Sent]] = collections.deque()
+        # (first, last + 1) positions of each reply's views of the arena, in order
+        self.views: collections.deque[tuple[int, int]] = collections.deque()
         self.peer = peer  # the client's pid (Unix) or address (TCP), for logs
         self.stuck_since = 0.0  # when ``out`` last stopped moving
         self.polled_out = False  # the serving thread polls it for POLLOUT
@@ -118,6 +121,7 @@ class _Conn:
     def close(self) -> None:
         self.sock.close()
         self.out.clear()
+        self.views.clear()
         while self.sent:  # the views are let go: their entries may go
             self.sent.popleft()[1].done = True
 
@@ -273,8 +277,12 @@ class LocalDoor:
             return None
         views: list[memoryview | bytes] = [] if data is None else \
             list(data) if isinstance(data, list) else [data]
-        size = len(body) + sum(map(len, views))
-        if conn.queued - conn.done + size > _BACKLOG_CAP:
+        frame = memoryview(_HEADER.pack(len(body)) + body)
+        size = len(frame) + sum(map(len, views))
+        # What the server keeps in memory for the peer: its frames and any copy. Views
+        # of the arena cost none (and are bounded by the server's inline slots).
+        owned = len(frame) + sum(len(v) for v in views if type(v) is bytes)
+        if conn.queued - conn.done - _viewing(conn) + owned > _BACKLOG_CAP:
             log.warning("local connection %s (%s) has %d bytes of replies unread: "
                         "closing it", cid, conn.peer, conn.queued - conn.done)
             self._drop(cid)
@@ -282,7 +290,8 @@ class LocalDoor:
         if data is not None and not conn.stream:
             raise AssertionError("an acquire's bytes go over the stream door only")
         waiting = bool(conn.out)
-        conn.out.append(memoryview(_HEADER.pack(len(body)) + body))
+        conn.out.append(frame)
+        start = conn.queued + len(frame)
         conn.queued += size
         sent = None
         if data is not None:
@@ -291,6 +300,8 @@ class LocalDoor:
             if pieces:
                 conn.out.extend(pieces)
                 conn.sent.append((conn.queued, sent))
+                if type(data) is not bytes:
+                    conn.views.append((start, conn.queued))
             else:
                 sent.done = True
         if not waiting:
@@ -413,6 +424,13 @@ def _consume(conn: _Conn, nbytes: int) -> None:
             nbytes = 0
     while conn.sent and conn.sent[0][0] <= conn.done:
         conn.sent.popleft()[1].done = True
+    while conn.views and conn.views[0][1] <= conn.done:
+        conn.views.popleft()
+
+
+def _viewing(conn: _Conn) -> int:
+    """Bytes of views of the arena in ``conn``'s backlog, not sent yet."""
+    return sum(end - max(start, conn.done) for start, end in conn.views)
 
 
 def _unix_listener(path: str) -> socket.socket:

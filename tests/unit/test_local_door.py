@@ -5,14 +5,18 @@ server's serving thread would."""
 
 from __future__ import annotations
 
+import socket
+import struct
 import threading
+import time
 
+import numpy as np
 import pytest
 
 from kvstore.client.local import Control, LocalChannel, Refused
 from kvstore.client.rpc import Channel
 from kvstore.core import protocol as p
-from kvstore.server.local import LocalDoor
+from kvstore.server.local import LOCAL_TAG, LocalDoor
 
 
 @pytest.fixture
@@ -57,3 +61,56 @@ def test_a_refused_client_goes_over_zeromq_and_stops_trying(door):
         assert control._path is None  # refused: not tried again
     finally:
         control.close()
+
+
+def _pending(conn) -> int:
+    return sum(len(v) for v in conn.out)
+
+
+def test_a_replys_bytes_are_out_only_when_their_last_byte_is(tmp_path):
+    """The door's books: what it queued less what it sent is exactly what waits in
+    a connection's backlog, however many replies came before, and the ``Sent`` of an
+    acquire's bytes is done only once their last byte went to the kernel (the store
+    holds their entries until then). A peer that reads slowly takes every byte, in
+    order; the views waiting do not count against the backlog's cap."""
+    door = LocalDoor(None, 1 << 20, stream=("127.0.0.1", 0))
+    peer = socket.create_connection(("127.0.0.1", door.stream_port), timeout=10)
+    peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    try:
+        deadline = time.monotonic() + 10
+        while not door._conns:
+            assert time.monotonic() < deadline, "the door did not accept"
+            list(door.read(listener_ready=True))
+        (cid, conn), = door._conns.items()
+        envelope = LOCAL_TAG + str(cid).encode()
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+        replies = [p.encode_ok(i, {"n": i}) for i in range(1, 3001)]
+        expected = bytearray()
+        for body in replies:  # many small replies first: each one's header counts
+            door.send(envelope, body)
+            expected += struct.pack("<I", len(body)) + body
+        data = np.random.default_rng(1).integers(0, 256, 4 << 20, dtype=np.uint8)
+        view = memoryview(data)
+        body = p.encode_ok(9999, {"inline": data.nbytes})
+        sent = door.send(envelope, body, [view[:1 << 20], view[1 << 20:]])
+        expected += struct.pack("<I", len(body)) + body + data.tobytes()
+        assert conn.queued - conn.done == _pending(conn)
+        got = bytearray()
+        while len(got) < len(expected):
+            got += peer.recv(min(16 << 10, len(expected) - len(got)))
+            door._flush()
+            assert conn.queued - conn.done == _pending(conn)
+            # Done exactly when nothing of the bytes waits in the backlog any more.
+            assert sent.done is (not conn.out), (len(got), _pending(conn))
+        assert bytes(got) == bytes(expected)
+        # Views of 300 MiB waiting (more than the cap's 256 MiB) do not close the
+        # connection; the frames and copies a peer leaves unread do.
+        big = np.zeros(300 << 20, dtype=np.uint8)
+        assert door.send(envelope, p.encode_ok(1, {}), memoryview(big)) is not None
+        door.send(envelope, p.encode_ok(2, {}))
+        assert cid in door._conns
+        assert door.send(envelope, p.encode_ok(3, {}), bytes(300 << 20)) is None
+        assert cid not in door._conns
+    finally:
+        peer.close()
+        door.close()
