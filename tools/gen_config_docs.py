@@ -67,16 +67,17 @@ HELP = {
         "all are in DRAM and the request came over the stream door "
         "(`server.stream_socket`) or the ZeroMQ port. Over the door they follow the "
         "reply as views of the arena (each run of back-to-back entries), never copied "
-        "but for sub-page entries (up to 8 MiB). Over the ZeroMQ port they go as a frame "
-        "after it (in parts: `client.inline_part_bytes`), from the arena when they lie "
-        "back to back there, else as a copy the serving thread makes, of at most 8 MiB "
-        "(~1 - 2 ms of its time; a larger one is read over TE). At most 8 such replies "
-        "wait unsent, their entries held in place until they go; past that, replies name "
-        "TE addresses. 64 MiB: under 4 + 4 processes moving 8 - 32 MiB prompts the door "
-        "served twice the drop_selects TE did, all of them whole, at a sixth to a quarter of "
-        "the p99 "
-        "(docs/benchmarks.md, \"Prompts up to 64 MiB over the stream door\"). 0: always "
-        "TE. At most 64MiB.",
+        "but for sub-page entries (up to 8 MiB). Over the ZeroMQ port, at most 64 MiB, "
+        "they go as a frame after it (in parts: `client.inline_part_bytes`), from the "
+        "arena when they lie back to back there, else as a copy the serving thread makes, "
+        "of at most 8 MiB (~1 - 2 ms of its time; a larger one is read over TE). At most "
+        "8 such replies wait unsent, their entries held in place until they go; past "
+        "that, replies name TE addresses. 4 GiB (a 32k-token prompt of a 7-8B model): "
+        "over TCP the door beat TE's best transfer pattern at every prompt size of the "
+        "two-node benchmark from 64 MiB up, and under 4 + 4 processes moving 8 - 32 MiB "
+        "prompts it served twice the drop_selects TE did, all of them whole "
+        "(docs/benchmarks.md, \"Prompts up to 64 MiB over the stream door\", \"Every "
+        "prompt over the stream door\"). 0: always TE. At most 1TiB.",
     "server.stream_socket": "The stream door: a TCP port of its own (`server.stream_port`) "
         "where clients on other nodes send their requests, framed as on the same-node "
         "socket, instead of the ZeroMQ port; an acquire's bytes follow its reply there and "
@@ -185,7 +186,8 @@ HELP = {
         "they are copied out. Only with `te_protocol = \"tcp\"`, without CURVE keys "
         "(ZeroMQ would encrypt the bytes: slower than TE), when the client reads "
         "over TE (a client that maps the server's arena copies from it), and not "
-        "when the caller skips blocks. With RDMA the TE read is used always. 0: always TE.",
+        "when the caller skips blocks. With RDMA the TE read is used always. Over the "
+        "ZeroMQ port (no stream door) it asks for at most 64 MiB. 0: always TE.",
     "tiers.nvme_path": "Slab file or block device (an NVMe-oF namespace too); default "
         "`<data_dir>/nvme.slab`. The server holds an exclusive lock on it while it runs: "
         "a second server given the same one refuses to start.",

@@ -843,15 +843,19 @@ class KVStoreClient:
 
     def _inline(self, skip: int) -> int | None:
         """What an acquire asks to get in its reply (``Acquire.inline``): this client's
-        ``inline_max_bytes`` when the server sends bytes so (its hello says how many)
-        and this client reads over TE (not its node's shared arena, not skipping
-        blocks: those would travel for nothing); else None (the field left out, for
-        servers that predate it)."""
+        ``inline_max_bytes`` when the server sends bytes so (its hello says how many:
+        no more is asked, so a server from before larger replies is never asked past
+        its protocol's bound), at most ``ROUTER_INLINE_BYTES`` unless the request goes
+        over the stream door, and this client reads over TE (not its node's shared
+        arena, not skipping blocks: those would travel for nothing); else None (the
+        field left out, for servers that predate it)."""
         hello = self._hello
-        if not self._inline_max or skip > 0 or hello is None or not hello.get("inline_max") \
+        limit = hello.get("inline_max") if hello is not None else None
+        if not self._inline_max or skip > 0 or type(limit) is not int or limit <= 0 \
                 or self._data.uses_shared_memory:
             return None
-        return self._inline_max
+        ask = min(self._inline_max, limit)
+        return ask if self._rpc.stream else min(ask, p.ROUTER_INLINE_BYTES)
 
     def _inline_part(self) -> int | None:
         """``Acquire.inline_part`` beside ``inline``: ``client.inline_part_bytes`` where

@@ -181,7 +181,8 @@ class LocalChannel(Requests):
         closed, the error the reply's ``"take_error"`` (it keeps its lease, for the
         caller to release another way)."""
         nbytes = result.get("inline")
-        if type(nbytes) is not int or not 0 <= nbytes <= REPLY_CAP or "parts" in result:
+        if type(nbytes) is not int or not 0 <= nbytes <= p.MAX_INLINE_BYTES \
+                or "parts" in result:
             raise PeerUnavailableError(f"{self.path} sent a malformed reply: inline "
                                        f"{str(nbytes)[:20]}, parts {'parts' in result}")
         incoming = _Incoming(self, sock, nbytes, deadline, op)

@@ -44,7 +44,7 @@ Every key (docs/vllm.md lists them with examples):
   buffers a worker keeps for reuse are bounded by it too. [4GiB]
 * ``inline_max_bytes`` — a load of at most this many bytes from a server on another
   node asks for them in the acquire's reply instead of a TE read (TCP only; the
-  client's ``client.inline_max_bytes``); 0: always TE. [64MiB]
+  client's ``client.inline_max_bytes``); 0: always TE. [4GiB]
 * ``same_node`` — "auto" memcpys through a same-node server's shared DRAM arena;
   false forces TE. ["auto"]
 * ``load_mode`` — "drop" (disaggregated: the store forgets what a decode took) or
@@ -97,7 +97,7 @@ class ConnectorSettings:
     save: bool
     load: bool
     layerwise_saves: bool = True
-    inline_max_bytes: int = 64 << 20
+    inline_max_bytes: int = 4 << 30
     # A backlog, not a prompt size (a larger prompt is still saved, alone): 32k tokens
     # of a 7-8B model's KV at TP 1 (128 KiB a token), four 8k-token prompts; eight
     # GPU workers of a node pin 32 GiB at most.
@@ -136,7 +136,7 @@ class ConnectorSettings:
             save=flag(extra.get("save", role != "kv_consumer")),
             load=flag(extra.get("load", role != "kv_producer")),
             layerwise_saves=flag(extra.get("layerwise_saves", True)),
-            inline_max_bytes=parse_size(extra.get("inline_max_bytes", "64MiB")),
+            inline_max_bytes=parse_size(extra.get("inline_max_bytes", "4GiB")),
             save_queue_bytes=parse_size(extra.get("save_queue_bytes", "4GiB")),
         )
         settings.check()
@@ -162,7 +162,7 @@ class ConnectorSettings:
             raise ConfigError(f"load_mode must be 'drop' or 'keep', got {self.load_mode!r}")
         check_te_protocol("te_protocol", self.te_protocol)
         if not 0 <= self.inline_max_bytes <= MAX_INLINE_BYTES:
-            raise ConfigError(f"inline_max_bytes must be 0 .. {MAX_INLINE_BYTES} (64MiB), "
+            raise ConfigError(f"inline_max_bytes must be 0 .. {MAX_INLINE_BYTES} (1TiB), "
                               f"got {self.inline_max_bytes}")
         if self.save_queue_bytes <= 0:
             raise ConfigError(f"save_queue_bytes must be > 0, got {self.save_queue_bytes}")

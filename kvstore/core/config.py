@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, get_type_hints
 
 from kvstore.core.errors import ConfigError
-from kvstore.core.protocol import MAX_INLINE_BYTES, MAX_LEASE_S, MIN_INLINE_PART_BYTES
+from kvstore.core.protocol import (MAX_INLINE_BYTES, MAX_LEASE_S, MIN_INLINE_PART_BYTES,
+                                   ROUTER_INLINE_BYTES)
 
 log = logging.getLogger(__name__)
 _UNKNOWN_ENV_WARNED: set[str] = set()  # KVSTORE_* names warned about (once each)
@@ -171,7 +172,7 @@ class StoreConfig:
 def _inline(section: Any) -> None:
     if section.inline_max_bytes > MAX_INLINE_BYTES:
         raise ConfigError(f"{type(section).__name__}.inline_max_bytes must be at most "
-                          f"{MAX_INLINE_BYTES} (64MiB), got {section.inline_max_bytes}")
+                          f"{MAX_INLINE_BYTES} (1TiB), got {section.inline_max_bytes}")
 
 
 MAX_GC_YOUNG = 10**8  # what gc.set_threshold takes is a C int; far above any request
@@ -212,8 +213,9 @@ class ServerConfig:
     # what start-up made is frozen out of every collection). 0: Python's own settings.
     gc_young: int = 50_000
     # An acquire's bytes, up to this many, go in its reply when the client asks
-    # (client.inline_max_bytes) and they are all in DRAM; 0: always over TE.
-    inline_max_bytes: Size = 64 << 20
+    # (client.inline_max_bytes) and they are all in DRAM (over the ZeroMQ port: at
+    # most 64 MiB); 0: always over TE.
+    inline_max_bytes: Size = 4 << 30
     # A client connection that answers no ZeroMQ heartbeat for this long is closed
     # (and what was queued for it dropped); 0: never.
     peer_timeout_s: float = 30.0
@@ -276,8 +278,9 @@ class ClientConfig:
     curve_secret_key: str = ""
     etcd: str = ""
     # A drop_select / get of at most this many bytes asks for them in the acquire's
-    # reply (one round trip, no TE read) when te_protocol is tcp; 0: always TE.
-    inline_max_bytes: Size = 64 << 20
+    # reply (one round trip, no TE read) when te_protocol is tcp (over the ZeroMQ
+    # port: at most 64 MiB); 0: always TE.
+    inline_max_bytes: Size = 4 << 30
     # A client on another node than its server, without CURVE, sends its requests
     # over the server's stream door (server.stream_socket) when its hello names one;
     # acquired bytes then come straight into their destination. false: the ROUTER.
@@ -291,9 +294,9 @@ class ClientConfig:
                "inline_part_bytes")
         _inline(self)
         if self.inline_part_bytes and not \
-                MIN_INLINE_PART_BYTES <= self.inline_part_bytes <= MAX_INLINE_BYTES:
+                MIN_INLINE_PART_BYTES <= self.inline_part_bytes <= ROUTER_INLINE_BYTES:
             raise ConfigError(f"client.inline_part_bytes must be 0 or "
-                              f"{MIN_INLINE_PART_BYTES} (64KiB) .. {MAX_INLINE_BYTES} "
+                              f"{MIN_INLINE_PART_BYTES} (64KiB) .. {ROUTER_INLINE_BYTES} "
                               f"(64MiB), got {self.inline_part_bytes}")
         seconds(self.timeout_s, "client.timeout_s")
         if 0 < self.te_piece_bytes < MIN_TE_PIECE_BYTES:

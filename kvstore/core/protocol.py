@@ -36,8 +36,11 @@ VERIFY_BATCH_BYTES = 64 << 20
 MAX_ID = (1 << 63) - 1
 MAX_LS_LIMIT = 10_000
 MAX_META_BYTES = 1024  # the index keeps at most this much caller meta per entry
-# An acquire's bytes sent in its reply (``Acquire.inline``, docs/protocol.md), at most.
-MAX_INLINE_BYTES = 64 << 20
+# An acquire's bytes sent after its reply (``Acquire.inline``, docs/protocol.md), at
+# most: over the stream door, any prompt (a sanity bound); over the ZeroMQ port, in
+# one frame or its parts, at most ``ROUTER_INLINE_BYTES``.
+MAX_INLINE_BYTES = 1 << 40
+ROUTER_INLINE_BYTES = 64 << 20
 # The smallest part such bytes may be asked in (``Acquire.inline_part``).
 MIN_INLINE_PART_BYTES = 64 << 10
 NAMESPACE_BYTES = 16  # hashing.namespace_of; a reserve may send it or its first 8 bytes
@@ -372,7 +375,7 @@ class Acquire(Lookup):
     CHECKS = {"keys": _keys, "tokens": _tokens, "lease_s": _lease, "claim": _bool,
               "optional_tail": _bool, "spend_rest": _bool,
               "inline": _opt(_int, 0, MAX_INLINE_BYTES),
-              "inline_part": _opt(_int, MIN_INLINE_PART_BYTES, MAX_INLINE_BYTES),
+              "inline_part": _opt(_int, MIN_INLINE_PART_BYTES, ROUTER_INLINE_BYTES),
               **_DEADLINE, **_WAIT}
     OPTIONAL = frozenset({"lease_s", "claim", "optional_tail", "spend_rest", "inline",
                           "inline_part", "deadline", "wait_s"})

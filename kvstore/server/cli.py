@@ -184,7 +184,7 @@ def _serve(cfg: KVStoreConfig) -> int:
 @click.option("--gc-young", type=int,
               help="Young-generation GC threshold of this process; 0: Python's. [50000]")
 @click.option("--inline-max-bytes",
-              help="Send a drop_select's bytes in its reply up to this size; 0: TE. [64MiB]")
+              help="Send a drop_select's bytes in its reply up to this size; 0: TE. [4GiB]")
 @click.option("--peer-timeout", type=float,
               help="Close a client connection that answers no heartbeat this long (s); "
                    "0: never. [30]")

@@ -789,7 +789,8 @@ class Server:
     def _inline(self, cap: int, acq: Acquisition, result: dict,
                 part: int | None = None, runs: bool = False) -> None:
         """Put ``acq``'s bytes in ``result`` (under ``_DATA``, in a ``_Slot``;
-        ``"inline"``: their length) when they fit ``cap`` and this server's limit, are
+        ``"inline"``: their length) when they fit ``cap`` and this server's limit
+        (over the ROUTER, ``ROUTER_INLINE_BYTES`` too: one ZeroMQ message), are
         all in DRAM, and a slot is free: at most ``INLINE_BACKLOG`` replies' bytes are
         handed to ZeroMQ and not sent yet. With ``part`` (``Acquire.inline_part``) and
         more than that many bytes, they go in parts (``"parts"``: their lengths).
@@ -797,7 +798,8 @@ class Server:
         lie (``Store.dram_bytes``); copies of at most ``INLINE_COPY_MAX`` either way."""
         sizes = [e[3] for e in acq.entries]  # (EntryInfo.nbytes)
         nbytes = sum(sizes)
-        if not sizes or nbytes > min(cap, self._inline_max):
+        limit = self._inline_max if runs else min(self._inline_max, p.ROUTER_INLINE_BYTES)
+        if not sizes or nbytes > min(cap, limit):
             return
         # (The slots are the serving thread's alone: it fills, sends and settles them.)
         self._settle_slots()  # after which a slot is free exactly when it has no bytes

@@ -70,7 +70,7 @@ def inline_stats(client) -> tuple[int, int]:
 def test_a_small_drop_select_comes_in_its_acquires_reply(clean_server, client_factory, stream):
     producer = client_factory(clean_server)  # same node: writes through the arena
     consumer = reader(client_factory, clean_server, stream=stream)
-    assert consumer.hello()["inline_max"] == 64 << 20
+    assert consumer.hello()["inline_max"] == 4 << 30
     before = inline_stats(producer)
     views = inline_views(producer)
     g = torch.Generator().manual_seed(5)
@@ -402,7 +402,7 @@ def test_a_curve_client_reads_over_te(server_factory, client_factory, tmp_path):
     keys = dict(curve_secret_key=client_secret, curve_server_public_key=server_pub)
     producer = client_factory(srv, **keys)
     consumer = reader(client_factory, srv, **keys)
-    assert consumer.hello()["inline_max"] == 64 << 20 and consumer._inline(0) is None
+    assert consumer.hello()["inline_max"] == 4 << 30 and consumer._inline(0) is None
     # Nor is there a stream door, which CURVE would not cover.
     assert consumer.hello()["stream_port"] is None and "stream door port" not in srv.log()
     producer.insert(prompt(9, 2), make_kv(9, 2))
@@ -464,7 +464,7 @@ def test_a_client_whose_server_was_replaced_by_an_older_one_reads_over_te(
     stops asking."""
     srv = server_factory()
     consumer = reader(client_factory, srv)
-    assert consumer.hello()["inline_max"] == 64 << 20
+    assert consumer.hello()["inline_max"] == 4 << 30
     srv.stop()
     assert srv.argv[1:3] == ["-m", "kvstore.server"]
     srv.argv[1:3] = ["-c", _OLDER_SERVER]
@@ -518,3 +518,47 @@ def test_a_reply_that_would_be_a_large_copy_goes_from_the_arena_or_over_te(
     got = consumer.drop_select(prompt(small, 22))
     assert np.array_equal(got.kv.numpy(), make_kv(small, 22, GAPPED))
     assert consumer.ops.count("inline_read") == 1 + stream
+
+
+# Entries of 1 MiB (whole pages: a prompt's lie back to back in the arena).
+MIB_ENTRIES = KVLayout(num_layers=64, kv_heads=8, head_dim=128, dtype="float16",
+                       block_tokens=4)
+
+
+@DOORS
+def test_a_prompt_over_the_routers_bound_comes_over_the_door_and_te_otherwise(
+        server_factory, client_factory, stream):
+    """Past ROUTER_INLINE_BYTES (one ZeroMQ message's worth) a prompt's bytes still
+    follow the reply over the stream door, with the defaults; over the ROUTER they
+    are read over TE (the client does not ask for them there, and the server would
+    not send them). Exact either way."""
+    n = 4 * 66  # 66 entries of 1 MiB
+    assert MIB_ENTRIES.entry_sizes(4)[0] == 1 << 20
+    assert MIB_ENTRIES.nbytes(n) > p.ROUTER_INLINE_BYTES
+    srv = server_factory(dram="160MiB", nvme="0", block_tokens=MIB_ENTRIES.block_tokens)
+    producer = client_factory(srv, layout=MIB_ENTRIES)
+    consumer = reader(client_factory, srv, cap=ClientConfig().inline_max_bytes,
+                      stream=stream, layout=MIB_ENTRIES, staging_bytes=80 << 20)
+    assert consumer.hello()["inline_max"] >= MIB_ENTRIES.nbytes(n)
+    kv = make_kv(n, 23, MIB_ENTRIES)
+    producer.insert(prompt(n, 23), kv)
+    replies, sent = inline_stats(producer)
+    got = consumer.drop_select(prompt(n, 23))
+    assert got.matched_tokens == n and np.array_equal(got.kv.numpy(), kv)
+    if stream:
+        assert "inline_read" in consumer.ops and "te_read" not in consumer.ops
+        assert inline_stats(producer) == (replies + 1, sent + kv.size)
+    else:
+        assert "te_read" in consumer.ops and "inline_read" not in consumer.ops
+        assert inline_stats(producer) == (replies, sent)
+    # The server bounds the ROUTER itself: asked for the bytes there, it names TE
+    # addresses (a client whose door failed sends the request it built for the door).
+    producer.insert(prompt(n, 24), make_kv(n, 24, MIB_ENTRIES))
+    req = _acquire(producer, prompt(n, 24), inline=1 << 30)
+    router = Channel(srv.address, timeout_s=30.0)
+    try:
+        reply = router.call(req)
+        assert "error" not in reply and "inline" not in reply and len(reply["entries"]) == 66
+        router.send(p.Release(aid=reply["aid"], drop=False))
+    finally:
+        router.close()

@@ -151,7 +151,7 @@ def test_replace_returns_a_new_tree():
     ("[server]\ngc_young = -1\n", "gc_young"),
     ("[server]\ngc_young = true\n", "gc_young"),
     ("[server]\ngc_young = 1099511627776\n", "gc_young"),  # past a C int: refused here
-    ("[server]\ninline_max_bytes = \"65MiB\"\n", "inline_max_bytes"),
+    ("[server]\ninline_max_bytes = \"2TiB\"\n", "inline_max_bytes"),
     ("[server]\npeer_timeout_s = -1\n", "peer_timeout_s"),
     ("[server]\npeer_timeout_s = \"soon\"\n", "peer_timeout_s"),
     ("[client]\ninline_max_bytes = -1\n", "inline_max_bytes"),
@@ -171,7 +171,7 @@ def test_bad_toml_is_a_config_error_naming_the_field(tmp_path, toml, field):
     ("KVSTORE_TIERS_DRAM_BYTES", "abc", "tiers.dram_bytes"),
     ("KVSTORE_SERVER_PORT", "0", "port"),
     ("KVSTORE_SERVER_GC_YOUNG", "-5", "gc_young"),
-    ("KVSTORE_CLIENT_INLINE_MAX_BYTES", "1GiB", "inline_max_bytes"),
+    ("KVSTORE_CLIENT_INLINE_MAX_BYTES", "2TiB", "inline_max_bytes"),
     ("KVSTORE_CLIENT_INLINE_PART_BYTES", "-1", "inline_part_bytes"),
     ("KVSTORE_CLIENT_TIMEOUT_S", "-1", "timeout_s"),
     ("KVSTORE_CLIENT_TIMEOUT_S", "inf", "timeout_s"),

@@ -88,13 +88,13 @@ def test_connector_settings_carry_them():
 
 
 def test_connector_settings_carry_the_inline_limit():
-    assert ConnectorSettings.from_extra("kv_both", {}, "m").inline_max_bytes == 64 << 20
+    assert ConnectorSettings.from_extra("kv_both", {}, "m").inline_max_bytes == 4 << 30
     settings = ConnectorSettings.from_extra("kv_both", {"inline_max_bytes": "1MiB"}, "m")
     assert settings.inline_max_bytes == 1 << 20
     assert ConnectorSettings.from_extra("kv_both", {"inline_max_bytes": 0}, "m") \
         .inline_max_bytes == 0
     with pytest.raises(ConfigError, match="inline_max_bytes"):
-        ConnectorSettings.from_extra("kv_both", {"inline_max_bytes": "1GiB"}, "m")
+        ConnectorSettings.from_extra("kv_both", {"inline_max_bytes": "2TiB"}, "m")
 
 
 def test_an_rdma_client_never_asks_for_bytes_in_the_reply():
@@ -109,7 +109,7 @@ def test_an_rdma_client_never_asks_for_bytes_in_the_reply():
     client = KVStoreClient("tcp://127.0.0.1:1", te_engine=engine, te_protocol="rdma")
     assert client._inline_max == 0
     tcp = KVStoreClient("tcp://127.0.0.1:1")
-    assert tcp._inline_max == 64 << 20
+    assert tcp._inline_max == 4 << 30
     client.close()
     tcp.close()
 
