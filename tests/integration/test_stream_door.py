@@ -192,6 +192,19 @@ def _reply(sock: socket.socket) -> dict | None:
     return msgpack.unpackb(sock.recv(n, socket.MSG_WAITALL))
 
 
+def _reply_with_bytes(sock: socket.socket, kv: np.ndarray) -> dict:
+    """An acquire's reply on a raw door connection, and the bytes after it: ``kv``."""
+    head = _reply(sock)
+    assert head is not None and head["inline"] == kv.size
+    data = bytearray()
+    while len(data) < kv.size:
+        chunk = sock.recv(1 << 20)
+        assert chunk
+        data += chunk
+    assert bytes(data) == kv.tobytes()
+    return head
+
+
 def test_a_peer_that_never_reads_its_bytes_holds_up_nobody(server_factory, client_factory):
     """The serving thread never waits for a peer to read: what the socket does not
     take waits in the connection's backlog (its entries held in place, not its
@@ -214,14 +227,7 @@ def test_a_peer_that_never_reads_its_bytes_holds_up_nobody(server_factory, clien
         assert np.array_equal(got.kv.numpy(), make_kv(30, 20 + seed))
         assert time.monotonic() - start < 3.0
     # The sleeper reads at last: all of it, exact.
-    head = _reply(sleeper)
-    assert head is not None and head["inline"] == kv.size
-    data = bytearray()
-    while len(data) < kv.size:
-        chunk = sleeper.recv(1 << 20)
-        assert chunk
-        data += chunk
-    assert bytes(data) == kv.tobytes()
+    head = _reply_with_bytes(sleeper, kv)
     sleeper.sendall(HEADER.pack(len(frame := p.encode_request(
         2, p.Release(aid=head["aid"], drop=False)))) + frame)
     assert _reply(sleeper)["id"] == 2
@@ -304,14 +310,7 @@ def test_entries_apart_in_the_arena_go_out_from_it_and_stay_until_they_are_out(
         assert producer.evict(everything=True)["count"] == 0
         with pytest.raises(TierFullError):
             producer.insert(prompt(n, 12), make_kv(n, 12, GAPPED))
-        head = _reply(sleeper)
-        assert head is not None and head["inline"] == kv.size
-        data = bytearray()
-        while len(data) < kv.size:
-            chunk = sleeper.recv(1 << 20)
-            assert chunk
-            data += chunk
-        assert bytes(data) == kv.tobytes()  # exact, after all that
+        _reply_with_bytes(sleeper, kv)  # exact, after all that
     finally:
         sleeper.close()
     # All out: the hold goes at the next reap, and the entries may go with it.
