@@ -18,8 +18,9 @@ Replies never block the serving thread: each is sent without waiting, and what
 the socket does not take at once waits in the connection's own buffer, sent as the
 peer reads (the serving thread then polls that connection for POLLOUT too). A
 connection whose backlog passes ``_BACKLOG_CAP`` (its frames and copies: views of
-the arena, bounded by the server's inline slots, cost no memory) or that takes
-nothing for ``_STUCK_S`` is closed. Reads take at most ``_READ_CAP`` per connection per pass.
+the arena cost no memory; they pin entries, which the server bounds with its inline
+slots and their share of the DRAM tier) or that takes nothing for ``_STUCK_S`` is
+closed. Reads take at most ``_READ_CAP`` per connection per pass.
 
 Who may connect: only processes of the server's own user (or root), checked on
 every accepted connection (``SO_PEERCRED``); others get one ``auth`` error frame

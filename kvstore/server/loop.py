@@ -102,6 +102,10 @@ INLINE_BACKLOG = 8
 # of its time. Past it the ROUTER's reply names TE addresses and the door's sends
 # each run from the arena (``Store.dram_bytes``).
 INLINE_COPY_MAX = 8 << 20
+# Unsent inline replies sent from the arena hold their entries in place: one such
+# reply whatever its size (its lease held them anyway), more only while all of them
+# together hold at most this share of the DRAM tier (1/N); past it, TE addresses.
+INLINE_HOLD_SHARE = 4
 _DATA = object()  # the key of an inline reply's bytes in a result map (never encoded)
 # A release waits at most this long for its inline reply's tracker (_await_sent).
 RELEASE_WAIT_S = 0.2
@@ -145,6 +149,9 @@ class Server:
         # yet (``_Slot``); past that, replies name TE addresses.
         self._inline_max = config.server.inline_max_bytes
         self._inline_slots: list[_Slot] = []
+        # Arena bytes unsent replies may hold in place (their views) beyond one reply:
+        # a reader that stops reading pins at most this much of the DRAM tier.
+        self._hold_budget = config.tiers.dram_bytes // INLINE_HOLD_SHARE
         self._counters_lock = threading.Lock()
         # Whoever holds _sock_lock may use the ROUTER socket: the serving thread while
         # it receives and sends, the watchdog while the serving thread works.
@@ -795,7 +802,8 @@ class Server:
         handed to ZeroMQ and not sent yet. With ``part`` (``Acquire.inline_part``) and
         more than that many bytes, they go in parts (``"parts"``: their lengths).
         With ``runs`` (a stream door reply), views of the arena wherever the entries
-        lie (``Store.dram_bytes``); copies of at most ``INLINE_COPY_MAX`` either way."""
+        lie (``Store.dram_bytes``); copies of at most ``INLINE_COPY_MAX`` either way.
+        Views beside others not sent yet only within ``INLINE_HOLD_SHARE``."""
         sizes = [e[3] for e in acq.entries]  # (EntryInfo.nbytes)
         nbytes = sum(sizes)
         limit = self._inline_max if runs else min(self._inline_max, p.ROUTER_INLINE_BYTES)
@@ -809,12 +817,15 @@ class Server:
                 return
             slot = _Slot()
             self._inline_slots.append(slot)
+        holding = sum(s.nbytes for s in self._inline_slots if s.held)
         data = self.store.dram_bytes(acq.entries, runs, INLINE_COPY_MAX)
         if data is None:
             return
         if type(data) is not bytes:  # the arena itself: its entries stay until it is out
+            if holding and holding + nbytes > self._hold_budget:
+                return  # (others already hold their share: this one goes over TE)
             self.store.hold_send(acq.id)
-        slot.take(data, acq.id, _parts(sizes, part))
+        slot.take(data, acq.id, _parts(sizes, part), nbytes)
         result["inline"] = nbytes
         if slot.parts:
             result["parts"] = slot.parts
@@ -1026,7 +1037,7 @@ class _Slot:
     a copy took ``Server._inline`` of a 2 MiB reply from 0.55 to 0.07 ms (the copy's
     source, written by a TE transfer, was in no cache)."""
 
-    __slots__ = ("data", "aid", "parts", "handed", "tracker", "taken_at")
+    __slots__ = ("data", "aid", "parts", "handed", "tracker", "taken_at", "nbytes")
 
     # Handed this long and never given to ZeroMQ: taken by a reply that failed on a
     # path that did not say so (a bug); its hold goes.
@@ -1039,6 +1050,7 @@ class _Slot:
         self.handed = False
         self.tracker: zmq.MessageTracker | Sent | None = None
         self.taken_at = 0.0
+        self.nbytes = 0  # the reply's bytes
 
     @property
     def held(self) -> bool:
@@ -1046,8 +1058,9 @@ class _Slot:
         return self.data is not None and type(self.data) is not bytes
 
     def take(self, data: memoryview | bytes | list[memoryview], aid: int,
-             parts: list[int] | None = None) -> None:
+             parts: list[int] | None = None, nbytes: int = 0) -> None:
         self.data, self.aid, self.parts, self.tracker = data, aid, parts, None
+        self.nbytes = nbytes
         self.handed, self.taken_at = True, time.monotonic()
 
     def done(self, now: float) -> bool:

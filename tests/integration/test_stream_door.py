@@ -34,9 +34,11 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 
 def reader(client_factory, server, **opts):
-    """A client off the server's node, taking bytes in replies (up to 8 MiB)."""
+    """A client off the server's node, taking bytes in replies (as many as its
+    defaults ask)."""
     return client_factory(server, same_node=False,
-                          config=ClientConfig(inline_max_bytes=8 << 20), **opts)
+                          config=ClientConfig(inline_max_bytes=ClientConfig().inline_max_bytes),
+                          **opts)
 
 
 def door_stats(client) -> tuple[int, int, int]:
@@ -198,7 +200,7 @@ def _reply_with_bytes(sock: socket.socket, kv: np.ndarray) -> dict:
     assert head is not None and head["inline"] == kv.size
     data = bytearray()
     while len(data) < kv.size:
-        chunk = sock.recv(1 << 20)
+        chunk = sock.recv(min(1 << 20, kv.size - len(data)))  # (a reply may follow)
         assert chunk
         data += chunk
     assert bytes(data) == kv.tobytes()
@@ -282,11 +284,14 @@ def test_entries_apart_in_the_arena_go_out_from_it_and_stay_until_they_are_out(
     those entries, whatever becomes of the lease: a peer that stops reading keeps
     them in place (neither evicted nor written over), and they go once it has read
     them all."""
-    n = 768  # 192 entries, 7.1 MiB: more than the sockets' buffers hold (4 MiB here)
-    entry = GAPPED.entry_sizes(n)[0]
+    entry = GAPPED.entry_sizes(4)[0]
     assert entry == 38 << 10 and entry % 4096 and entry >= SEND_RUN_BYTES
-    # Room for one such prompt (7.5 MiB of pages) and not two.
-    srv = server_factory(dram="12MiB", nvme="0", block_tokens=GAPPED.block_tokens)
+    # More than the sockets' buffers hold (7.1 MiB where they grow to 4 MiB).
+    entries = max(192, -(-(2 * _wmem_max() + (2 << 20)) // entry))
+    n = 4 * entries
+    # Room for one such prompt (40 KiB of pages an entry) and not two.
+    srv = server_factory(dram=f"{-(-entries * 64 // 1024)}MiB", nvme="0",
+                         block_tokens=GAPPED.block_tokens)
     producer = client_factory(srv, layout=GAPPED)
     consumer = reader(client_factory, srv, layout=GAPPED)
     port = consumer.hello()["stream_port"]
@@ -298,7 +303,7 @@ def test_entries_apart_in_the_arena_go_out_from_it_and_stay_until_they_are_out(
     assert producer.stats()["inline_views"] == views + 1  # from the arena, not a copy
     # A peer that asks, with a short lease, and does not read.
     pr = producer._prompt(prompt(n, 11))
-    req = p.Acquire(keys=tuple(pr.keys), tokens=tuple(pr.tokens), inline=8 << 20,
+    req = p.Acquire(keys=tuple(pr.keys), tokens=tuple(pr.tokens), inline=1 << 30,
                     lease_s=0.2)
     sleeper = _raw(port)
     try:
@@ -318,4 +323,53 @@ def test_entries_apart_in_the_arena_go_out_from_it_and_stay_until_they_are_out(
     while producer.evict(keys=list(pr.keys))["count"] == 0:
         assert time.monotonic() < deadline, "the entries outlived the reply"
         time.sleep(0.05)
+    assert producer.health(deep=True)["status"] == "ok"
+
+
+def _wmem_max() -> int:
+    """The most a TCP socket's send buffer grows to on this host."""
+    with open("/proc/sys/net/ipv4/tcp_wmem") as f:
+        return int(f.read().split()[2])
+
+
+# Entries of 1 MiB: a prompt's lie back to back in the arena, one view.
+MIB_ENTRIES = KVLayout(num_layers=64, kv_heads=8, head_dim=128, dtype="float16",
+                       block_tokens=4)
+
+
+def test_a_reader_that_stops_pins_a_bounded_share_of_the_arena(server_factory,
+                                                               client_factory):
+    """An unsent reply holds its entries in place; one does whatever its size, more
+    only while together they hold at most a quarter of the DRAM tier: a reader that
+    asks and stops reading cannot pin the tier. Past that its replies name TE
+    addresses; what it read at last is exact."""
+    mib = -(-(2 * _wmem_max() + (2 << 20)) // (1 << 20))  # over what the kernel takes
+    mib = max(mib, 6)
+    if mib > 128:
+        pytest.skip(f"this host's TCP send buffers grow to {_wmem_max()} bytes")
+    n = 4 * mib
+    srv = server_factory(dram=f"{2 * mib + 4}MiB", nvme="0",
+                         block_tokens=MIB_ENTRIES.block_tokens)
+    producer = client_factory(srv, layout=MIB_ENTRIES)
+    port = reader(client_factory, srv, layout=MIB_ENTRIES).hello()["stream_port"]
+    kv = make_kv(n, 31, MIB_ENTRIES)
+    producer.insert(prompt(n, 31), kv)
+    pr = producer._prompt(prompt(n, 31))
+    req = p.Acquire(keys=tuple(pr.keys), tokens=tuple(pr.tokens), inline=1 << 30)
+    sleeper = _raw(port)
+    try:
+        for rid in (1, 2):  # asked twice, nothing read
+            sleeper.sendall(HEADER.pack(len(frame := p.encode_request(rid, req))) + frame)
+        wait_for(lambda: producer.stats()["leases"] == 2, 30, "both asks to be served")
+        assert producer.stats()["inline_replies"] == 1
+        first = _reply_with_bytes(sleeper, kv)
+        second = _reply(sleeper)
+        assert first["id"] == 1 and second is not None and second["id"] == 2
+        assert "inline" not in second and len(second["entries"]) == mib  # TE addresses
+        for head in (first, second):
+            sleeper.sendall(HEADER.pack(len(frame := p.encode_request(
+                10 + head["id"], p.Release(aid=head["aid"], drop=False)))) + frame)
+            assert _reply(sleeper)["id"] == 10 + head["id"]
+    finally:
+        sleeper.close()
     assert producer.health(deep=True)["status"] == "ok"
