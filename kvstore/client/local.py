@@ -19,6 +19,7 @@ client's requests (a one-way release, then an acquire) keep their order.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -147,8 +148,10 @@ class LocalChannel(Requests):
                                                    "which only a stream door may")
                     mine = self._is_reply(rid, result, frame_id)
                     if inline:  # (a stale reply's too: the stream goes on after them)
+                        asked = getattr(req, "inline", None) if mine else None
                         self._bytes_after(sock, result, deadline, req.OP,
-                                          take if mine else None)
+                                          take if mine else None, mine,
+                                          p.MAX_INLINE_BYTES if asked is None else asked)
                     if mine:
                         return result
             except (KVTimeoutError, PeerUnavailableError):
@@ -172,23 +175,26 @@ class LocalChannel(Requests):
             return True
 
     def _bytes_after(self, sock: socket.socket, result: dict[str, Any], deadline: float,
-                     op: str, take: Take | None) -> None:
+                     op: str, take: Take | None, keep: bool = True,
+                     asked: int = p.MAX_INLINE_BYTES) -> None:
         """The bytes that follow an acquire's reply on the stream door (``inline`` of
-        them), handed to ``take`` as they arrive (its result ``"taken"``, what it
-        raised ``"take_error"``, the seconds ``"take_s"``: ``Channel``'s contract),
-        else read into ``"inline_data"``. What ``take`` leaves unread is read and
+        them, at most the ``asked``), handed to ``take`` as they arrive (its result
+        ``"taken"``, what it raised ``"take_error"``, the seconds ``"take_s"``:
+        ``Channel``'s contract), else read into ``"inline_data"`` (unless not
+        ``keep``: a stale reply's, dropped). What ``take`` leaves unread is read and
         dropped, so the next reply is found. A connection that fails on the way is
         closed, the error the reply's ``"take_error"`` (it keeps its lease, for the
         caller to release another way)."""
         nbytes = result.get("inline")
-        if type(nbytes) is not int or not 0 <= nbytes <= p.MAX_INLINE_BYTES \
-                or "parts" in result:
+        if type(nbytes) is not int or not 0 <= nbytes <= asked or "parts" in result:
             raise PeerUnavailableError(f"{self.path} sent a malformed reply: inline "
                                        f"{str(nbytes)[:20]}, parts {'parts' in result}")
         incoming = _Incoming(self, sock, nbytes, deadline, op)
         start = time.perf_counter()
         try:
-            if take is None:
+            if take is None and not keep:
+                pass  # (all of it dropped below, a slice at a time)
+            elif take is None:
                 data = memoryview(bytearray(nbytes))
                 got = 0
                 while got < nbytes:
@@ -259,6 +265,16 @@ class LocalChannel(Requests):
     def close(self) -> None:
         with self._lock:
             self._close()
+
+
+def _for_router(req: p.Request) -> p.Request:
+    """``req`` as the ROUTER may carry it: an acquire built for the stream door asks
+    for no more bytes in its reply than one ZeroMQ message carries (a server from
+    before larger replies refuses a larger ask as out of range)."""
+    inline = getattr(req, "inline", None)
+    if isinstance(req, p.Acquire) and inline is not None and inline > p.ROUTER_INLINE_BYTES:
+        return dataclasses.replace(req, inline=p.ROUTER_INLINE_BYTES)
+    return req
 
 
 class _Incoming(Incoming):
@@ -451,7 +467,7 @@ class Control:
             log.info("%s; %s goes over %s", exc, req.OP, self.rpc.address)
             self.lost = True
             channel = self.rpc
-            result = channel.call(req, timeout_s, take)
+            result = channel.call(_for_router(req), timeout_s, take)
         with self._lock:
             if self._one_way_on is channel:
                 self._one_way_on = None

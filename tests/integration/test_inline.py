@@ -540,6 +540,9 @@ def test_a_prompt_over_the_routers_bound_comes_over_the_door_and_te_otherwise(
     consumer = reader(client_factory, srv, cap=ClientConfig().inline_max_bytes,
                       stream=stream, layout=MIB_ENTRIES, staging_bytes=80 << 20)
     assert consumer.hello()["inline_max"] >= MIB_ENTRIES.nbytes(n)
+    # What it asks: all it may over the door; over the ROUTER, one message's worth.
+    assert consumer._inline(0) == (ClientConfig().inline_max_bytes if stream
+                                   else p.ROUTER_INLINE_BYTES)
     kv = make_kv(n, 23, MIB_ENTRIES)
     producer.insert(prompt(n, 23), kv)
     replies, sent = inline_stats(producer)

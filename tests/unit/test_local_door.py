@@ -16,6 +16,7 @@ import pytest
 from kvstore.client.local import Control, LocalChannel, Refused
 from kvstore.client.rpc import Channel
 from kvstore.core import protocol as p
+from kvstore.server import local
 from kvstore.server.local import LOCAL_TAG, LocalDoor
 
 
@@ -67,7 +68,7 @@ def _pending(conn) -> int:
     return sum(len(v) for v in conn.out)
 
 
-def test_a_replys_bytes_are_out_only_when_their_last_byte_is(tmp_path):
+def test_a_replys_bytes_are_out_only_when_their_last_byte_is(monkeypatch):
     """The door's books: what it queued less what it sent is exactly what waits in
     a connection's backlog, however many replies came before, and the ``Sent`` of an
     acquire's bytes is done only once their last byte went to the kernel (the store
@@ -103,14 +104,30 @@ def test_a_replys_bytes_are_out_only_when_their_last_byte_is(tmp_path):
             # Done exactly when nothing of the bytes waits in the backlog any more.
             assert sent.done is (not conn.out), (len(got), _pending(conn))
         assert bytes(got) == bytes(expected)
-        # Views of 300 MiB waiting (more than the cap's 256 MiB) do not close the
-        # connection; the frames and copies a peer leaves unread do.
-        big = np.zeros(300 << 20, dtype=np.uint8)
-        assert door.send(envelope, p.encode_ok(1, {}), memoryview(big)) is not None
+        # Views waiting, more than the cap (1 MiB here), do not close the connection;
+        # the frames and copies a peer leaves unread do.
+        monkeypatch.setattr(local, "_BACKLOG_CAP", 1 << 20)
+        assert door.send(envelope, p.encode_ok(1, {}), memoryview(data)) is not None
         door.send(envelope, p.encode_ok(2, {}))
-        assert cid in door._conns
-        assert door.send(envelope, p.encode_ok(3, {}), bytes(300 << 20)) is None
+        assert cid in door._conns and _pending(conn) > 1 << 20
+        assert door.send(envelope, p.encode_ok(3, {}), bytes(2 << 20)) is None
         assert cid not in door._conns
     finally:
         peer.close()
         door.close()
+
+
+def test_a_request_the_door_could_not_send_asks_the_router_for_what_it_carries():
+    """A client whose stream door is found closed sends the request it built for the
+    door over the ROUTER: an acquire's ask for bytes in the reply is cut to what one
+    ZeroMQ message carries (an older server there refuses more as out of range)."""
+    from kvstore.client.local import _for_router
+
+    keys, tokens = (b"k" * 16,), (b"\0" * 16,)
+    big = p.Acquire(keys=keys, tokens=tokens, inline=4 << 30, inline_part=1 << 20)
+    cut = _for_router(big)
+    assert cut.inline == p.ROUTER_INLINE_BYTES and cut.inline_part == 1 << 20
+    p.decode_request(p.encode_request(1, cut), 1 << 20)  # valid, and within the bound
+    small = p.Acquire(keys=keys, tokens=tokens, inline=1 << 20)
+    assert _for_router(small) is small
+    assert _for_router(p.Health()) == p.Health()
