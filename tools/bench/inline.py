@@ -9,7 +9,8 @@ veth; loopback ports where namespaces are not allowed), and on node B one proces
 with a producer (TE writes) and three consumers: one with ``client.inline_max_bytes =
 0`` (the acquire names TE addresses and the consumer reads them: two round trips'
 worth of latency), and two that ask for every prompt inline (``inline_max_bytes`` at
-its largest; the server's own default limit, 8 MiB, still decides): one takes the
+its largest; the server's own limit still decides, 4 GiB by default over the stream
+door, 64 MiB over the ZeroMQ port): one takes the
 bytes in one part (``client.inline_part_bytes = 0``), the other in parts of
 ``--part`` bytes, each copied while the next is on the wire. Round by round the
 producer stores a prompt and one consumer drop_selects it into a reused buffer, then

@@ -249,11 +249,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--entries and --reps must be >= 1")
     if not _procs_ok(args.procs):
         parser.error("--procs must be 1 or odd (each worker then goes first and second)")
-    from kvstore.core.protocol import MAX_INLINE_BYTES
+    from kvstore.core.protocol import ROUTER_INLINE_BYTES
 
-    if args.server and args.entries * ENTRY > MAX_INLINE_BYTES:
-        parser.error(f"--server sends the acquire's bytes in its reply: at most "
-                     f"{MAX_INLINE_BYTES // ENTRY} entries of 64 KiB")
+    if args.server and args.entries * ENTRY > ROUTER_INLINE_BYTES:
+        parser.error(f"--server sends the acquire's bytes in its reply, as the ZeroMQ "
+                     f"port does: at most {ROUTER_INLINE_BYTES // ENTRY} entries of 64 KiB")
     result = run(args.base, args.entries, args.reps, args.this, args.claim, args.server,
                  args.procs)
     what = "Server.handle of a put, a drop_select's acquire (bytes in the reply) and release" \
