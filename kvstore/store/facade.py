@@ -255,16 +255,17 @@ class Store:
             _, tiers, offsets, sizes = list(zip(*entries))[:4]
             if tiers.count("dram") != len(tiers):
                 return None
+            span = dram.span_of(offsets, sizes)  # (the usual case, in C-level passes)
+            if span is not None:
+                return [span] if runs else span
             nbytes = sum(sizes)
             copies = copy_max is None or nbytes <= copy_max
-            if runs:
+            if runs:  # (a Python pass per entry only for entries apart in the arena)
                 views = dram.runs_of(offsets, sizes)
-                if views is None or len(views) == 1 or not copies or \
-                        nbytes >= SEND_RUN_BYTES * len(views):
+                if views is None or not copies or nbytes >= SEND_RUN_BYTES * len(views):
                     return views
-            span = dram.span_of(offsets, sizes)
-            if span is not None or not copies:
-                return span
+            elif not copies:
+                return None
             extents = [Extent("dram", off, n) for off, n in zip(offsets, sizes)]
             return b"".join(cast(list[memoryview], dram.views(extents)))
 
