@@ -1,8 +1,9 @@
 /* kvstore.client._ntcopy's copy loops, compiled once per instruction set: included by
  * _ntcopy.c (the build's baseline, SSE2 on x86-64) and by _ntcopy_avx2.c (AVX2, used
  * where the CPU has it; xxh3 runs about twice as fast there). Before including,
- * define COPY_HASHED to the name of the copy-and-hash function, and KVS_STATIC to
- * `static` or nothing. Defines KVS_HASH where that function exists. */
+ * define COPY_HASHED and HASH_UPDATE to the names of the copy-and-hash function and of
+ * the streaming hash's update, and KVS_STATIC to `static` or nothing. Defines KVS_HASH
+ * where those functions exist. */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -93,5 +94,12 @@ KVS_STATIC uint64_t COPY_HASHED(char *dst, const char *src, size_t n, int stream
         XXH3_64bits_update(&state, hashed + at, len);
     }
     return XXH3_64bits_digest(&state);
+}
+
+/* Feed n bytes to an xxh3_64 streaming state (recv_hashed: each entry of a door reply
+ * hashed a chunk at a time as it lands). The state is the same whichever build fed it. */
+KVS_STATIC void HASH_UPDATE(XXH3_state_t *state, const char *src, size_t n)
+{
+    XXH3_64bits_update(state, src, n);
 }
 #endif

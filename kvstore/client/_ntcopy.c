@@ -19,16 +19,23 @@
  * here nothing does. (docs/benchmarks.md, "Copying and hashing in one pass".) */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <stdint.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <time.h>
 #include "_ntcopy_isa.h"
 #define KVS_STATIC static
 #define COPY_HASHED copy_hashed_base
+#define HASH_UPDATE hash_update_base
 #include "_copyhash.h"
 
 #if defined(KVS_HASH) && defined(KVS_AVX2_COMPILER)
 #define KVS_AVX2 1
 uint64_t kvs_copy_hashed_avx2(char *dst, const char *src, size_t n, int stream,
                               int hash_dst);
+void kvs_hash_update_avx2(XXH3_state_t *state, const char *src, size_t n);
 #endif
 
 /* The streamed lines reach memory before anything this thread stores or sends after
@@ -66,6 +73,8 @@ static PyObject *ntcopy_copy(PyObject *self, PyObject *args)
 typedef uint64_t (*copy_hashed_fn)(char *, const char *, size_t, int, int);
 /* Chosen at import: the AVX2 build of the loop where the CPU has AVX2 (use_isa). */
 static copy_hashed_fn copy_hashed = copy_hashed_base;
+typedef void (*hash_update_fn)(XXH3_state_t *, const char *, size_t);
+static hash_update_fn hash_update = hash_update_base;
 static const char *copy_hashed_isa = "baseline";
 
 static int has_avx2(void)
@@ -87,11 +96,13 @@ static PyObject *ntcopy_use_isa(PyObject *self, PyObject *args)
     const char *was = copy_hashed_isa;
     if (strcmp(name, "baseline") == 0) {
         copy_hashed = copy_hashed_base;
+        hash_update = hash_update_base;
         copy_hashed_isa = "baseline";
     }
 #ifdef KVS_AVX2
     else if (strcmp(name, "avx2") == 0 && has_avx2()) {
         copy_hashed = kvs_copy_hashed_avx2;
+        hash_update = kvs_hash_update_avx2;
         copy_hashed_isa = "avx2";
     }
 #endif
@@ -321,6 +332,162 @@ done:
     PyBuffer_Release(&src);
     return result;
 }
+
+/* recv_hashed: the rest of a stream door reply's bytes received into dst (in chunks of
+ * `chunk`, each waited for whole: MSG_WAITALL), every entry hashed a chunk at a time
+ * right after its bytes land, while they are still in the cache; all of it in one
+ * call, without the GIL. Hashing the whole reply after one receive read it back from
+ * memory: about a tenth of a 32 MiB read's time here (docs/benchmarks.md, "Hashing
+ * a door reply as it arrives"). */
+typedef struct {
+    Py_ssize_t entry;   /* the entry being hashed */
+    Py_ssize_t at;      /* bytes of dst hashed so far */
+    Py_ssize_t end;     /* where the entry being hashed ends */
+    XXH3_state_t state;
+} hash_walk;
+
+/* Hash dst[walk->at, upto): each entry's part in it; each entry wholly in gets its
+ * digest in sums. */
+static void hash_upto(hash_walk *walk, const char *dst, const Py_ssize_t *sizes,
+                      Py_ssize_t n, uint64_t *sums, Py_ssize_t upto)
+{
+    hash_update_fn update = hash_update;
+    while (walk->entry < n) {
+        if (walk->at == walk->end) {  /* (a zero-size entry ends where it starts) */
+            sums[walk->entry++] = XXH3_64bits_digest(&walk->state);
+            XXH3_64bits_reset(&walk->state);
+            if (walk->entry < n)
+                walk->end = walk->at + sizes[walk->entry];
+            continue;
+        }
+        if (walk->at >= upto)
+            return;
+        Py_ssize_t stop = walk->end < upto ? walk->end : upto;
+        update(&walk->state, dst + walk->at, (size_t)(stop - walk->at));
+        walk->at = stop;
+    }
+}
+
+static double monotonic_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static PyObject *ntcopy_recv_hashed(PyObject *self, PyObject *args)
+{
+    int fd;
+    Py_buffer dst;
+    Py_ssize_t start, chunk;
+    double deadline;
+    PyObject *sizes_obj, *result = NULL;
+    hash_walk walk_here;  /* (on the stack: xxh3's state wants 64-byte alignment) */
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iw*nOnd:recv_hashed", &fd, &dst, &start, &sizes_obj,
+                          &chunk, &deadline))
+        return NULL;
+    Py_ssize_t n = PyObject_Length(sizes_obj);
+    Py_ssize_t *sizes = NULL;
+    uint64_t *sums = NULL;
+    hash_walk *walk = &walk_here;
+    if (n < 0 || (sizes = sizes_of(sizes_obj, n, "recv_hashed: sizes")) == NULL)
+        goto done;
+    Py_ssize_t total = 0;
+    for (Py_ssize_t i = 0; i < n && total <= dst.len; i++) {
+        if (sizes[i] > dst.len - total) {  /* (summed, they could wrap around) */
+            total = dst.len + 1;
+            break;
+        }
+        total += sizes[i];
+    }
+    if (total != dst.len) {
+        PyErr_Format(PyExc_ValueError, "recv_hashed: entries of %s bytes than a buffer of "
+                     "%zd", total > dst.len ? "more" : "fewer", dst.len);
+        goto done;
+    }
+    if (start < 0 || start > dst.len || chunk <= 0) {
+        PyErr_Format(PyExc_ValueError, "recv_hashed: %zd of %zd bytes in, chunks of %zd",
+                     start, dst.len, chunk);
+        goto done;
+    }
+    sums = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
+    if (sums == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    walk->entry = 0;
+    walk->at = 0;
+    walk->end = n ? sizes[0] : 0;
+    XXH3_INITSTATE(&walk->state);
+    XXH3_64bits_reset(&walk->state);
+    char *buf = (char *)dst.buf;
+    Py_ssize_t got = start;
+    int err = 0;  /* errno of the receive that stopped it; -1: closed; ETIMEDOUT */
+    PyThreadState *ts = PyEval_SaveThread();
+    hash_upto(walk, buf, sizes, n, sums, got);
+    while (got < dst.len) {
+        double left = deadline - monotonic_s();
+        if (!(left > 0)) {  /* (NaN too) */
+            err = ETIMEDOUT;
+            break;
+        }
+        if (left > 1e6)
+            left = 1e6;  /* (a timeval holds it; each piece sets it again) */
+        struct timeval tv;
+        tv.tv_sec = (time_t)left;
+        tv.tv_usec = (suseconds_t)((left - (double)tv.tv_sec) * 1e6);
+        if (tv.tv_sec == 0 && tv.tv_usec == 0)
+            tv.tv_usec = 1;
+        if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) != 0) {
+            err = errno;
+            break;
+        }
+        Py_ssize_t want = dst.len - got < chunk ? dst.len - got : chunk;
+        ssize_t r = recv(fd, buf + got, (size_t)want, MSG_WAITALL);
+        int interrupted = r < 0 && errno == EINTR;
+        if (r > 0) {
+            got += r;
+            hash_upto(walk, buf, sizes, n, sums, got);
+            /* Short of the piece: a timeout, the peer's close, or a signal, which
+             * cuts a wait that has bytes already short instead of failing it. */
+            interrupted = r < want;
+        } else if (r == 0) {
+            err = -1;
+            break;
+        }
+        if (interrupted) {  /* a signal's handler runs now (PEP 475) */
+            PyEval_RestoreThread(ts);
+            int failed = PyErr_CheckSignals();
+            ts = PyEval_SaveThread();
+            if (failed < 0) {
+                err = EINTR;
+                break;
+            }
+            continue;
+        }
+        if (r > 0)
+            continue;
+        /* (EAGAIN: the receive timeout. fd must be a blocking socket: on a non-blocking
+         * one every wait would end here at once, as a timeout.) */
+        err = (errno == EAGAIN || errno == EWOULDBLOCK) ? ETIMEDOUT : errno;
+        break;
+    }
+    PyEval_RestoreThread(ts);
+    if (err == EINTR && PyErr_Occurred())
+        goto done;  /* the signal handler's exception (KeyboardInterrupt, say) */
+    PyObject *done_sums = sums_list(sums, walk->entry);
+    if (done_sums == NULL)
+        goto done;
+    const char *why = err == 0 ? "" : err == -1 ? "closed" : err == ETIMEDOUT ? "timeout"
+                      : strerror(err);
+    result = Py_BuildValue("nNs", got, done_sums, why);
+done:
+    PyMem_Free(sums);
+    PyMem_Free(sizes);
+    PyBuffer_Release(&dst);
+    return result;
+}
 #endif
 
 static PyMethodDef ntcopy_methods[] = {
@@ -341,6 +508,14 @@ static PyMethodDef ntcopy_methods[] = {
      "hashes(src, offsets, sizes) -> list[int]: the xxh3_64 of each entry of the "
      "contiguous src (sizes[i] bytes at offsets[i]), in one call, without the GIL "
      "(the xxhash binding keeps it for inputs under ~256 KiB)."},
+    {"recv_hashed", ntcopy_recv_hashed, METH_VARARGS,
+     "recv_hashed(fd, dst, start, sizes, chunk, deadline) -> (received, sums, why): the "
+     "bytes of dst from start on received from the blocking socket fd, chunk bytes per "
+     "receive (MSG_WAITALL), until time.monotonic() reaches deadline; dst holds entries "
+     "of sizes back to back, and each is hashed (xxh3_64) a chunk at a time as its bytes "
+     "land. received: bytes of dst now in (start included); sums: the digests of the "
+     "entries wholly in; why: \"\" (all in), \"closed\", \"timeout\" or the error. "
+     "Without the GIL."},
     {"use_isa", ntcopy_use_isa, METH_VARARGS,
      "use_isa(name) -> str: scatter / gather / hashes run the loop built for name (\"baseline\", "
      "or \"avx2\" where built and the CPU has it) from now on; the one they ran before. "
@@ -364,6 +539,7 @@ PyMODINIT_FUNC PyInit__ntcopy(void)
 #ifdef KVS_AVX2
     if (has_avx2()) {
         copy_hashed = kvs_copy_hashed_avx2;
+        hash_update = kvs_hash_update_avx2;
         copy_hashed_isa = "avx2";
     }
 #endif

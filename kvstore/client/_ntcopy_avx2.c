@@ -7,6 +7,7 @@
 #pragma GCC target("avx2")
 #define KVS_STATIC
 #define COPY_HASHED kvs_copy_hashed_avx2
+#define HASH_UPDATE kvs_hash_update_avx2
 #include "_copyhash.h"
 #endif
 typedef int kvs_avx2_unit_is_not_empty;

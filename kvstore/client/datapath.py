@@ -430,8 +430,8 @@ class DataPath:
     def _take_stream(self, acq: dict[str, Any], incoming: Incoming, into: Any = None,
                      skip: int = 0) -> np.ndarray:
         """``take_parts`` of bytes that come over the stream door: received straight
-        into the output (``Incoming.read_some``: the stream door's waits for all it is
-        asked, in one system call), each entry verified once all of it is in. A bad
+        into the output, each entry hashed as its bytes land (``Incoming.read_hashed``:
+        the stream door's in one call, without the GIL) and verified. A bad
         entry (``ChecksumError``, the first) is named once all bytes are in, so the
         connection stays in step."""
         entries = acq["entries"]
@@ -446,16 +446,11 @@ class DataPath:
                 got = 0
                 while got < len(dropped):
                     got += incoming.read_some(dropped[got:])
-            view = out.data
-            bad = None
-            got = start = k = 0
-            while got < out.size:
-                got += incoming.read_some(view[got:])
-                while k < len(wanted) and start + wanted[k][_NBYTES] <= got:
-                    end = start + wanted[k][_NBYTES]
-                    if bad is None and checksum(out[start:end]) != wanted[k][_CHECKSUM]:
-                        bad = wanted[k]
-                    start, k = end, k + 1
+            sums = incoming.read_hashed(out.data, [e[_NBYTES] for e in wanted])
+            if len(sums) != len(wanted):
+                raise InvalidRequestError(f"{len(sums)} checksums read for "
+                                          f"{len(wanted)} entries")
+            bad = next((e for e, s in zip(wanted, sums) if s != e[_CHECKSUM]), None)
         if bad is not None:
             raise _corrupt(bad, wanted)
         return out

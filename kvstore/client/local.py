@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 from kvstore.client.rpc import REPLY_CAP, Channel, Incoming, Requests, Take
+from kvstore.client.shm import RECV_HASHED
 from kvstore.core import protocol as p
 from kvstore.core.errors import (AuthError, BusyError, InvalidRequestError, KVStoreError,
                                  KVTimeoutError, PeerUnavailableError)
@@ -52,6 +53,11 @@ class Refused(NotSent):
 _PROBE_TIMEOUT_S = 2.0  # the health call that proves a new connection, and a settle
 _CONNECT_S = 0.5  # a TCP connect to the stream door (a firewall that drops: no stall)
 _READ_BYTES = 1 << 20  # reply bytes a take left unread are dropped this many at a time
+# A verified read of a door reply receives it this many bytes per system call and
+# hashes each piece right after it lands, while it is in the cache
+# (``_ntcopy.recv_hashed``): hashing all of it after one receive read it back from
+# memory (docs/benchmarks.md, "Hashing a door reply as it arrives").
+HASH_PIECE_BYTES = 512 << 10
 
 
 class LocalChannel(Requests):
@@ -205,6 +211,9 @@ class LocalChannel(Requests):
         except Exception as exc:  # noqa: BLE001 - the caller releases the lease, then raises
             result["take_error"] = exc
             result.pop("inline_data", None)
+        except BaseException:  # (KeyboardInterrupt, say): the rest would be read as frames
+            self._close()
+            raise
         if take is not None:
             result["take_s"] = time.perf_counter() - start
         if incoming.broken is None and incoming.left:
@@ -335,6 +344,47 @@ class _Incoming(Incoming):
             raise self.broken
         self.left -= got
         return got
+
+    def read_hashed(self, view: memoryview, sizes: list[int]) -> list[int]:
+        """``Incoming.read_hashed``: what the channel read past the reply first, then the
+        rest straight from the socket in pieces of ``HASH_PIECE_BYTES``, each entry
+        hashed a piece at a time as it lands, in one call without the GIL (a read that
+        went back for the GIL after each piece would wait, in a vLLM worker, for the
+        engine thread's turns: ``_Incoming``'s first comment). Python's loop where the
+        extension lacks it."""
+        if RECV_HASHED is None:
+            return super().read_hashed(view, sizes)
+        if len(view) > self.left:
+            raise InvalidRequestError(f"read of {len(view)} bytes past the {self.left} "
+                                      f"left of a reply")
+        got = 0
+        while self.channel._buf and got < len(view):
+            got += self.read_some(view[got:])
+        if self.broken is not None:
+            raise self.broken
+        try:
+            done, sums, why = RECV_HASHED(self.sock.fileno(), view, got, sizes,
+                                          HASH_PIECE_BYTES, self.deadline)
+        except BaseException as exc:  # (a signal's handler raised): the reply is cut short
+            self.broken = PeerUnavailableError(f"the read of the reply from "
+                                               f"{self.channel.path} to {self.op} stopped "
+                                               f"half-way: {type(exc).__name__}: {exc}")
+            raise
+        self.left -= done - got
+        if why == "timeout":
+            self.broken = KVTimeoutError(f"the bytes of the reply from {self.channel.path} "
+                                         f"to {self.op} stopped coming: {self.left} of "
+                                         f"{self.nbytes} not here within the timeout")
+        elif why == "closed":
+            self.broken = PeerUnavailableError(
+                f"{self.channel.path} closed the connection with {self.left} of the "
+                f"{self.nbytes} bytes of its reply to {self.op} still to come")
+        elif why:
+            self.broken = PeerUnavailableError(f"{self.channel.path} failed while the bytes "
+                                               f"of its reply to {self.op} came: {why}")
+        if self.broken is not None:
+            raise self.broken
+        return sums
 
 
 def _host_port(host: str, port: int) -> str:

@@ -23,6 +23,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvstore.core import protocol as p
+from kvstore.core.hashing import checksum
 from kvstore.core.errors import (AuthError, ConfigError, InvalidRequestError, KVStoreError,
                                  KVTimeoutError, PeerUnavailableError)
 
@@ -54,6 +55,19 @@ class Incoming:
 
     def read_some(self, view: memoryview) -> int:
         raise NotImplementedError
+
+    def read_hashed(self, view: memoryview, sizes: list[int]) -> list[int]:
+        """All of ``view`` read, which holds entries of ``sizes`` back to back; the
+        checksum (``hashing.checksum``) of each, in order, each taken once its bytes
+        are in. (``kvstore.client.local``'s hashes each a piece at a time as it lands.)"""
+        sums: list[int] = []
+        got = start = k = 0
+        while got < len(view):
+            got += self.read_some(view[got:])
+            while k < len(sizes) and start + sizes[k] <= got:
+                sums.append(checksum(view[start:start + sizes[k]]))
+                start, k = start + sizes[k], k + 1
+        return sums
 
 
 # What a caller does with an acquire's inline bytes while they arrive: ``take(result,

@@ -174,6 +174,10 @@ SCATTER: Callable[..., list[int]] | None = getattr(_NATIVE, "scatter", None)
 GATHER: Callable[..., list[int]] | None = getattr(_NATIVE, "gather", None)
 # Many entries of one buffer hashed in one call, the GIL released (kvstore.client.checks).
 HASHES: Callable[..., list[int]] | None = getattr(_NATIVE, "hashes", None)
+# A stream door reply received and its entries hashed as they land, in one call, the
+# GIL released (kvstore.client.local, ``_Incoming.read_hashed``).
+RECV_HASHED: Callable[..., tuple[int, list[int], str]] | None = \
+    getattr(_NATIVE, "recv_hashed", None)
 
 
 @contextlib.contextmanager

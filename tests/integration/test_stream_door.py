@@ -8,8 +8,10 @@ the door cannot be used the client goes on over the ROUTER, as before it.
 """
 
 import logging
+import re
 import socket
 import struct
+import threading
 import time
 
 import msgpack
@@ -20,7 +22,9 @@ import torch
 import kvstore.client.client as client_module
 from kvstore.core import protocol as p
 from kvstore.core.config import ClientConfig
-from kvstore.core.errors import ChecksumError, KVStoreError, TierFullError
+from kvstore.client.local import LocalChannel
+from kvstore.core.errors import ChecksumError, KVStoreError, PeerUnavailableError, TierFullError
+from kvstore.core.hashing import checksum
 from kvstore.core.layout import KVLayout
 from kvstore.store.facade import SEND_RUN_BYTES
 from tests.integration.conftest import LAYOUT, damage_at_rest, free_port, make_kv, wait_for
@@ -373,3 +377,104 @@ def test_a_reader_that_stops_pins_a_bounded_share_of_the_arena(server_factory,
     finally:
         sleeper.close()
     assert producer.health(deep=True)["status"] == "ok"
+
+
+class _Door:
+    """A peer playing a server's stream door for one connection, in a thread: it
+    answers each request with ``answer(request) -> (bytes, then)``, the bytes what
+    follows on the wire, ``then`` what it does next: "" goes on, "close" closes the
+    connection, "stall" keeps it open a while, sending nothing, then closes it."""
+
+    def __init__(self, answer) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.answer = answer
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            buf = b""
+            while True:
+                while len(buf) < 4 or len(buf) < 4 + HEADER.unpack_from(buf)[0]:
+                    chunk = conn.recv(1 << 16)
+                    if not chunk:
+                        return
+                    buf += chunk
+                n = HEADER.unpack_from(buf)[0]
+                request, buf = msgpack.unpackb(buf[4:4 + n]), buf[4 + n:]
+                out, then = self.answer(request)
+                conn.sendall(out)
+                if then == "stall":
+                    time.sleep(3)
+                if then:
+                    return
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _door_reply(request: dict, entries: list[list], data: bytes, send: int) -> bytes:
+    """An acquire's reply announcing ``data`` as its inline bytes, and the first
+    ``send`` of them, in one write (so some land in the reader's buffer with the
+    reply's frame); a health call's plain answer."""
+    if request["op"] != "acquire":
+        body = p.encode_ok(request["id"], {})
+        return HEADER.pack(len(body)) + body
+    body = p.encode_ok(request["id"], {"aid": 1, "entries": entries, "matched_blocks": 1,
+                                       "matched_tokens": 1, "inline": len(data)})
+    return HEADER.pack(len(body)) + body + data[:send]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["extension", "python"])
+@pytest.mark.parametrize("how", ["whole", "close", "stall"])
+def test_a_door_reply_is_hashed_as_it_lands_and_a_cut_one_closes_the_door(how, native,
+                                                                           monkeypatch):
+    """The reader's side of a door reply, against a peer that sends it whole, closes
+    half-way, or stops sending: whole, each entry's checksum is its bytes' (those
+    that came in the reply's own segment included); cut short, the read says how
+    far it came, within its timeout, and the connection is closed so no later reply
+    is read out of step. With the extension's receive, and with Python's."""
+    import kvstore.client.local as local_module
+
+    if native:
+        assert local_module.RECV_HASHED is not None, "_ntcopy built without recv_hashed"
+    else:
+        monkeypatch.setattr(local_module, "RECV_HASHED", None)
+    sizes = [3 << 20, 1000, 2 << 20]
+    data = np.random.default_rng(7).integers(0, 256, sum(sizes), np.uint8).tobytes()
+    bounds = np.cumsum([0, *sizes]).tolist()
+    sums = [checksum(data[a:b]) for a, b in zip(bounds, bounds[1:])]
+    entries = [["dram", 0, n, 0, s] for n, s in zip(sizes, sums)]
+    send = len(data) if how == "whole" else 4 << 20
+
+    def answer(request: dict) -> tuple[bytes, str]:
+        out = _door_reply(request, entries, data, send)
+        return out, (how if request["op"] == "acquire" and how != "whole" else "")
+
+    door = _Door(answer)
+    channel = LocalChannel(("127.0.0.1", door.port), timeout_s=1.0, max_bytes=1 << 20)
+    out = bytearray(len(data))
+    try:
+        began = time.monotonic()
+        result = channel.call(p.Acquire(keys=(b"k" * 16,), tokens=(b"\0" * 4,),
+                                        inline=len(data)),
+                              take=lambda res, incoming: incoming.read_hashed(
+                                  memoryview(out), sizes))
+        took = time.monotonic() - began
+    finally:
+        door.close()
+        channel.close()
+    if how == "whole":
+        assert result["taken"] == sums and bytes(out) == data
+        return
+    error = result["take_error"]
+    assert "taken" not in result and not channel.open
+    assert bytes(out[:send]) == data[:send]
+    if how == "close":
+        assert isinstance(error, PeerUnavailableError) and "still to come" in str(error)
+    else:
+        assert isinstance(error, KVStoreError) and "stopped coming" in str(error)
+        assert took < 2.5
+    assert re.search(f"{len(data) - send} of (the )?{len(data)} ", str(error)), error

@@ -2,7 +2,11 @@
 
 import platform
 import re
+import signal
+import socket
 import sysconfig
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +14,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvstore.client.datapath import _mirror
+from kvstore.client.rpc import Incoming
 from kvstore.client.shm import PIECE_BYTES, RUN_BYTES, copy_in, copy_out
 from kvstore.core.hashing import checksum
 
@@ -340,7 +345,7 @@ def test_the_copy_and_hash_loops_are_built_here():
     hashing loops (else every test below would compare Python's loops with
     themselves), and where GCC built it for an x86-64 CPU with AVX2 it runs the AVX2
     loop (the baseline one hashes at half the speed)."""
-    assert shm_mod.SCATTER is not None and shm_mod.GATHER is not None, \
+    assert None not in (shm_mod.SCATTER, shm_mod.GATHER, shm_mod.RECV_HASHED), \
         "kvstore.client._ntcopy was built without xxhash.h (0.8 or later)"
     isa = shm_mod._NATIVE.HASH_ISA
     assert isa in ("baseline", "avx2")
@@ -472,3 +477,152 @@ def test_a_refused_copy_lets_go_of_every_buffer():
             del buf[-1:]
     assert scatter(dst, [0, 64], [64, 64], [a, b], False) == [checksum(a), checksum(b)]
     assert bytes(dst[:128]) == bytes(a + b)
+
+
+# ------------------------------------------- a door reply hashed as it arrives
+def _send_in_pieces(sock: socket.socket, data: bytes, pieces: list[int],
+                    close: bool = False) -> threading.Thread:
+    """A thread that sends ``data`` over ``sock`` in ``pieces`` (byte counts), with a
+    pause between them, so the reader's receives see the bytes come a piece at a time;
+    then closes ``sock`` if asked."""
+    def run() -> None:
+        at = 0
+        for n in pieces:
+            sock.sendall(data[at:at + n])
+            at += n
+            time.sleep(0.01)
+        if close:
+            sock.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@given(sizes=st.lists(st.one_of(st.integers(0, 3000), st.sampled_from([1, 4096, 70000])),
+                      min_size=1, max_size=6),
+       start=st.integers(0, 100), chunk=st.sampled_from([1, 1000, 4096, 1 << 20]),
+       cuts=st.lists(st.integers(1, 50000), max_size=4))
+@settings(max_examples=40, deadline=None)
+@needs_loops
+def test_a_reply_received_and_hashed_as_it_lands_gives_each_entrys_checksum(
+        sizes, start, chunk, cuts):
+    """Entries of any size (none included), some already in (read past the reply), the
+    rest arriving in arbitrary pieces and taken in any chunk: the bytes land where they
+    belong and each entry's checksum is the one its bytes have, on each build of the
+    loop."""
+    total = sum(sizes)
+    start = min(start, total)
+    data = np.random.default_rng(total + start).integers(0, 256, total, np.uint8).tobytes()
+    bounds = np.cumsum([0, *sizes]).tolist()
+    want = [checksum(data[a:b]) for a, b in zip(bounds, bounds[1:])]
+    native = shm_mod._NATIVE
+    was = native.use_isa("baseline")
+    try:
+        for isa in native_isas():
+            native.use_isa(isa)
+            out = bytearray(total)
+            out[:start] = data[:start]
+            a, b = socket.socketpair()
+            with a, b:
+                rest = data[start:]
+                pieces = [c for c in sorted(set(cuts)) if c < len(rest)]
+                _send_in_pieces(b, rest, [y - x for x, y in zip([0, *pieces],
+                                                                [*pieces, len(rest)])])
+                got, sums, why = shm_mod.RECV_HASHED(a.fileno(), out, start, sizes, chunk,
+                                                     time.monotonic() + 10)
+            assert (got, sums, why) == (total, want, ""), isa
+            assert bytes(out) == data
+    finally:
+        native.use_isa(was)
+
+
+@needs_loops
+def test_a_reply_cut_short_says_why_and_how_far_it_came():
+    recv = shm_mod.RECV_HASHED
+    data = bytes(range(256)) * 64  # 16 KiB: entries of 4 KiB
+    sizes = [4096] * 4
+    a, b = socket.socketpair()
+    with a, b:  # the peer closes after 6 KiB: one entry whole, and half the next
+        _send_in_pieces(b, data[:6144], [6144], close=True).join()
+        got, sums, why = recv(a.fileno(), bytearray(len(data)), 0, sizes, 1024,
+                              time.monotonic() + 10)
+    assert (got, sums, why) == (6144, [checksum(data[:4096])], "closed")
+    a, b = socket.socketpair()
+    with a, b:  # the peer stops sending, and stays: the deadline ends the wait
+        b.sendall(data[:100])
+        began = time.monotonic()
+        got, sums, why = recv(a.fileno(), bytearray(len(data)), 0, sizes, 1 << 20,
+                              began + 0.3)
+        assert 0.25 < time.monotonic() - began < 5
+    assert (got, sums, why) == (100, [], "timeout")
+    a, b = socket.socketpair()
+    with a, b:  # a deadline already past: nothing is waited for
+        got, sums, why = recv(a.fileno(), bytearray(8), 0, [8], 4, time.monotonic() - 1)
+    assert (got, sums, why) == (0, [], "timeout")
+    with pytest.raises(ValueError, match="entries of more bytes than a buffer of 8"):
+        recv(0, bytearray(8), 0, [4, 6], 4, 0.0)
+    with pytest.raises(ValueError, match="more bytes"):  # (they would wrap around to 8)
+        recv(0, bytearray(8), 0, [4, 2**63 - 1, 2**63 - 1, 6], 4, 0.0)
+    with pytest.raises(ValueError, match="entries of fewer bytes"):
+        recv(0, bytearray(8), 0, [4, 2], 4, 0.0)
+    with pytest.raises(ValueError, match="9 of 8 bytes in"):
+        recv(0, bytearray(8), 9, [8], 4, 0.0)
+    with pytest.raises(ValueError, match="chunks of 0"):
+        recv(0, bytearray(8), 0, [8], 0, 0.0)
+    with pytest.raises((TypeError, BufferError)):
+        recv(0, b"read-only", 0, [9], 4, 0.0)
+    got, sums, why = recv(-1, bytearray(8), 0, [8], 4, time.monotonic() + 1)
+    assert (got, sums) == (0, []) and why  # a bad descriptor: its error, named
+
+
+@needs_loops
+def test_a_signal_during_a_reply_runs_its_handler_at_once():
+    """Ctrl-C (here SIGALRM's handler raising) while the reply's bytes trickle in
+    stops the read then, not at its deadline: with some bytes of the piece in, and
+    with none."""
+    class Stop(Exception):
+        pass
+
+    def stop(signum, frame):
+        raise Stop
+
+    old = signal.signal(signal.SIGALRM, stop)
+    try:
+        for pending in (100, 0):
+            a, b = socket.socketpair()
+            with a, b:
+                b.sendall(b"x" * pending)
+                signal.setitimer(signal.ITIMER_REAL, 0.3)
+                began = time.monotonic()
+                with pytest.raises(Stop):
+                    shm_mod.RECV_HASHED(a.fileno(), bytearray(4096), 0, [4096], 4096,
+                                        began + 30)
+                assert time.monotonic() - began < 10, pending
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_pythons_read_of_a_reply_hashes_like_the_extensions():
+    """``Incoming.read_hashed`` (where the extension is not built) gives the same
+    checksums, reading with ``read_some``."""
+    data = np.random.default_rng(5).integers(0, 256, 50000, np.uint8).tobytes()
+    sizes = [0, 7, 20000, 0, 29993]
+
+    class Pieces(Incoming):
+        def __init__(self) -> None:
+            self.nbytes = self.left = len(data)
+
+        def read_some(self, view: memoryview) -> int:
+            n = min(len(view), self.left, 3000)
+            at = self.nbytes - self.left
+            view[:n] = data[at:at + n]
+            self.left -= n
+            return n
+
+    out = bytearray(len(data))
+    bounds = np.cumsum([0, *sizes]).tolist()
+    assert Pieces().read_hashed(memoryview(out), sizes) == \
+        [checksum(data[a:b]) for a, b in zip(bounds, bounds[1:])]
+    assert bytes(out) == data
