@@ -329,21 +329,30 @@ class _Incoming(Incoming):
             except (BlockingIOError, InterruptedError):  # the receive timeout, nothing in
                 raise TimeoutError from None
         except TimeoutError:
-            self.broken = KVTimeoutError(f"the bytes of the reply from {self.channel.path} "
-                                         f"to {self.op} stopped coming: {self.left} of "
-                                         f"{self.nbytes} not here within the timeout")
-            raise self.broken from None
+            raise self._cut("timeout") from None
         except OSError as exc:
-            self.broken = PeerUnavailableError(f"{self.channel.path} failed while the bytes "
-                                               f"of its reply to {self.op} came: {exc}")
-            raise self.broken from None
+            raise self._cut(str(exc)) from None
         if not got:
-            self.broken = PeerUnavailableError(
-                f"{self.channel.path} closed the connection with {self.left} of the "
-                f"{self.nbytes} bytes of its reply to {self.op} still to come")
-            raise self.broken
+            raise self._cut("closed")
         self.left -= got
         return got
+
+    def _cut(self, why: str) -> KVStoreError:
+        """The reply's bytes stopped coming (``why``: "timeout", "closed", or the
+        error): what the reader raises, kept as ``broken`` for the channel."""
+        where = self.channel.path
+        if why == "timeout":
+            self.broken = KVTimeoutError(f"the bytes of the reply from {where} to {self.op} "
+                                         f"stopped coming: {self.left} of {self.nbytes} not "
+                                         "here within the timeout")
+        elif why == "closed":
+            self.broken = PeerUnavailableError(
+                f"{where} closed the connection with {self.left} of the {self.nbytes} bytes "
+                f"of its reply to {self.op} still to come")
+        else:
+            self.broken = PeerUnavailableError(f"{where} failed while the bytes of its reply "
+                                               f"to {self.op} came: {why}")
+        return self.broken
 
     def read_hashed(self, view: memoryview, sizes: list[int]) -> list[int]:
         """``Incoming.read_hashed``: what the channel read past the reply first, then the
@@ -371,19 +380,8 @@ class _Incoming(Incoming):
                                                f"half-way: {type(exc).__name__}: {exc}")
             raise
         self.left -= done - got
-        if why == "timeout":
-            self.broken = KVTimeoutError(f"the bytes of the reply from {self.channel.path} "
-                                         f"to {self.op} stopped coming: {self.left} of "
-                                         f"{self.nbytes} not here within the timeout")
-        elif why == "closed":
-            self.broken = PeerUnavailableError(
-                f"{self.channel.path} closed the connection with {self.left} of the "
-                f"{self.nbytes} bytes of its reply to {self.op} still to come")
-        elif why:
-            self.broken = PeerUnavailableError(f"{self.channel.path} failed while the bytes "
-                                               f"of its reply to {self.op} came: {why}")
-        if self.broken is not None:
-            raise self.broken
+        if why:
+            raise self._cut(why)
         return sums
 
 
