@@ -28,7 +28,6 @@ from kvstore.store.holds import Lease
 from kvstore.store.parts import Operations
 from kvstore.store.placement import StagingPlan
 from kvstore.store.types import (
-    NO_ROOM_TO_STAGE,
     Acquisition,
     EntryInfo,
     LookupResult,
