@@ -436,21 +436,24 @@ class DataPath:
         connection stays in step."""
         entries = acq["entries"]
         wanted = entries[skip:]
-        if incoming.nbytes != sum(e[_NBYTES] for e in entries):
+        sizes = [e[_NBYTES] for e in entries]  # (one pass over the entries for all uses)
+        if incoming.nbytes != sum(sizes):
             raise InvalidRequestError(f"malformed reply: {incoming.nbytes} bytes follow it "
-                                      f"for entries of {sum(e[_NBYTES] for e in entries)}")
-        out = _output(into, sum(e[_NBYTES] for e in wanted))
+                                      f"for entries of {sum(sizes)}")
+        out = _output(into, sum(sizes[skip:]))
         with self._timed("inline_read"):
             if skip:  # (never asked so by this client: a skipping read asks no bytes)
-                dropped = memoryview(bytearray(sum(e[_NBYTES] for e in entries[:skip])))
+                dropped = memoryview(bytearray(sum(sizes[:skip])))
                 got = 0
                 while got < len(dropped):
                     got += incoming.read_some(dropped[got:])
-            sums = incoming.read_hashed(out.data, [e[_NBYTES] for e in wanted])
+            sums = incoming.read_hashed(out.data, sizes[skip:])
             if len(sums) != len(wanted):
                 raise InvalidRequestError(f"{len(sums)} checksums read for "
                                           f"{len(wanted)} entries")
-            bad = next((e for e, s in zip(wanted, sums) if s != e[_CHECKSUM]), None)
+            bad = None
+            if sums != [e[_CHECKSUM] for e in wanted]:  # (the usual case: one comparison)
+                bad = next(e for e, s in zip(wanted, sums) if s != e[_CHECKSUM])
         if bad is not None:
             raise _corrupt(bad, wanted)
         return out
