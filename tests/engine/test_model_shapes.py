@@ -22,10 +22,14 @@ tokens (fp32, greedy) and computed only each prompt's last token itself.
   when each prompt's KV arrives. Under load a 1-token prompt, which loads nothing,
   generated a different 10th token (a greedy near-tie), also before this stop's
   changes (23d7ce2); one at a time, every run under the same load passed.
-* **TP = 2** (Llama, vLLM's multi-process layout, one worker per core): each rank
-  saves and loads its own KV heads; the store then holds one entry per block per
-  rank. Prompts decoded without the producer's params go through the scheduler's
-  lookup, which counts a token only where every rank's part is stored.
+* **TP = 2** (Llama; a worker process per rank, one per core, under vLLM's
+  multiprocess executor): each rank saves and loads its own KV heads; the store
+  then holds one entry per block per rank. Prompts decoded without the producer's
+  params go through the scheduler's lookup, which counts a token only where every
+  rank's part is stored. The engine core, with the connector's scheduler side, runs
+  in the driver (``in_process``): its metadata still crosses to each rank's
+  process, and each engine starts vLLM twice instead of three times (~40 s of the
+  suite; the offline tests' "mp" config covers the engine core's own process).
 """
 
 from __future__ import annotations
@@ -202,7 +206,7 @@ def test_mla_model_decodes_exactly(trio_factory):
 
 def test_tensor_parallel_two_ranks_decode_exactly(trio_factory):
     trio = trio_factory(ModelSpec("llama", "float32", layers=2, max_len=1100), 32,
-                        in_process=False, engine_args={"tensor_parallel_size": 2},
+                        in_process=True, engine_args={"tensor_parallel_size": 2},
                         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, one_at_a_time=True)
     # The producer's params: each decode rank waits for and takes its own rank's entries.
     assert trio.check(_prompts(13, (1, 33, 300, 1000)), entries_per_block=2) == []
