@@ -488,6 +488,159 @@ done:
     PyBuffer_Release(&dst);
     return result;
 }
+
+/* prompt_keys: a prompt's token ids checked and converted to int32 LE, its chained
+ * block keys and each block's token bytes, in one call (kvstore.core.hashing's
+ * prompt_blocks, which uses it where it is built). In Python each block cost a slice,
+ * a concatenation and a call, and the conversion a pass or two of its own: ~35 us for
+ * 512 tokens, about three times that when the caller's caches went cold between
+ * requests, on the critical path of every insert, lookup and drop_select. */
+#define KVS_KEY_BYTES 16
+#define KVS_TOKEN_MAX 2147483647LL
+
+/* The ids of a list or tuple of Python ints into out (n of them); 0 where one is not
+ * an int (exactly, or a bool) or is outside 0..2**31-1. */
+static int tokens_of_sequence(PyObject *seq, int32_t *out, Py_ssize_t n)
+{
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyLong_Check(items[i]))
+            return 0;
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(items[i], &overflow);
+        if (overflow || v < 0 || v > KVS_TOKEN_MAX)
+            return 0;
+        out[i] = (int32_t)v;
+    }
+    return 1;
+}
+
+/* The ids of a 1-D buffer of native-order integers (numpy's int8 ... uint64) into out;
+ * 0 where its format is another or an id is outside 0..2**31-1. */
+static int tokens_of_buffer(const Py_buffer *view, int32_t *out, Py_ssize_t n)
+{
+    const char *f = view->format ? view->format : "B";
+    if (*f == '@' || *f == '=' || *f == '<')
+        f++;  /* (x86-64 and aarch64 are little-endian: '<' is native) */
+    if (f[0] == '\0' || f[1] != '\0')
+        return 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const char *at = (const char *)view->buf + i * view->itemsize;
+        long long v;
+        switch (f[0]) {
+        case 'b': v = *(const int8_t *)at; break;
+        case 'B': v = *(const uint8_t *)at; break;
+        case 'h': v = *(const int16_t *)at; break;
+        case 'H': v = *(const uint16_t *)at; break;
+        case 'i': v = *(const int32_t *)at; break;
+        case 'I': v = *(const uint32_t *)at; break;
+        case 'l': case 'q':
+            if (view->itemsize != 8)
+                return 0;
+            v = *(const int64_t *)at;
+            break;
+        case 'L': case 'Q':
+            if (view->itemsize != 8 || *(const uint64_t *)at > (uint64_t)KVS_TOKEN_MAX)
+                return 0;
+            v = (long long)*(const uint64_t *)at;
+            break;
+        default: return 0;
+        }
+        if (v < 0 || v > KVS_TOKEN_MAX)
+            return 0;
+        out[i] = (int32_t)v;
+    }
+    return 1;
+}
+
+static PyObject *ntcopy_prompt_keys(PyObject *self, PyObject *args)
+{
+    Py_buffer ns;
+    PyObject *tokens, *result = NULL, *keys = NULL, *blocks = NULL;
+    Py_ssize_t block_tokens;
+    unsigned long long partial_seed;
+    int32_t *raw = NULL;
+    char *scratch = NULL;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*OnK:prompt_keys", &ns, &tokens, &block_tokens,
+                          &partial_seed))
+        return NULL;
+    Py_ssize_t n = -1;
+    if (ns.len != KVS_KEY_BYTES || block_tokens < 1)
+        goto none;
+    if (PyList_CheckExact(tokens) || PyTuple_CheckExact(tokens)) {
+        n = PySequence_Fast_GET_SIZE(tokens);
+        if ((raw = PyMem_Malloc(sizeof(int32_t) * (size_t)(n ? n : 1))) == NULL)
+            goto nomem;
+        if (!tokens_of_sequence(tokens, raw, n))
+            goto none;
+    } else if (PyObject_CheckBuffer(tokens) && !PyBytes_Check(tokens)) {
+        /* (bytes are no 1-D array of ids to numpy, which the path in Python uses) */
+        Py_buffer view;
+        if (PyObject_GetBuffer(tokens, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+            PyErr_Clear();
+            goto none;
+        }
+        int ok = view.ndim == 1 && view.itemsize > 0;
+        n = ok ? view.len / view.itemsize : 0;
+        if (ok && (raw = PyMem_Malloc(sizeof(int32_t) * (size_t)(n ? n : 1))) == NULL) {
+            PyBuffer_Release(&view);
+            goto nomem;
+        }
+        ok = ok && tokens_of_buffer(&view, raw, n);
+        PyBuffer_Release(&view);
+        if (!ok)
+            goto none;
+    } else {
+        goto none;
+    }
+#if PY_LITTLE_ENDIAN == 0
+    for (Py_ssize_t i = 0; i < n; i++)  /* keys hash the ids as little-endian int32 */
+        raw[i] = (int32_t)__builtin_bswap32((uint32_t)raw[i]);
+#endif
+    {
+        Py_ssize_t full = n / block_tokens, rest = n % block_tokens;
+        Py_ssize_t nblocks = full + (rest ? 1 : 0);
+        size_t step = (size_t)block_tokens * sizeof(int32_t);
+        if ((keys = PyList_New(nblocks)) == NULL || (blocks = PyList_New(nblocks)) == NULL)
+            goto done;
+        if ((scratch = PyMem_Malloc(KVS_KEY_BYTES + step)) == NULL)
+            goto nomem;
+        memcpy(scratch, ns.buf, KVS_KEY_BYTES);  /* key[-1]: the namespace */
+        for (Py_ssize_t b = 0; b < nblocks; b++) {
+            const char *block = (const char *)raw + (size_t)b * step;
+            size_t len = b < full ? step : (size_t)rest * sizeof(int32_t);
+            memcpy(scratch + KVS_KEY_BYTES, block, len);
+            /* The last, partial block under a seed of its own: never a full block's key. */
+            XXH128_hash_t h = b < full ? XXH3_128bits(scratch, KVS_KEY_BYTES + len)
+                : XXH3_128bits_withSeed(scratch, KVS_KEY_BYTES + len, partial_seed);
+            XXH128_canonicalFromHash((XXH128_canonical_t *)scratch, h);  /* the next prev */
+            PyObject *key = PyBytes_FromStringAndSize(scratch, KVS_KEY_BYTES);
+            PyObject *toks = key ? PyBytes_FromStringAndSize(block, (Py_ssize_t)len) : NULL;
+            if (toks == NULL) {
+                Py_XDECREF(key);
+                goto done;
+            }
+            PyList_SET_ITEM(keys, b, key);
+            PyList_SET_ITEM(blocks, b, toks);
+        }
+    }
+    result = Py_BuildValue("OOn", keys, blocks, n);
+    goto done;
+nomem:
+    PyErr_NoMemory();
+    goto done;
+none:  /* not for this loop: Python's path checks it and says what is wrong */
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    Py_XDECREF(keys);
+    Py_XDECREF(blocks);
+    PyMem_Free(scratch);
+    PyMem_Free(raw);
+    PyBuffer_Release(&ns);
+    return result;
+}
 #endif
 
 static PyMethodDef ntcopy_methods[] = {
@@ -516,6 +669,14 @@ static PyMethodDef ntcopy_methods[] = {
      "land. received: bytes of dst now in (start included); sums: the digests of the "
      "entries wholly in; why: \"\" (all in), \"closed\", \"timeout\" or the error. "
      "Without the GIL."},
+    {"prompt_keys", ntcopy_prompt_keys, METH_VARARGS,
+     "prompt_keys(namespace, tokens, block_tokens, partial_seed) -> (keys, blocks, n) | "
+     "None: a prompt's chained block keys (xxh3_128 of the previous key, the namespace "
+     "first, and the block's ids as int32 LE; the last, partial block with partial_seed) "
+     "and each block's id bytes, as kvstore.core.hashing.prompt_blocks gives them. tokens: "
+     "a list or tuple of ints, or a 1-D contiguous buffer of integers. None where the "
+     "input is anything else or an id is outside 0..2**31-1 (Python's path then says "
+     "what is wrong)."},
     {"use_isa", ntcopy_use_isa, METH_VARARGS,
      "use_isa(name) -> str: scatter / gather / hashes run the loop built for name (\"baseline\", "
      "or \"avx2\" where built and the CPU has it) from now on; the one they ran before. "

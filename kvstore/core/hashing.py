@@ -11,7 +11,8 @@ Nothing here is seeded randomly: keys agree across processes, machines and resta
 from __future__ import annotations
 
 import array
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+import importlib
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import numpy as np
 import xxhash
@@ -130,9 +131,29 @@ def prompt_blocks(namespace: bytes, tokens: Sequence[int] | np.ndarray, block_to
     """``block_keys`` (partial block included), ``block_token_bytes`` and the token
     count of one prompt, its tokens checked and converted once (an insert's and a
     select's first step: each conversion checks every id)."""
+    if _NATIVE_PROMPT is not None:
+        done = _NATIVE_PROMPT(namespace, tokens, block_tokens, _PARTIAL_SEED)
+        if done is not None:  # (None: odd input, which the path below names)
+            keys, blocks, ntokens = done
+            full, rest = divmod(ntokens, block_tokens)
+            return (BlockKeys(keys, [block_tokens] * full + ([rest] if rest else []),
+                              bool(rest)), blocks, ntokens)
     raw = tokens_to_array(tokens).tobytes()
     return (_chained_keys(namespace, raw, block_tokens, True),
             _per_block(raw, block_tokens), len(raw) // 4)
+
+
+def _native_prompt() -> Callable[..., tuple[list[bytes], list[bytes], int] | None] | None:
+    """``prompt_keys`` of the client's C extension (kvstore/client/_ntcopy.c): all of
+    ``prompt_blocks`` in one call, where it was built with xxhash.h; else None."""
+    try:  # (no torch: kvstore.client's __init__ imports nothing, the .so needs Python only)
+        native = importlib.import_module("kvstore.client._ntcopy")
+    except ImportError:
+        return None
+    return getattr(native, "prompt_keys", None)
+
+
+_NATIVE_PROMPT = _native_prompt()
 
 
 def _chained_keys(namespace: bytes, raw: bytes, block_tokens: int, include_partial: bool

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstore.core import hashing
 from kvstore.core.errors import InvalidRequestError
 from kvstore.core.hashing import (
     KEY_BYTES,
@@ -199,6 +201,78 @@ def test_empty_prompt_has_no_keys():
 def test_prompt_blocks_is_the_keys_and_token_bytes_at_once(tokens, form):
     assert prompt_blocks(NS, form(tokens), BT) == (block_keys(NS, tokens, BT),
                                                    block_token_bytes(tokens, BT), len(tokens))
+
+
+def _pythons_prompt_blocks(tokens, bt=BT):
+    """prompt_blocks without the C extension's loop."""
+    raw = tokens_to_array(tokens).tobytes()
+    return (hashing._chained_keys(NS, raw, bt, True), hashing._per_block(raw, bt),
+            len(raw) // 4)
+
+
+_INT_FORMS = [list, tuple, lambda t: array.array("i", t),
+              *(lambda t, d=d: np.asarray(t, dtype=d)
+                for d in ("<i4", "<i8", "<u4", "<u8", "=i4", "=i8")),
+              lambda t: memoryview(np.asarray(t, dtype=np.int32))]
+
+
+@settings(max_examples=300)
+@given(st.lists(token_ids, max_size=300), st.integers(1, 70),
+       st.sampled_from(range(len(_INT_FORMS))))
+def test_prompt_blocks_in_c_gives_pythons_keys_and_bytes(tokens, bt, form):
+    """The client extension's ``prompt_keys`` (kvstore/client/_ntcopy.c), which
+    ``prompt_blocks`` uses, gives the Python path's keys, counts and token bytes for
+    prompts of any length (none, shorter than a block, a partial last block) in every
+    block size and each form an engine or a caller passes."""
+    native = hashing._NATIVE_PROMPT
+    assert native is not None, "kvstore.client._ntcopy was built without prompt_keys"
+    given_tokens = _INT_FORMS[form](tokens)
+    want = _pythons_prompt_blocks(tokens, bt)
+    keys, blocks, n = native(NS, given_tokens, bt, hashing._PARTIAL_SEED)
+    assert (keys, blocks, n) == (want[0].keys, want[1], want[2])
+    assert prompt_blocks(NS, given_tokens, bt) == want
+
+
+@given(st.lists(st.integers(0, 127), max_size=40))
+def test_prompt_blocks_in_c_reads_small_integer_arrays_like_numpy(tokens):
+    for dtype in ("i1", "u1", "<i2", "<u2"):
+        arr = np.asarray(tokens, dtype=dtype)
+        assert hashing._NATIVE_PROMPT(NS, arr, BT, hashing._PARTIAL_SEED) is not None
+        assert prompt_blocks(NS, arr, BT) == _pythons_prompt_blocks(tokens)
+    assert prompt_blocks(NS, bytearray(tokens), BT) == _pythons_prompt_blocks(tokens)
+
+
+@pytest.mark.parametrize("odd", [
+    np.arange(8, dtype=">i4"), np.arange(8, dtype=">i8"), np.arange(16)[::2],
+    torch.arange(8), [np.int64(3), 4]])
+def test_tokens_the_c_loop_does_not_take_go_to_pythons_path(odd):
+    """Valid ids in a form the C loop does not read (another byte order, a stride,
+    a tensor, numpy scalars in a list): it says None and Python's path gives the keys."""
+    assert hashing._NATIVE_PROMPT(NS, odd, BT, hashing._PARTIAL_SEED) is None
+    want = [int(x) for x in odd]
+    assert prompt_blocks(NS, odd, BT) == _pythons_prompt_blocks(want)
+
+
+@pytest.mark.parametrize("bad", [
+    [-1], [1, 2**31], np.array([2**40]), [[1, 2], [3, 4]], [1.0, 2.0], np.array([1.5]),
+    np.array([True, False]), ["a"], 7, np.array(3), (1, -2), [2**63], [1, None], b"abc",
+    np.array([-3], dtype="i1"), np.array([2**31], dtype="<u4"), np.array([2**63], dtype="<u8"),
+    np.array([[1, 2]], dtype=np.int32)])
+def test_bad_tokens_are_refused_the_same_with_the_c_loop(bad):
+    """Whatever the C loop refuses (None) goes to Python's path, which names it."""
+    assert hashing._NATIVE_PROMPT(NS, bad, BT, hashing._PARTIAL_SEED) is None
+    with pytest.raises(InvalidRequestError):
+        prompt_blocks(NS, bad, BT)
+
+
+def test_a_bad_namespace_or_block_size_goes_to_pythons_path():
+    native, seed = hashing._NATIVE_PROMPT, hashing._PARTIAL_SEED
+    assert native(b"short", [1, 2], BT, seed) is None
+    assert native(NS, [1, 2], 0, seed) is None
+    with pytest.raises(InvalidRequestError):
+        prompt_blocks(b"short", [1, 2], BT)
+    with pytest.raises(TypeError):
+        native(NS, [1, 2], BT)  # (its own arguments are checked as any function's)
 
 
 @given(prompts)
