@@ -520,8 +520,12 @@ static int tokens_of_sequence(PyObject *seq, int32_t *out, Py_ssize_t n)
 static int tokens_of_buffer(const Py_buffer *view, int32_t *out, Py_ssize_t n)
 {
     const char *f = view->format ? view->format : "B";
+#if PY_LITTLE_ENDIAN
     if (*f == '@' || *f == '=' || *f == '<')
-        f++;  /* (x86-64 and aarch64 are little-endian: '<' is native) */
+#else
+    if (*f == '@' || *f == '=' || *f == '>' || *f == '!')
+#endif
+        f++;  /* (native order: the ids are read as this CPU stores them) */
     if (f[0] == '\0' || f[1] != '\0')
         return 0;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -555,18 +559,18 @@ static int tokens_of_buffer(const Py_buffer *view, int32_t *out, Py_ssize_t n)
 
 static PyObject *ntcopy_prompt_keys(PyObject *self, PyObject *args)
 {
-    Py_buffer ns;
-    PyObject *tokens, *result = NULL, *keys = NULL, *blocks = NULL;
+    PyObject *ns, *tokens, *result = NULL, *keys = NULL, *blocks = NULL;
     Py_ssize_t block_tokens;
     unsigned long long partial_seed;
     int32_t *raw = NULL;
     char *scratch = NULL;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*OnK:prompt_keys", &ns, &tokens, &block_tokens,
+    if (!PyArg_ParseTuple(args, "OOnK:prompt_keys", &ns, &tokens, &block_tokens,
                           &partial_seed))
         return NULL;
     Py_ssize_t n = -1;
-    if (ns.len != KVS_KEY_BYTES || block_tokens < 1)
+    /* (a namespace is the 16 bytes namespace_of gives: anything else, Python's path) */
+    if (!PyBytes_CheckExact(ns) || PyBytes_GET_SIZE(ns) != KVS_KEY_BYTES || block_tokens < 1)
         goto none;
     if (PyList_CheckExact(tokens) || PyTuple_CheckExact(tokens)) {
         n = PySequence_Fast_GET_SIZE(tokens);
@@ -601,12 +605,14 @@ static PyObject *ntcopy_prompt_keys(PyObject *self, PyObject *args)
     {
         Py_ssize_t full = n / block_tokens, rest = n % block_tokens;
         Py_ssize_t nblocks = full + (rest ? 1 : 0);
-        size_t step = (size_t)block_tokens * sizeof(int32_t);
+        /* A block longer than the prompt is never read whole: no more than the prompt's
+         * bytes (n int32s, already allocated) are ever hashed at once. */
+        size_t step = (size_t)(block_tokens < n ? block_tokens : n) * sizeof(int32_t);
         if ((keys = PyList_New(nblocks)) == NULL || (blocks = PyList_New(nblocks)) == NULL)
             goto done;
         if ((scratch = PyMem_Malloc(KVS_KEY_BYTES + step)) == NULL)
             goto nomem;
-        memcpy(scratch, ns.buf, KVS_KEY_BYTES);  /* key[-1]: the namespace */
+        memcpy(scratch, PyBytes_AS_STRING(ns), KVS_KEY_BYTES);  /* key[-1]: the namespace */
         for (Py_ssize_t b = 0; b < nblocks; b++) {
             const char *block = (const char *)raw + (size_t)b * step;
             size_t len = b < full ? step : (size_t)rest * sizeof(int32_t);
@@ -638,7 +644,6 @@ done:
     Py_XDECREF(blocks);
     PyMem_Free(scratch);
     PyMem_Free(raw);
-    PyBuffer_Release(&ns);
     return result;
 }
 #endif
@@ -673,10 +678,10 @@ static PyMethodDef ntcopy_methods[] = {
      "prompt_keys(namespace, tokens, block_tokens, partial_seed) -> (keys, blocks, n) | "
      "None: a prompt's chained block keys (xxh3_128 of the previous key, the namespace "
      "first, and the block's ids as int32 LE; the last, partial block with partial_seed) "
-     "and each block's id bytes, as kvstore.core.hashing.prompt_blocks gives them. tokens: "
-     "a list or tuple of ints, or a 1-D contiguous buffer of integers. None where the "
-     "input is anything else or an id is outside 0..2**31-1 (Python's path then says "
-     "what is wrong)."},
+     "and each block's id bytes, as kvstore.core.hashing.prompt_blocks gives them. "
+     "namespace: 16 bytes; tokens: a list or tuple of ints, or a 1-D contiguous buffer of "
+     "native-order integers. None where the input is anything else, an id is outside "
+     "0..2**31-1 or block_tokens < 1 (Python's path then says what is wrong)."},
     {"use_isa", ntcopy_use_isa, METH_VARARGS,
      "use_isa(name) -> str: scatter / gather / hashes run the loop built for name (\"baseline\", "
      "or \"avx2\" where built and the CPU has it) from now on; the one they ran before. "

@@ -131,8 +131,9 @@ def prompt_blocks(namespace: bytes, tokens: Sequence[int] | np.ndarray, block_to
     """``block_keys`` (partial block included), ``block_token_bytes`` and the token
     count of one prompt, its tokens checked and converted once (an insert's and a
     select's first step: each conversion checks every id)."""
-    if _NATIVE_PROMPT is not None:
-        done = _NATIVE_PROMPT(namespace, tokens, block_tokens, _PARTIAL_SEED)
+    native = _NATIVE_PROMPT
+    if native is not None and type(block_tokens) is int and 0 < block_tokens <= _INT32_MAX:
+        done = native(namespace, tokens, block_tokens, _PARTIAL_SEED)
         if done is not None:  # (None: odd input, which the path below names)
             keys, blocks, ntokens = done
             full, rest = divmod(ntokens, block_tokens)

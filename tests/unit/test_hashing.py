@@ -210,14 +210,19 @@ def _pythons_prompt_blocks(tokens, bt=BT):
             len(raw) // 4)
 
 
-_INT_FORMS = [list, tuple, lambda t: array.array("i", t),
+class _Id(int):
+    """An int subclass (an IntEnum's members are ints too)."""
+
+
+_INT_FORMS = [list, tuple, lambda t: array.array("i", t), lambda t: array.array("q", t),
+              lambda t: array.array("l", t), lambda t: [_Id(x) for x in t],
               *(lambda t, d=d: np.asarray(t, dtype=d)
                 for d in ("<i4", "<i8", "<u4", "<u8", "=i4", "=i8")),
               lambda t: memoryview(np.asarray(t, dtype=np.int32))]
 
 
 @settings(max_examples=300)
-@given(st.lists(token_ids, max_size=300), st.integers(1, 70),
+@given(st.lists(token_ids, max_size=300), st.one_of(st.integers(1, 70), st.integers(71, 400)),
        st.sampled_from(range(len(_INT_FORMS))))
 def test_prompt_blocks_in_c_gives_pythons_keys_and_bytes(tokens, bt, form):
     """The client extension's ``prompt_keys`` (kvstore/client/_ntcopy.c), which
@@ -233,13 +238,26 @@ def test_prompt_blocks_in_c_gives_pythons_keys_and_bytes(tokens, bt, form):
     assert prompt_blocks(NS, given_tokens, bt) == want
 
 
-@given(st.lists(st.integers(0, 127), max_size=40))
-def test_prompt_blocks_in_c_reads_small_integer_arrays_like_numpy(tokens):
-    for dtype in ("i1", "u1", "<i2", "<u2"):
-        arr = np.asarray(tokens, dtype=dtype)
-        assert hashing._NATIVE_PROMPT(NS, arr, BT, hashing._PARTIAL_SEED) is not None
-        assert prompt_blocks(NS, arr, BT) == _pythons_prompt_blocks(tokens)
-    assert prompt_blocks(NS, bytearray(tokens), BT) == _pythons_prompt_blocks(tokens)
+@given(st.sampled_from(["i1", "u1", "<i2", "<u2"]), st.data())
+def test_prompt_blocks_in_c_reads_small_integer_arrays_like_numpy(dtype, data):
+    """Every value of the small integer dtypes: the ids are read as signed or unsigned
+    as the dtype says (a negative one goes to Python's path, which refuses it)."""
+    info = np.iinfo(dtype)
+    tokens = data.draw(st.lists(st.integers(int(info.min), int(info.max)), max_size=40))
+    arr = np.asarray(tokens, dtype=dtype)
+    if min(tokens, default=0) < 0:
+        assert hashing._NATIVE_PROMPT(NS, arr, BT, hashing._PARTIAL_SEED) is None
+        with pytest.raises(InvalidRequestError):
+            prompt_blocks(NS, arr, BT)
+        return
+    assert hashing._NATIVE_PROMPT(NS, arr, BT, hashing._PARTIAL_SEED) is not None
+    assert prompt_blocks(NS, arr, BT) == _pythons_prompt_blocks(tokens)
+    if dtype == "u1":
+        assert prompt_blocks(NS, bytearray(tokens), BT) == _pythons_prompt_blocks(tokens)
+
+
+def test_bools_are_ids_0_and_1_in_both_paths():
+    assert prompt_blocks(NS, [True, False, True], BT) == _pythons_prompt_blocks([1, 0, 1])
 
 
 @pytest.mark.parametrize("odd", [
@@ -256,8 +274,8 @@ def test_tokens_the_c_loop_does_not_take_go_to_pythons_path(odd):
 @pytest.mark.parametrize("bad", [
     [-1], [1, 2**31], np.array([2**40]), [[1, 2], [3, 4]], [1.0, 2.0], np.array([1.5]),
     np.array([True, False]), ["a"], 7, np.array(3), (1, -2), [2**63], [1, None], b"abc",
-    np.array([-3], dtype="i1"), np.array([2**31], dtype="<u4"), np.array([2**63], dtype="<u8"),
-    np.array([[1, 2]], dtype=np.int32)])
+    np.array([-3], dtype="i1"), np.array([-1], dtype="<i2"), np.array([2**31], dtype="<u4"),
+    np.array([2**63], dtype="<u8"), np.array([[1, 2]], dtype=np.int32)])
 def test_bad_tokens_are_refused_the_same_with_the_c_loop(bad):
     """Whatever the C loop refuses (None) goes to Python's path, which names it."""
     assert hashing._NATIVE_PROMPT(NS, bad, BT, hashing._PARTIAL_SEED) is None
@@ -266,13 +284,31 @@ def test_bad_tokens_are_refused_the_same_with_the_c_loop(bad):
 
 
 def test_a_bad_namespace_or_block_size_goes_to_pythons_path():
+    """As before the C loop: a namespace not of 16 bytes is refused, one that is not
+    bytes fails as Python's concatenation does, a block size below 1 fails."""
     native, seed = hashing._NATIVE_PROMPT, hashing._PARTIAL_SEED
-    assert native(b"short", [1, 2], BT, seed) is None
+    for ns in (b"short", "x" * 16, memoryview(NS), bytearray(NS), np.frombuffer(NS, np.uint8)):
+        assert native(ns, [1, 2], BT, seed) is None
     assert native(NS, [1, 2], 0, seed) is None
     with pytest.raises(InvalidRequestError):
         prompt_blocks(b"short", [1, 2], BT)
     with pytest.raises(TypeError):
+        prompt_blocks(memoryview(NS), [1, 2], BT)
+    assert prompt_blocks("x" * 16, [], BT) == (([], [], False), [], 0)
+    with pytest.raises(ZeroDivisionError):
+        prompt_blocks(NS, [1, 2], 0)
+    with pytest.raises(TypeError):
         native(NS, [1, 2], BT)  # (its own arguments are checked as any function's)
+
+
+@pytest.mark.parametrize("bt", [7, 8, 9, 2**31 - 1, 2**40, 2**62, 2**63 - 1])
+def test_a_block_longer_than_the_prompt_is_its_one_partial_block(bt):
+    """However long a block, the C loop reads and hashes only the prompt's bytes."""
+    tokens = list(range(3, 11))
+    keys, blocks, n = hashing._NATIVE_PROMPT(NS, tokens, bt, hashing._PARTIAL_SEED)
+    want = _pythons_prompt_blocks(tokens, bt)
+    assert (keys, blocks, n) == (want[0].keys, want[1], want[2])
+    assert prompt_blocks(NS, tokens, bt) == want
 
 
 @given(prompts)
