@@ -37,6 +37,7 @@ from kvstore.core.hashing import checksummer, hidden_key, namespace_of, prompt_b
 from kvstore.core.layout import KVLayout, dtype_name, pack_hf
 from kvstore.client.local import Control, door_address
 from kvstore.client.rpc import Channel, CurveKeys, Take
+from kvstore.client.shm import PROMPT_KEYS
 
 log = logging.getLogger(__name__)
 
@@ -382,7 +383,8 @@ class KVStoreClient:
     def _prompt(self, tokens: Sequence[int] | np.ndarray, scope: bytes | str = b"") -> _Prompt:
         namespace = self.namespace_for(scope)
         assert self.layout is not None
-        bk, toks, ntokens = prompt_blocks(namespace, tokens, self.layout.block_tokens)
+        bk, toks, ntokens = prompt_blocks(namespace, tokens, self.layout.block_tokens,
+                                          PROMPT_KEYS)
         if not ntokens:
             raise InvalidRequestError("empty prompt")
         return _Prompt(bk.keys, toks, bk.token_counts, ntokens)

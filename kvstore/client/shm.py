@@ -178,6 +178,10 @@ HASHES: Callable[..., list[int]] | None = getattr(_NATIVE, "hashes", None)
 # GIL released (kvstore.client.local, ``_Incoming.read_hashed``).
 RECV_HASHED: Callable[..., tuple[int, list[int], str]] | None = \
     getattr(_NATIVE, "recv_hashed", None)
+# A prompt's keys and block token bytes in one call (``hashing.prompt_blocks``'s
+# ``native``: the client passes it in; None where not built).
+PROMPT_KEYS: Callable[..., tuple[list[bytes], list[bytes], int] | None] | None = \
+    getattr(_NATIVE, "prompt_keys", None)
 
 
 @contextlib.contextmanager

@@ -11,7 +11,6 @@ Nothing here is seeded randomly: keys agree across processes, machines and resta
 from __future__ import annotations
 
 import array
-import importlib
 from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -126,12 +125,15 @@ def block_keys(namespace: bytes, tokens: Sequence[int] | np.ndarray, block_token
                          include_partial)
 
 
-def prompt_blocks(namespace: bytes, tokens: Sequence[int] | np.ndarray, block_tokens: int
-                  ) -> tuple[BlockKeys, list[bytes], int]:
+def prompt_blocks(namespace: bytes, tokens: Sequence[int] | np.ndarray, block_tokens: int,
+                  native: Callable[..., tuple[list[bytes], list[bytes], int] | None] | None
+                  = None) -> tuple[BlockKeys, list[bytes], int]:
     """``block_keys`` (partial block included), ``block_token_bytes`` and the token
     count of one prompt, its tokens checked and converted once (an insert's and a
-    select's first step: each conversion checks every id)."""
-    native = _NATIVE_PROMPT
+    select's first step: each conversion checks every id). ``native``: the client
+    extension's ``prompt_keys`` (``kvstore.client.shm.PROMPT_KEYS``, passed in by the
+    client: core imports nothing above it), all of this in one C call for the input it
+    reads; for the rest it answers None and the Python path below runs."""
     if native is not None and type(block_tokens) is int and 0 < block_tokens <= _INT32_MAX:
         done = native(namespace, tokens, block_tokens, _PARTIAL_SEED)
         if done is not None:  # (None: odd input, which the path below names)
@@ -142,19 +144,6 @@ def prompt_blocks(namespace: bytes, tokens: Sequence[int] | np.ndarray, block_to
     raw = tokens_to_array(tokens).tobytes()
     return (_chained_keys(namespace, raw, block_tokens, True),
             _per_block(raw, block_tokens), len(raw) // 4)
-
-
-def _native_prompt() -> Callable[..., tuple[list[bytes], list[bytes], int] | None] | None:
-    """``prompt_keys`` of the client's C extension (kvstore/client/_ntcopy.c): all of
-    ``prompt_blocks`` in one call, where it was built with xxhash.h; else None."""
-    try:  # (no torch: kvstore.client's __init__ imports nothing, the .so needs Python only)
-        native = importlib.import_module("kvstore.client._ntcopy")
-    except ImportError:
-        return None
-    return getattr(native, "prompt_keys", None)
-
-
-_NATIVE_PROMPT = _native_prompt()
 
 
 def _chained_keys(namespace: bytes, raw: bytes, block_tokens: int, include_partial: bool

@@ -41,6 +41,33 @@ def test_raw_bytes_round_trip_any_length(clean_server, client_factory, same_node
     assert (client._data.engine.transport is None) is (same_node == "auto")
 
 
+def test_the_client_hashes_a_prompt_with_the_extensions_loop(clean_server, client_factory,
+                                                              monkeypatch):
+    """Every insert, lookup and drop_select takes its keys from ``prompt_keys`` (the C
+    loop), and they name the same entries as Python's path: a prompt inserted with it
+    is found and taken with the Python path, and the other way round."""
+    import kvstore.client.client as client_mod
+    from kvstore.client.shm import PROMPT_KEYS
+
+    calls = []
+
+    def counted(*args):
+        calls.append(args[2])
+        return PROMPT_KEYS(*args)
+
+    client = client_factory(clean_server)
+    for seed, (insert_c, select_c) in enumerate([(True, False), (False, True)]):
+        tokens, kv = prompt(37, seed), make_kv(37, seed)
+        monkeypatch.setattr(client_mod, "PROMPT_KEYS", counted if insert_c else None)
+        client.insert(tokens, kv)
+        monkeypatch.setattr(client_mod, "PROMPT_KEYS", counted if select_c else None)
+        assert client.lookup(tokens).matched_tokens == 37
+        got = client.drop_select(tokens)
+        assert got.matched_tokens == 37 and np.array_equal(got.kv.numpy(), kv)
+    assert calls == [LAYOUT.block_tokens] * 3  # the first insert, the second lookup and select
+    assert client.stats()["entries"] == 0
+
+
 @PATHS
 def test_hf_tensors_and_hidden_round_trip(clean_server, client_factory, same_node):
     client = client_factory(clean_server, same_node=same_node)

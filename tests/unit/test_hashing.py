@@ -14,6 +14,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstore.client.shm import PROMPT_KEYS
 from kvstore.core import hashing
 from kvstore.core.errors import InvalidRequestError
 from kvstore.core.hashing import (
@@ -203,6 +204,14 @@ def test_prompt_blocks_is_the_keys_and_token_bytes_at_once(tokens, form):
                                                    block_token_bytes(tokens, BT), len(tokens))
 
 
+SEED = hashing._PARTIAL_SEED
+
+
+def _with_c(*args):
+    """prompt_blocks as the client calls it: with the extension's ``prompt_keys``."""
+    return prompt_blocks(*args, native=PROMPT_KEYS)
+
+
 def _pythons_prompt_blocks(tokens, bt=BT):
     """prompt_blocks without the C extension's loop."""
     raw = tokens_to_array(tokens).tobytes()
@@ -225,17 +234,17 @@ _INT_FORMS = [list, tuple, lambda t: array.array("i", t), lambda t: array.array(
 @given(st.lists(token_ids, max_size=300), st.one_of(st.integers(1, 70), st.integers(71, 400)),
        st.sampled_from(range(len(_INT_FORMS))))
 def test_prompt_blocks_in_c_gives_pythons_keys_and_bytes(tokens, bt, form):
-    """The client extension's ``prompt_keys`` (kvstore/client/_ntcopy.c), which
-    ``prompt_blocks`` uses, gives the Python path's keys, counts and token bytes for
+    """The client extension's ``prompt_keys`` (kvstore/client/_ntcopy.c), which the
+    client hands ``prompt_blocks``, gives the Python path's keys, counts and token bytes for
     prompts of any length (none, shorter than a block, a partial last block) in every
     block size and each form an engine or a caller passes."""
-    native = hashing._NATIVE_PROMPT
+    native = PROMPT_KEYS
     assert native is not None, "kvstore.client._ntcopy was built without prompt_keys"
     given_tokens = _INT_FORMS[form](tokens)
     want = _pythons_prompt_blocks(tokens, bt)
-    keys, blocks, n = native(NS, given_tokens, bt, hashing._PARTIAL_SEED)
+    keys, blocks, n = native(NS, given_tokens, bt, SEED)
     assert (keys, blocks, n) == (want[0].keys, want[1], want[2])
-    assert prompt_blocks(NS, given_tokens, bt) == want
+    assert _with_c(NS, given_tokens, bt) == want
 
 
 @given(st.sampled_from(["i1", "u1", "<i2", "<u2"]), st.data())
@@ -246,18 +255,18 @@ def test_prompt_blocks_in_c_reads_small_integer_arrays_like_numpy(dtype, data):
     tokens = data.draw(st.lists(st.integers(int(info.min), int(info.max)), max_size=40))
     arr = np.asarray(tokens, dtype=dtype)
     if min(tokens, default=0) < 0:
-        assert hashing._NATIVE_PROMPT(NS, arr, BT, hashing._PARTIAL_SEED) is None
+        assert PROMPT_KEYS(NS, arr, BT, SEED) is None
         with pytest.raises(InvalidRequestError):
-            prompt_blocks(NS, arr, BT)
+            _with_c(NS, arr, BT)
         return
-    assert hashing._NATIVE_PROMPT(NS, arr, BT, hashing._PARTIAL_SEED) is not None
-    assert prompt_blocks(NS, arr, BT) == _pythons_prompt_blocks(tokens)
+    assert PROMPT_KEYS(NS, arr, BT, SEED) is not None
+    assert _with_c(NS, arr, BT) == _pythons_prompt_blocks(tokens)
     if dtype == "u1":
-        assert prompt_blocks(NS, bytearray(tokens), BT) == _pythons_prompt_blocks(tokens)
+        assert _with_c(NS, bytearray(tokens), BT) == _pythons_prompt_blocks(tokens)
 
 
 def test_bools_are_ids_0_and_1_in_both_paths():
-    assert prompt_blocks(NS, [True, False, True], BT) == _pythons_prompt_blocks([1, 0, 1])
+    assert _with_c(NS, [True, False, True], BT) == _pythons_prompt_blocks([1, 0, 1])
 
 
 @pytest.mark.parametrize("odd", [
@@ -266,9 +275,9 @@ def test_bools_are_ids_0_and_1_in_both_paths():
 def test_tokens_the_c_loop_does_not_take_go_to_pythons_path(odd):
     """Valid ids in a form the C loop does not read (another byte order, a stride,
     a tensor, numpy scalars in a list): it says None and Python's path gives the keys."""
-    assert hashing._NATIVE_PROMPT(NS, odd, BT, hashing._PARTIAL_SEED) is None
+    assert PROMPT_KEYS(NS, odd, BT, SEED) is None
     want = [int(x) for x in odd]
-    assert prompt_blocks(NS, odd, BT) == _pythons_prompt_blocks(want)
+    assert _with_c(NS, odd, BT) == _pythons_prompt_blocks(want)
 
 
 @pytest.mark.parametrize("bad", [
@@ -278,25 +287,25 @@ def test_tokens_the_c_loop_does_not_take_go_to_pythons_path(odd):
     np.array([2**63], dtype="<u8"), np.array([[1, 2]], dtype=np.int32)])
 def test_bad_tokens_are_refused_the_same_with_the_c_loop(bad):
     """Whatever the C loop refuses (None) goes to Python's path, which names it."""
-    assert hashing._NATIVE_PROMPT(NS, bad, BT, hashing._PARTIAL_SEED) is None
+    assert PROMPT_KEYS(NS, bad, BT, SEED) is None
     with pytest.raises(InvalidRequestError):
-        prompt_blocks(NS, bad, BT)
+        _with_c(NS, bad, BT)
 
 
 def test_a_bad_namespace_or_block_size_goes_to_pythons_path():
     """As before the C loop: a namespace not of 16 bytes is refused, one that is not
     bytes fails as Python's concatenation does, a block size below 1 fails."""
-    native, seed = hashing._NATIVE_PROMPT, hashing._PARTIAL_SEED
+    native, seed = PROMPT_KEYS, SEED
     for ns in (b"short", "x" * 16, memoryview(NS), bytearray(NS), np.frombuffer(NS, np.uint8)):
         assert native(ns, [1, 2], BT, seed) is None
     assert native(NS, [1, 2], 0, seed) is None
     with pytest.raises(InvalidRequestError):
-        prompt_blocks(b"short", [1, 2], BT)
+        _with_c(b"short", [1, 2], BT)
     with pytest.raises(TypeError):
-        prompt_blocks(memoryview(NS), [1, 2], BT)
-    assert prompt_blocks("x" * 16, [], BT) == (([], [], False), [], 0)
+        _with_c(memoryview(NS), [1, 2], BT)
+    assert _with_c("x" * 16, [], BT) == (([], [], False), [], 0)
     with pytest.raises(ZeroDivisionError):
-        prompt_blocks(NS, [1, 2], 0)
+        _with_c(NS, [1, 2], 0)
     with pytest.raises(TypeError):
         native(NS, [1, 2], BT)  # (its own arguments are checked as any function's)
 
@@ -305,10 +314,10 @@ def test_a_bad_namespace_or_block_size_goes_to_pythons_path():
 def test_a_block_longer_than_the_prompt_is_its_one_partial_block(bt):
     """However long a block, the C loop reads and hashes only the prompt's bytes."""
     tokens = list(range(3, 11))
-    keys, blocks, n = hashing._NATIVE_PROMPT(NS, tokens, bt, hashing._PARTIAL_SEED)
+    keys, blocks, n = PROMPT_KEYS(NS, tokens, bt, SEED)
     want = _pythons_prompt_blocks(tokens, bt)
     assert (keys, blocks, n) == (want[0].keys, want[1], want[2])
-    assert prompt_blocks(NS, tokens, bt) == want
+    assert _with_c(NS, tokens, bt) == want
 
 
 @given(prompts)
