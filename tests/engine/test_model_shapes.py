@@ -29,7 +29,7 @@ tokens (fp32, greedy) and computed only each prompt's last token itself.
   rank's part is stored. The engine core, with the connector's scheduler side, runs
   in the driver (``in_process``): its metadata still crosses to each rank's
   process, and each engine starts vLLM twice instead of three times (~40 s of the
-  suite; the offline tests' "mp" config covers the engine core's own process).
+  suite; the HTTP tests run the engine core in its own process, as deployed).
 """
 
 from __future__ import annotations
