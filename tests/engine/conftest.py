@@ -1,6 +1,7 @@
 """Real vLLM engines around real kvstore-servers, for the connector's end-to-end tests.
 
-Fixtures (scopes chosen so each engine starts once: a start costs ~20 s here):
+Fixtures (scopes chosen so each engine starts once: a start costs ~3 - 20 s here,
+forked from a zygote that imported vLLM once, tools/engine_fork.py):
 
 * ``engine_config`` (module, parametrized over ``ENGINE_CONFIGS`` by
   ``pytest_generate_tests``): the tiny model (``spec``) and vLLM process layout a round

@@ -1,0 +1,384 @@
+"""Engines forked from one process that imported vLLM once (the tests' fast start).
+
+``from vllm import LLM`` takes ~10 - 20 s of CPU in every engine process here, most of
+an in-process engine's start (the model itself, a tiny one, loads in ~3 s). The
+engine tests start ~25 such engines, two or three at a time on 2 cores. A *zygote*
+(``python -m tools.engine_fork FD``, one per test process, started on first use)
+imports vLLM, torch and the connector once, then forks each engine on request:
+
+* the request (over a ``SOCK_SEQPACKET`` pair made before the zygote started) carries
+  the engine's config and environment, and the descriptors the child runs on: its
+  stdin and stdout (the driver protocol's pipes, as ``subprocess.Popen`` would make
+  them), its log file as stderr, a status pipe, and the network namespace of the
+  node it runs on (``ip netns exec NAME`` in a prefix becomes ``setns`` on
+  ``/run/netns/NAME``);
+* the child leaves the zygote's session (``setsid``: its own process group, as
+  ``start_new_session`` gives a driver), dies with the zygote (``PR_SET_PDEATHSIG``,
+  and the zygote with the test process), takes the engine's environment and vLLM's
+  logging config from it, and runs the driver (``tools.engine_proc._serve``) exactly
+  as ``python -m tools.engine_proc`` would; at the end it runs the exit handlers and
+  leaves without the interpreter's teardown (the zygote's modules are not its own);
+* the zygote reaps it and writes its exit status into the status pipe: ``Forked``
+  is what ``EngineProc`` holds instead of a ``Popen`` (``pid``, ``stdin``,
+  ``stdout``, ``poll``, ``wait``, ``returncode``).
+
+Only engines in one process (``in_process``) are forked: vLLM's own layout starts its
+engine core and workers with ``spawn``, a fresh interpreter each, whatever started the
+driver. ``KVSTORE_ENGINE_FORK=0`` starts every engine with ``Popen`` as before. The
+zygote has the torch and vLLM threads that their imports start (two, idle on a
+futex); nothing else runs in it when it forks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import errno
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+_CLONE_NEWNET = 0x40000000
+_MAX_MESSAGE = 1 << 20
+_NETNS_DIR = "/run/netns"
+START_TIMEOUT_S = 180.0
+
+
+def enabled() -> bool:
+    return os.environ.get("KVSTORE_ENGINE_FORK", "1") != "0"
+
+
+def netns_of(prefix: Sequence[str]) -> str | None | bool:
+    """The network namespace a command prefix runs in: None for no prefix, its name
+    for ``ip netns exec NAME``; False for any other prefix (not forkable)."""
+    if not prefix:
+        return None
+    if len(prefix) == 4 and list(prefix[:3]) == ["ip", "netns", "exec"]:
+        return prefix[3]
+    return False
+
+
+# ============================================================ the test process's side
+class Forked:
+    """An engine driver the zygote forked: what ``EngineProc`` uses of a ``Popen``."""
+
+    def __init__(self, pid: int, stdin_fd: int, stdout_fd: int, status_fd: int) -> None:
+        self.pid = pid
+        self.stdin = os.fdopen(stdin_fd, "w")
+        self.stdout = os.fdopen(stdout_fd, "r")
+        self._status = status_fd
+        self._data = b""
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            ready, _, _ = select.select([self._status], [], [], 0)
+            if ready:
+                self._read_status()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(f"engine pid {self.pid}", timeout or 0.0)
+            ready, _, _ = select.select([self._status], [], [], left)
+            if ready:
+                self._read_status()
+        return self.returncode
+
+    def _read_status(self) -> None:
+        chunk = os.read(self._status, 64)
+        if chunk:
+            self._data += chunk
+            if not self._data.endswith(b"\n"):
+                return
+            self.returncode = int(self._data)
+        else:  # the zygote died without a word: so did its children (PDEATHSIG)
+            self.returncode = -signal.SIGKILL
+        os.close(self._status)
+
+
+class Zygote:
+    """The zygote process and the pipe to it; ``spawn`` forks one engine."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        from tools.engine_proc import engine_env
+
+        env = engine_env("127.0.0.1")
+        env.pop("VLLM_LOGGING_CONFIG_PATH", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tools.engine_fork", str(theirs.fileno())],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=None,
+            pass_fds=[theirs.fileno()], cwd=REPO, env=env, start_new_session=True,
+            preexec_fn=_term_with_parent)
+        theirs.close()
+        self.sock = ours
+        self.lock = threading.Lock()
+        self._ready = False
+
+    def _wait_ready(self) -> None:
+        if self._ready:
+            return
+        ready, _, _ = select.select([self.sock], [], [], START_TIMEOUT_S)
+        msg = self.sock.recv(_MAX_MESSAGE) if ready else b""
+        if json.loads(msg or b"{}").get("event") != "ready":
+            self.close()
+            raise RuntimeError(f"the engine zygote did not start ({msg!r}, "
+                               f"exit {self.proc.poll()})")
+        self._ready = True
+
+    def spawn(self, config: dict, env: dict[str, str], log_path: Path | None,
+              netns: str | None) -> Forked:
+        """Fork one driver running ``config`` (``tools.engine_proc``'s) in ``env``."""
+        child_in, stdin_w = os.pipe()
+        stdout_r, child_out = os.pipe()
+        status_r, status_w = os.pipe()
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) \
+            if log_path else os.open(os.devnull, os.O_WRONLY)
+        ns_fd = os.open(f"{_NETNS_DIR}/{netns}", os.O_RDONLY) if netns else -1
+        fds = [child_in, child_out, log_fd, status_w] + ([ns_fd] if ns_fd >= 0 else [])
+        try:
+            with self.lock:
+                self._wait_ready()
+                body = json.dumps({"config": config, "env": env,
+                                   "netns": ns_fd >= 0}).encode()
+                socket.send_fds(self.sock, [body], fds)
+                ready, _, _ = select.select([self.sock], [], [], 30.0)
+                reply = json.loads(self.sock.recv(_MAX_MESSAGE) or b"{}") if ready else {}
+        except BaseException:
+            for fd in (stdin_w, stdout_r, status_r):
+                os.close(fd)
+            raise
+        finally:
+            for fd in fds:
+                os.close(fd)
+        if "pid" not in reply:
+            for fd in (stdin_w, stdout_r, status_r):
+                os.close(fd)
+            raise RuntimeError(f"the engine zygote did not fork: {reply.get('error', reply)}")
+        return Forked(reply["pid"], stdin_w, stdout_r, status_r)
+
+    def close(self) -> None:
+        """End the zygote (its children get SIGTERM from their PDEATHSIG)."""
+        self.sock.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+
+_zygote: Zygote | None = None
+_zygote_lock = threading.Lock()
+
+
+def zygote() -> Zygote:
+    """This process's zygote, started on first use and ended at exit."""
+    global _zygote
+    with _zygote_lock:
+        if _zygote is None or _zygote.proc.poll() is not None:
+            _zygote = Zygote()
+            atexit.register(_zygote.close)
+        return _zygote
+
+
+def warm() -> None:
+    """Start the zygote's imports now (e.g. while servers start), if forking is on."""
+    if enabled():
+        zygote()
+
+
+def _term_with_parent() -> None:
+    from tools.netns import _term_with_parent as pdeathsig
+
+    pdeathsig()
+
+
+# ==================================================================== the zygote
+def _serve(ctl: socket.socket) -> None:
+    # As the driver does: the protocol keeps its own descriptor, anything printed
+    # goes to stderr; vLLM's logging (configured at its import) writes there too.
+    sys.stdout = sys.stderr
+    import numpy  # noqa: F401
+    import torch  # noqa: F401
+    import vllm.config  # noqa: F401
+    import vllm.inputs  # noqa: F401
+    from vllm import LLM, SamplingParams  # noqa: F401
+
+    import kvstore.connector  # noqa: F401
+    import tools.engine_proc  # noqa: F401
+
+    children: dict[int, int] = {}  # pid -> status pipe's write end
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    ctl.send(json.dumps({"event": "ready"}).encode())
+    try:
+        while True:
+            ready, _, _ = select.select([ctl, wake_r], [], [])
+            if wake_r in ready:
+                _drain(wake_r)
+                _reap(children)
+            if ctl in ready:
+                try:
+                    body, fds, _, _ = socket.recv_fds(ctl, _MAX_MESSAGE, 8)
+                except OSError:
+                    return
+                if not body:
+                    return  # the test process is gone
+                try:
+                    pid = _fork(json.loads(body), fds, ctl, (wake_r, wake_w), children)
+                except Exception as exc:  # noqa: BLE001 - reported to the test process
+                    ctl.send(json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
+                else:
+                    children[pid] = fds[3]
+                    ctl.send(json.dumps({"pid": pid}).encode())
+                finally:
+                    for fd in fds[:3] + fds[4:]:
+                        os.close(fd)
+    finally:
+        for pid in list(children):
+            try:
+                os.killpg(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def _reap(children: dict[int, int]) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        status_w = children.pop(pid, None)
+        if status_w is not None:
+            try:
+                os.write(status_w, f"{os.waitstatus_to_exitcode(status)}\n".encode())
+            finally:
+                os.close(status_w)
+
+
+def _fork(req: dict, fds: list[int], ctl: socket.socket, wake: tuple[int, int],
+          children: dict[int, int]) -> int:
+    if len(fds) != 4 + bool(req.get("netns")):
+        raise ValueError(f"{len(fds)} descriptors for a request that needs "
+                         f"{4 + bool(req.get('netns'))}")
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        _become_engine(req, fds, ctl, wake, children)
+        code = _run_driver(req["config"])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - into the engine's log, then exit
+        traceback.print_exc()
+    finally:
+        _leave(code)
+    return 0  # (never reached)
+
+
+def _become_engine(req: dict, fds: list[int], ctl: socket.socket, wake: tuple[int, int],
+                   children: dict[int, int]) -> None:
+    """In the forked child: what ``Popen`` of a driver would have set up."""
+    stdin_fd, stdout_fd, log_fd, status_w = fds[:4]
+    os.setsid()
+    _term_with_parent()  # the zygote's end is this engine's
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+    ctl.close()
+    for fd in (*wake, status_w, *children.values()):
+        os.close(fd)
+    if req.get("netns"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fds[4], _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns: {os.strerror(err)}")
+        os.close(fds[4])
+    for src, dst in ((stdin_fd, 0), (stdout_fd, 1), (log_fd, 2)):
+        os.dup2(src, dst)
+        os.close(src)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 - fd 0 is the driver's for good
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stdout = sys.stderr  # (fd 1 stays the protocol's: ``_run_driver``)
+    os.environ.clear()
+    os.environ.update(req["env"])
+    import faulthandler
+
+    faulthandler.enable(sys.stderr)
+    import vllm.logger
+
+    vllm.logger._configure_vllm_root_logger()  # with this engine's VLLM_LOGGING_CONFIG_PATH
+
+
+def _run_driver(cfg: dict) -> int:
+    from tools import engine_proc
+
+    # As engine_proc.main: the protocol keeps the real stdout.
+    proto = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    engine_proc._serve(cfg, proto)
+    proto.close()
+    return 0
+
+
+def _leave(code: int) -> None:
+    """The end of a forked engine: the driver's threads joined and its exit handlers
+    run, as at the end of a fresh interpreter; then out, without tearing down the
+    modules it shares with the zygote's image."""
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def main() -> None:
+    ctl = socket.socket(fileno=int(sys.argv[1]))
+    try:
+        _serve(ctl)
+    except OSError as exc:
+        if exc.errno != errno.EPIPE:
+            raise
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
