@@ -12,21 +12,39 @@ imports vLLM, torch and the connector once, then forks each engine on request:
   them), its log file as stderr, a status pipe, and the network namespace of the
   node it runs on (``ip netns exec NAME`` in a prefix becomes ``setns`` on
   ``/run/netns/NAME``);
-* the child leaves the zygote's session (``setsid``: its own process group, as
-  ``start_new_session`` gives a driver), dies with the zygote (``PR_SET_PDEATHSIG``,
-  and the zygote with the test process), takes the engine's environment and vLLM's
-  logging config from it, and runs the driver (``tools.engine_proc._serve``) exactly
-  as ``python -m tools.engine_proc`` would; at the end it runs the exit handlers and
-  leaves without the interpreter's teardown (the zygote's modules are not its own);
+* the child writes to its log from its first step (what fails before the driver
+  runs is in the engine's log), leaves the zygote's session (``setsid``: its own
+  process group, as ``start_new_session`` gives a driver), dies with the zygote
+  (``PR_SET_PDEATHSIG``), takes the engine's environment (plus what the zygote's
+  imports set in theirs, as the driver's own imports would) and vLLM's logging
+  config from it, and runs the driver (``tools.engine_proc._serve``) as
+  ``python -m tools.engine_proc`` would; at the end it joins its threads, runs the
+  exit handlers and leaves without the interpreter's teardown (the zygote's modules
+  are not its own);
 * the zygote reaps it and writes its exit status into the status pipe: ``Forked``
   is what ``EngineProc`` holds instead of a ``Popen`` (``pid``, ``stdin``,
-  ``stdout``, ``poll``, ``wait``, ``returncode``).
+  ``stdout``, ``poll``, ``wait``, ``returncode``);
+* each request carries an id its answer echoes: an answer that comes after its
+  caller gave up is not taken for the next one's (that orphaned engine is killed);
+* the zygote ends when its socket does (the test process exited, however), TERMing
+  its children's groups first. (Not ``PR_SET_PDEATHSIG``: that fires when the
+  *thread* that started it ends.)
 
 Only engines in one process (``in_process``) are forked: vLLM's own layout starts its
 engine core and workers with ``spawn``, a fresh interpreter each, whatever started the
 driver. ``KVSTORE_ENGINE_FORK=0`` starts every engine with ``Popen`` as before. The
 zygote has the torch and vLLM threads that their imports start (two, idle on a
 futex); nothing else runs in it when it forks.
+
+What still differs from a fresh driver: what is read once per interpreter or library
+load (``PYTHON*`` variables, ``tempfile.tempdir``, libgomp's ``OMP_*``) is the
+zygote's, whose environment is ``engine_env``'s without a node or layout;
+``/proc/PID/cmdline`` and ``environ`` show the zygote's; the child enters only the
+node's network namespace, not the mount namespace ``ip netns exec`` makes (with its
+own ``/sys`` and ``/etc/netns/NAME``), which nothing in an engine reads here; and a
+crash in C++ exit handlers after ``os._exit`` would go unseen. None of it is what the
+engine tests test; ``tests/engine/test_engine_fork.py`` holds a forked engine's tokens
+to a fresh one's.
 """
 
 from __future__ import annotations
@@ -79,36 +97,41 @@ class Forked:
         self.stdout = os.fdopen(stdout_fd, "r")
         self._status = status_fd
         self._data = b""
+        self._lock = threading.Lock()  # (Popen's poll and wait are thread-safe too)
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            ready, _, _ = select.select([self._status], [], [], 0)
-            if ready:
-                self._read_status()
-        return self.returncode
+        return self._check(0.0)
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.returncode is None:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            code = self._check(0.1 if left is None else min(left, 0.1))
+            if code is not None:
+                return code
+            if deadline is not None and time.monotonic() >= deadline:
                 raise subprocess.TimeoutExpired(f"engine pid {self.pid}", timeout or 0.0)
-            ready, _, _ = select.select([self._status], [], [], left)
-            if ready:
-                self._read_status()
-        return self.returncode
 
-    def _read_status(self) -> None:
-        chunk = os.read(self._status, 64)
-        if chunk:
-            self._data += chunk
-            if not self._data.endswith(b"\n"):
-                return
-            self.returncode = int(self._data)
-        else:  # the zygote died without a word: so did its children (PDEATHSIG)
-            self.returncode = -signal.SIGKILL
-        os.close(self._status)
+    def _check(self, timeout: float) -> int | None:
+        """The exit status once the zygote has written it, waiting up to ``timeout``."""
+        with self._lock:
+            if self.returncode is not None:
+                return self.returncode
+            poller = select.poll()
+            poller.register(self._status, select.POLLIN | select.POLLHUP)
+            if not poller.poll(timeout * 1000):
+                return None
+            chunk = os.read(self._status, 64)
+            if chunk:
+                self._data += chunk
+                if not self._data.endswith(b"\n"):
+                    return None
+                self.returncode = int(self._data)
+            else:  # the zygote died without a word; its children got SIGTERM
+                self.returncode = -signal.SIGTERM
+            os.close(self._status)
+            return self.returncode
 
 
 class Zygote:
@@ -123,12 +146,14 @@ class Zygote:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tools.engine_fork", str(theirs.fileno())],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=None,
-            pass_fds=[theirs.fileno()], cwd=REPO, env=env, start_new_session=True,
-            preexec_fn=_term_with_parent)
+            # No PR_SET_PDEATHSIG: it fires when the *thread* that started the zygote
+            # ends. The end of its socket (this process gone, however) ends it.
+            pass_fds=[theirs.fileno()], cwd=REPO, env=env, start_new_session=True)
         theirs.close()
         self.sock = ours
         self.lock = threading.Lock()
         self._ready = False
+        self._ids = iter(range(1, 1 << 62))
 
     def _wait_ready(self) -> None:
         if self._ready:
@@ -143,37 +168,70 @@ class Zygote:
 
     def spawn(self, config: dict, env: dict[str, str], log_path: Path | None,
               netns: str | None) -> Forked:
-        """Fork one driver running ``config`` (``tools.engine_proc``'s) in ``env``."""
-        child_in, stdin_w = os.pipe()
-        stdout_r, child_out = os.pipe()
-        status_r, status_w = os.pipe()
-        log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) \
-            if log_path else os.open(os.devnull, os.O_WRONLY)
-        ns_fd = os.open(f"{_NETNS_DIR}/{netns}", os.O_RDONLY) if netns else -1
-        fds = [child_in, child_out, log_fd, status_w] + ([ns_fd] if ns_fd >= 0 else [])
+        """Fork one driver running ``config`` (``tools.engine_proc``'s) in ``env``.
+        OSError when its log or its node's namespace cannot be opened, RuntimeError
+        when the zygote does not fork it; nothing is left open either way."""
+        theirs: list[int] = []  # the child's ends, ours to close once sent
+        ours: list[int] = []  # stdin's write end, stdout's read end, the status's
+        reply: dict[str, Any] = {}
         try:
+            r, w = os.pipe()  # the driver's stdin
+            theirs.append(r)
+            ours.append(w)
+            for _ in range(2):  # its stdout, and the exit status the zygote writes
+                r, w = os.pipe()
+                ours.append(r)
+                theirs.append(w)
+            child_in, child_out, status_w = theirs
+            theirs = [child_in, child_out,
+                      os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                      if log_path else os.open(os.devnull, os.O_WRONLY), status_w]
+            if netns:
+                theirs.append(os.open(f"{_NETNS_DIR}/{netns}", os.O_RDONLY))
             with self.lock:
                 self._wait_ready()
-                body = json.dumps({"config": config, "env": env,
-                                   "netns": ns_fd >= 0}).encode()
-                socket.send_fds(self.sock, [body], fds)
-                ready, _, _ = select.select([self.sock], [], [], 30.0)
-                reply = json.loads(self.sock.recv(_MAX_MESSAGE) or b"{}") if ready else {}
+                rid = next(self._ids)
+                body = json.dumps({"id": rid, "config": config, "env": env,
+                                   "netns": bool(netns)}).encode()
+                socket.send_fds(self.sock, [body], theirs)
+                reply = self._reply(rid, time.monotonic() + 60.0)
         except BaseException:
-            for fd in (stdin_w, stdout_r, status_r):
+            for fd in ours:
                 os.close(fd)
             raise
         finally:
-            for fd in fds:
+            for fd in theirs:
                 os.close(fd)
         if "pid" not in reply:
-            for fd in (stdin_w, stdout_r, status_r):
+            for fd in ours:
                 os.close(fd)
             raise RuntimeError(f"the engine zygote did not fork: {reply.get('error', reply)}")
-        return Forked(reply["pid"], stdin_w, stdout_r, status_r)
+        return Forked(reply["pid"], *ours)
+
+    def _reply(self, rid: int, deadline: float) -> dict[str, Any]:
+        """The zygote's answer to request ``rid``. An answer to an earlier request
+        whose caller gave up waiting is dropped, and the engine it forked, which no
+        one holds, is killed."""
+        while True:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.sock], [], [], max(left, 0.0))
+            if not ready:
+                return {"error": "no answer from the engine zygote within 60 s"}
+            msg = self.sock.recv(_MAX_MESSAGE)
+            if not msg:
+                return {"error": f"the engine zygote exited ({self.proc.poll()})"}
+            reply = json.loads(msg)
+            if reply.get("id") == rid:
+                return reply
+            if "pid" in reply:
+                try:
+                    os.killpg(reply["pid"], signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     def close(self) -> None:
-        """End the zygote (its children get SIGTERM from their PDEATHSIG)."""
+        """End the zygote: the end of its socket makes it TERM its children's groups
+        and exit."""
         self.sock.close()
         try:
             self.proc.wait(10)
@@ -199,16 +257,17 @@ def zygote() -> Zygote:
         return _zygote
 
 
-def warm() -> None:
-    """Start the zygote's imports now (e.g. while servers start), if forking is on."""
-    if enabled():
-        zygote()
-
-
 def _term_with_parent() -> None:
     from tools.netns import _term_with_parent as pdeathsig
 
     pdeathsig()
+
+
+def _import_env_changes(before: dict[str, str]) -> dict[str, str]:
+    """The variables the zygote's imports set or changed (torch and vLLM set some at
+    import, e.g. ``TORCHINDUCTOR_COMPILE_THREADS``): a fresh driver's imports would
+    set them over its own environment too."""
+    return {k: v for k, v in os.environ.items() if before.get(k) != v}
 
 
 # ==================================================================== the zygote
@@ -216,6 +275,7 @@ def _serve(ctl: socket.socket) -> None:
     # As the driver does: the protocol keeps its own descriptor, anything printed
     # goes to stderr; vLLM's logging (configured at its import) writes there too.
     sys.stdout = sys.stderr
+    before = dict(os.environ)
     import numpy  # noqa: F401
     import torch  # noqa: F401
     import vllm.config  # noqa: F401
@@ -225,6 +285,7 @@ def _serve(ctl: socket.socket) -> None:
     import kvstore.connector  # noqa: F401
     import tools.engine_proc  # noqa: F401
 
+    imported = _import_env_changes(before)
     children: dict[int, int] = {}  # pid -> status pipe's write end
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
@@ -244,14 +305,22 @@ def _serve(ctl: socket.socket) -> None:
                 except OSError:
                     return
                 if not body:
+                    for fd in fds:
+                        os.close(fd)
                     return  # the test process is gone
+                rid = None
                 try:
-                    pid = _fork(json.loads(body), fds, ctl, (wake_r, wake_w), children)
+                    req = json.loads(body)
+                    rid = req.get("id")
+                    pid = _fork(req, fds, ctl, (wake_r, wake_w), children, imported)
                 except Exception as exc:  # noqa: BLE001 - reported to the test process
-                    ctl.send(json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
+                    if len(fds) > 3:
+                        os.close(fds[3])  # (no child holds this status pipe)
+                    ctl.send(json.dumps({"id": rid,
+                                         "error": f"{type(exc).__name__}: {exc}"}).encode())
                 else:
                     children[pid] = fds[3]
-                    ctl.send(json.dumps({"pid": pid}).encode())
+                    ctl.send(json.dumps({"id": rid, "pid": pid}).encode())
                 finally:
                     for fd in fds[:3] + fds[4:]:
                         os.close(fd)
@@ -283,21 +352,24 @@ def _reap(children: dict[int, int]) -> None:
         if status_w is not None:
             try:
                 os.write(status_w, f"{os.waitstatus_to_exitcode(status)}\n".encode())
+            except OSError:  # (its reader gave up on it: nobody to tell)
+                pass
             finally:
                 os.close(status_w)
 
 
 def _fork(req: dict, fds: list[int], ctl: socket.socket, wake: tuple[int, int],
-          children: dict[int, int]) -> int:
+          children: dict[int, int], imported: dict[str, str]) -> int:
     if len(fds) != 4 + bool(req.get("netns")):
         raise ValueError(f"{len(fds)} descriptors for a request that needs "
                          f"{4 + bool(req.get('netns'))}")
+    zygote_pid = os.getpid()
     pid = os.fork()
     if pid:
         return pid
     code = 1
     try:
-        _become_engine(req, fds, ctl, wake, children)
+        _become_engine(req, fds, ctl, wake, children, imported, zygote_pid)
         code = _run_driver(req["config"])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
@@ -309,11 +381,15 @@ def _fork(req: dict, fds: list[int], ctl: socket.socket, wake: tuple[int, int],
 
 
 def _become_engine(req: dict, fds: list[int], ctl: socket.socket, wake: tuple[int, int],
-                   children: dict[int, int]) -> None:
+                   children: dict[int, int], imported: dict[str, str],
+                   zygote_pid: int) -> None:
     """In the forked child: what ``Popen`` of a driver would have set up."""
     stdin_fd, stdout_fd, log_fd, status_w = fds[:4]
+    os.dup2(log_fd, 2)  # first: whatever fails from here is in the engine's log
     os.setsid()
     _term_with_parent()  # the zygote's end is this engine's
+    if os.getppid() != zygote_pid:
+        raise SystemExit(1)  # it ended before the line above took effect
     signal.set_wakeup_fd(-1)
     for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
@@ -326,14 +402,17 @@ def _become_engine(req: dict, fds: list[int], ctl: socket.socket, wake: tuple[in
             err = ctypes.get_errno()
             raise OSError(err, f"setns: {os.strerror(err)}")
         os.close(fds[4])
-    for src, dst in ((stdin_fd, 0), (stdout_fd, 1), (log_fd, 2)):
+    for src, dst in ((stdin_fd, 0), (stdout_fd, 1)):
         os.dup2(src, dst)
         os.close(src)
+    os.close(log_fd)
     sys.stdin = open(0, closefd=False)  # noqa: SIM115 - fd 0 is the driver's for good
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     sys.stdout = sys.stderr  # (fd 1 stays the protocol's: ``_run_driver``)
     os.environ.clear()
     os.environ.update(req["env"])
+    for key, value in imported.items():  # as this engine's own imports would have
+        os.environ.setdefault(key, value)
     import faulthandler
 
     faulthandler.enable(sys.stderr)

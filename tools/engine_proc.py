@@ -235,8 +235,11 @@ class EngineProc:
         netns = engine_fork.netns_of(self.prefix)
         if self.in_process and netns is not False and engine_fork.enabled():
             # Forked from a process that imported vLLM once (tools/engine_fork.py).
-            self.proc = engine_fork.zygote().spawn(self.config, self.env, self.log_path,
-                                                   netns or None)
+            try:
+                self.proc = engine_fork.zygote().spawn(self.config, self.env, self.log_path,
+                                                       netns or None)
+            except (OSError, RuntimeError) as exc:  # as a driver that could not start
+                raise EngineError(f"{self.name} failed to start: {exc}") from exc
             threading.Thread(target=self._pump, daemon=True, name=f"{self.name}-out").start()
             return self
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
