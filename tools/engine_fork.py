@@ -17,13 +17,13 @@ imports vLLM, torch and the connector once, then forks each engine on request:
   process group, as ``start_new_session`` gives a driver), dies with the zygote
   (``PR_SET_PDEATHSIG``), takes the engine's environment (plus what the zygote's
   imports set in theirs, as the driver's own imports would) and vLLM's logging
-  config from it, and runs the driver (``tools.engine_proc._serve``) as
+  config from it, and runs the driver (``tools.engine_proc.drive``) as
   ``python -m tools.engine_proc`` would; at the end it joins its threads, runs the
   exit handlers and leaves without the interpreter's teardown (the zygote's modules
   are not its own);
-* the zygote reaps it and writes its exit status into the status pipe: ``Forked``
-  is what ``EngineProc`` holds instead of a ``Popen`` (``pid``, ``stdin``,
-  ``stdout``, ``poll``, ``wait``, ``returncode``);
+* the zygote reaps it (a pidfd per child says when) and writes its exit status
+  into the status pipe: ``Forked`` is what ``EngineProc`` holds instead of a
+  ``Popen`` (``pid``, ``stdin``, ``stdout``, ``poll``, ``wait``, ``returncode``);
 * each request carries an id its answer echoes: an answer that comes after its
   caller gave up is not taken for the next one's (that orphaned engine is killed);
 * the zygote ends when its socket does (the test process exited, however), TERMing
@@ -286,19 +286,16 @@ def _serve(ctl: socket.socket) -> None:
     import tools.engine_proc  # noqa: F401
 
     imported = _import_env_changes(before)
-    children: dict[int, int] = {}  # pid -> status pipe's write end
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_r, False)
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
+    # pid -> (its status pipe's write end, a pidfd: readable once the child exits)
+    children: dict[int, tuple[int, int]] = {}
     ctl.send(json.dumps({"event": "ready"}).encode())
     try:
         while True:
-            ready, _, _ = select.select([ctl, wake_r], [], [])
-            if wake_r in ready:
-                _drain(wake_r)
-                _reap(children)
+            exits = {fd: pid for pid, (_, fd) in children.items()}
+            ready, _, _ = select.select([ctl, *exits], [], [])
+            for fd in ready:
+                if fd in exits:
+                    _reap(exits[fd], children)
             if ctl in ready:
                 try:
                     body, fds, _, _ = socket.recv_fds(ctl, _MAX_MESSAGE, 8)
@@ -312,14 +309,14 @@ def _serve(ctl: socket.socket) -> None:
                 try:
                     req = json.loads(body)
                     rid = req.get("id")
-                    pid = _fork(req, fds, ctl, (wake_r, wake_w), children, imported)
+                    pid = _fork(req, fds, ctl, children, imported)
                 except Exception as exc:  # noqa: BLE001 - reported to the test process
                     if len(fds) > 3:
                         os.close(fds[3])  # (no child holds this status pipe)
                     ctl.send(json.dumps({"id": rid,
                                          "error": f"{type(exc).__name__}: {exc}"}).encode())
                 else:
-                    children[pid] = fds[3]
+                    children[pid] = (fds[3], os.pidfd_open(pid))
                     ctl.send(json.dumps({"id": rid, "pid": pid}).encode())
                 finally:
                     for fd in fds[:3] + fds[4:]:
@@ -332,34 +329,21 @@ def _serve(ctl: socket.socket) -> None:
                 pass
 
 
-def _drain(fd: int) -> None:
+def _reap(pid: int, children: dict[int, tuple[int, int]]) -> None:
+    """Child ``pid`` exited (its pidfd says so): reap it and write its exit status."""
+    _, status = os.waitpid(pid, 0)
+    status_w, pidfd = children.pop(pid)
+    os.close(pidfd)
     try:
-        while os.read(fd, 4096):
-            pass
-    except BlockingIOError:
+        os.write(status_w, f"{os.waitstatus_to_exitcode(status)}\n".encode())
+    except OSError:  # (its reader gave up on it: nobody to tell)
         pass
+    finally:
+        os.close(status_w)
 
 
-def _reap(children: dict[int, int]) -> None:
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        status_w = children.pop(pid, None)
-        if status_w is not None:
-            try:
-                os.write(status_w, f"{os.waitstatus_to_exitcode(status)}\n".encode())
-            except OSError:  # (its reader gave up on it: nobody to tell)
-                pass
-            finally:
-                os.close(status_w)
-
-
-def _fork(req: dict, fds: list[int], ctl: socket.socket, wake: tuple[int, int],
-          children: dict[int, int], imported: dict[str, str]) -> int:
+def _fork(req: dict, fds: list[int], ctl: socket.socket,
+          children: dict[int, tuple[int, int]], imported: dict[str, str]) -> int:
     if len(fds) != 4 + bool(req.get("netns")):
         raise ValueError(f"{len(fds)} descriptors for a request that needs "
                          f"{4 + bool(req.get('netns'))}")
@@ -369,8 +353,11 @@ def _fork(req: dict, fds: list[int], ctl: socket.socket, wake: tuple[int, int],
         return pid
     code = 1
     try:
-        _become_engine(req, fds, ctl, wake, children, imported, zygote_pid)
-        code = _run_driver(req["config"])
+        _become_engine(req, fds, ctl, children, imported, zygote_pid)
+        from tools import engine_proc
+
+        engine_proc.drive(req["config"])
+        code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # noqa: BLE001 - into the engine's log, then exit
@@ -380,8 +367,8 @@ def _fork(req: dict, fds: list[int], ctl: socket.socket, wake: tuple[int, int],
     return 0  # (never reached)
 
 
-def _become_engine(req: dict, fds: list[int], ctl: socket.socket, wake: tuple[int, int],
-                   children: dict[int, int], imported: dict[str, str],
+def _become_engine(req: dict, fds: list[int], ctl: socket.socket,
+                   children: dict[int, tuple[int, int]], imported: dict[str, str],
                    zygote_pid: int) -> None:
     """In the forked child: what ``Popen`` of a driver would have set up."""
     stdin_fd, stdout_fd, log_fd, status_w = fds[:4]
@@ -390,11 +377,8 @@ def _become_engine(req: dict, fds: list[int], ctl: socket.socket, wake: tuple[in
     _term_with_parent()  # the zygote's end is this engine's
     if os.getppid() != zygote_pid:
         raise SystemExit(1)  # it ended before the line above took effect
-    signal.set_wakeup_fd(-1)
-    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
     ctl.close()
-    for fd in (*wake, status_w, *children.values()):
+    for fd in (status_w, *(fd for pair in children.values() for fd in pair)):
         os.close(fd)
     if req.get("netns"):
         libc = ctypes.CDLL(None, use_errno=True)
@@ -408,7 +392,7 @@ def _become_engine(req: dict, fds: list[int], ctl: socket.socket, wake: tuple[in
     os.close(log_fd)
     sys.stdin = open(0, closefd=False)  # noqa: SIM115 - fd 0 is the driver's for good
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-    sys.stdout = sys.stderr  # (fd 1 stays the protocol's: ``_run_driver``)
+    sys.stdout = sys.stderr  # (fd 1 stays the protocol's: ``engine_proc.drive``)
     os.environ.clear()
     os.environ.update(req["env"])
     for key, value in imported.items():  # as this engine's own imports would have
@@ -419,17 +403,6 @@ def _become_engine(req: dict, fds: list[int], ctl: socket.socket, wake: tuple[in
     import vllm.logger
 
     vllm.logger._configure_vllm_root_logger()  # with this engine's VLLM_LOGGING_CONFIG_PATH
-
-
-def _run_driver(cfg: dict) -> int:
-    from tools import engine_proc
-
-    # As engine_proc.main: the protocol keeps the real stdout.
-    proto = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    engine_proc._serve(cfg, proto)
-    proto.close()
-    return 0
 
 
 def _leave(code: int) -> None:

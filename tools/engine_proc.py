@@ -240,18 +240,18 @@ class EngineProc:
                                                        netns or None)
             except (OSError, RuntimeError) as exc:  # as a driver that could not start
                 raise EngineError(f"{self.name} failed to start: {exc}") from exc
-            threading.Thread(target=self._pump, daemon=True, name=f"{self.name}-out").start()
-            return self
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        try:
-            self.proc = subprocess.Popen(
-                [*self.prefix, sys.executable, "-m", "tools.engine_proc",
-                 json.dumps(self.config)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
-                env=self.env, cwd=REPO, start_new_session=True, preexec_fn=_term_with_parent)
-        finally:
-            if log is not subprocess.DEVNULL:
-                log.close()
+        else:
+            log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+            try:
+                self.proc = subprocess.Popen(
+                    [*self.prefix, sys.executable, "-m", "tools.engine_proc",
+                     json.dumps(self.config)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                    env=self.env, cwd=REPO, start_new_session=True,
+                    preexec_fn=_term_with_parent)
+            finally:
+                if log is not subprocess.DEVNULL:
+                    log.close()
         threading.Thread(target=self._pump, daemon=True, name=f"{self.name}-out").start()
         return self
 
@@ -669,14 +669,19 @@ def _serve(cfg: dict, proto) -> None:
         shutdown()
 
 
-def main() -> None:
-    cfg = json.loads(sys.argv[1])
+def drive(cfg: dict) -> None:
+    """The driver, on this process's stdin and stdout (``main``, and an engine forked
+    by tools/engine_fork.py)."""
     # The protocol keeps the real stdout; anything else printing there goes to stderr.
     proto = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     _serve(cfg, proto)
     proto.close()
+
+
+def main() -> None:
+    drive(json.loads(sys.argv[1]))
 
 
 if __name__ == "__main__":
