@@ -285,6 +285,10 @@ class ClientConfig:
     # over the server's stream door (server.stream_socket) when its hello names one;
     # acquired bytes then come straight into their destination. false: the ROUTER.
     stream_socket: bool = True
+    # Over the stream door, the server ends a read's lease once it has sent the bytes
+    # (a drop_select's entries go then) and no release follows a good read. false:
+    # released after the read is verified, as over the ROUTER.
+    release_sent: bool = True
     # ... in parts of about this many bytes (whole entries), each copied and verified
     # while the next is on the wire; 0: in one part.
     inline_part_bytes: Size = 512 << 10

@@ -362,7 +362,11 @@ class Acquire(Lookup):
     ``deadline``: as a write's (``_DEADLINE``): the reader stops waiting then, so an
     acquire the store reaches later is refused (busy) and leases nothing, rather than
     holding the prompt for a reader that is gone until its lease runs out.
-    ``wait_s``: as a lookup's (``_WAIT``)."""
+    ``wait_s``: as a lookup's (``_WAIT``).
+    ``release_sent`` (with ``inline``): when the bytes follow the reply on the stream
+    door, the server ends the lease itself once it has handed the last of them to its
+    socket, as ``release`` with ``drop=claim`` would (the reply says so:
+    ``"release_sent": True``), and the caller sends no release unless a read fails."""
 
     lease_s: float | None = None
     claim: bool = False
@@ -371,19 +375,22 @@ class Acquire(Lookup):
     inline: int | None = None
     inline_part: int | None = None
     deadline: float | None = None
+    release_sent: bool | None = None
     OP = "acquire"
     CHECKS = {"keys": _keys, "tokens": _tokens, "lease_s": _lease, "claim": _bool,
               "optional_tail": _bool, "spend_rest": _bool,
               "inline": _opt(_int, 0, MAX_INLINE_BYTES),
               "inline_part": _opt(_int, MIN_INLINE_PART_BYTES, ROUTER_INLINE_BYTES),
-              **_DEADLINE, **_WAIT}
+              **_DEADLINE, **_WAIT, "release_sent": _opt(_bool)}
     OPTIONAL = frozenset({"lease_s", "claim", "optional_tail", "spend_rest", "inline",
-                          "inline_part", "deadline", "wait_s"})
+                          "inline_part", "deadline", "wait_s", "release_sent"})
 
     def validate(self) -> None:
         super().validate()
         if self.inline_part is not None and self.inline is None:
             raise InvalidRequestError("acquire: inline_part without inline")
+        if self.release_sent and self.inline is None:
+            raise InvalidRequestError("acquire: release_sent without inline")
 
 
 @dataclass(frozen=True)

@@ -85,14 +85,16 @@ def is_local(envelope: bytes) -> bool:
 
 class Sent:
     """Whether the bytes ``LocalDoor.send`` took as ``data`` are out of its hands:
-    all handed to the kernel, or the connection closed (``done``). It has
-    ``zmq.MessageTracker``'s ``done`` and ``wait``; nothing but the serving thread
-    moves a door's bytes, so ``wait`` cannot make them go and returns at once."""
+    all handed to the kernel, or the connection closed (``done``), and which of the
+    two (``whole``: every byte went to the kernel, the reply frame before them too).
+    It has ``zmq.MessageTracker``'s ``done`` and ``wait``; nothing but the serving
+    thread moves a door's bytes, so ``wait`` cannot make them go and returns at once."""
 
-    __slots__ = ("done",)
+    __slots__ = ("done", "whole")
 
     def __init__(self) -> None:
         self.done = False
+        self.whole = False
 
     def wait(self, timeout: float | None = None) -> None:
         return None
@@ -304,7 +306,7 @@ class LocalDoor:
                 if type(data) is not bytes:
                     conn.views.append((start, conn.queued))
             else:
-                sent.done = True
+                sent.done = True  # (nothing to send: never ``whole``)
         if not waiting:
             conn.stuck_since = time.monotonic()
             self._push(cid, conn)
@@ -424,7 +426,8 @@ def _consume(conn: _Conn, nbytes: int) -> None:
             out[0] = head[nbytes:]
             nbytes = 0
     while conn.sent and conn.sent[0][0] <= conn.done:
-        conn.sent.popleft()[1].done = True
+        sent = conn.sent.popleft()[1]
+        sent.done = sent.whole = True
     while conn.views and conn.views[0][1] <= conn.done:
         conn.views.popleft()
 

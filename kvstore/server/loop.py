@@ -149,6 +149,7 @@ class Server:
         # yet (``_Slot``); past that, replies name TE addresses.
         self._inline_max = config.server.inline_max_bytes
         self._inline_slots: list[_Slot] = []
+        self._ends_due = 0  # slots whose lease the server ends once sent (``_end_sent``)
         # Arena bytes unsent replies may hold in place (their views) beyond one reply:
         # a reader that stops reading pins at most this much of the DRAM tier.
         self._hold_budget = config.tiers.dram_bytes // INLINE_HOLD_SHARE
@@ -329,6 +330,8 @@ class Server:
                         self._working_on = item[0]
                 if item is not None:
                     self._serve(*item)
+                elif self._ends_due:  # bytes that went out since: their leases end
+                    self._settle_slots()
                 if time.monotonic() >= next_reap:
                     with self._sock_lock:  # slow work too: the watchdog pushes back
                         self._working_since = time.monotonic()
@@ -364,6 +367,8 @@ class Server:
         request to the end of that work: nothing else sees the store in between."""
         reply: list[bytes] | None = None
         start = time.monotonic()
+        if self._ends_due:  # leases ended once sent: before any later request sees them
+            self._settle_slots()
         try:
             waited = start - arrived
             if waited > self._busy_after and not self._never_busy(frames):
@@ -384,6 +389,8 @@ class Server:
                 self._working_since = self._working_on = None
                 if reply is not None:  # None: sent, or the staging thread answers it
                     self._send(reply)
+            if self._ends_due:  # (its bytes may be out already: the lease ends now)
+                self._settle_slots()
             spent = time.monotonic() - start
             self._service_s += _EWMA * (spent - self._service_s)
 
@@ -755,6 +762,11 @@ class Server:
                 if inline and req.inline:
                     self._inline(req.inline, step, result,
                                  req.inline_part if parts else None, runs)
+                    if req.release_sent and runs and _DATA in result and not step.short:
+                        # (the stream door's bytes: ``_settle_slots`` ends the lease)
+                        cast(_Slot, result[_DATA]).ends = req.claim
+                        self._ends_due += 1
+                        result["release_sent"] = True
                 return result
 
             return self._answer(rid, req, start, begin)
@@ -811,7 +823,8 @@ class Server:
             return
         # (The slots are the serving thread's alone: it fills, sends and settles them.)
         self._settle_slots()  # after which a slot is free exactly when it has no bytes
-        slot = next((s for s in self._inline_slots if s.data is None), None)
+        slot = next((s for s in self._inline_slots if s.data is None and s.ends is None),
+                    None)
         if slot is None:
             if len(self._inline_slots) >= INLINE_BACKLOG:
                 return
@@ -849,6 +862,34 @@ class Server:
                     self.store.end_send(slot.aid)
                 except Exception:  # noqa: BLE001 - a bug must not take the node down
                     log.exception("giving back an inline reply's hold failed")
+            if slot.ends is not None:
+                self._end_sent(slot, now)
+
+    def _end_sent(self, slot: _Slot, now: float) -> None:
+        """End the lease of ``slot``'s reply, which asked the server to
+        (``Acquire.release_sent``), when every byte of it went to the kernel: as the
+        reader's release would (its drop, and the read's time for the metrics: here,
+        from the reply made to the last byte out). A connection that closed before
+        that leaves the lease open, for the reader's release or its expiry."""
+        drop, slot.ends = slot.ends, None
+        self._ends_due -= 1
+        if not getattr(slot.tracker, "whole", False):
+            return
+        try:
+            freed = self.store.end_sent(slot.aid, bool(drop))
+        except KVStoreError as exc:  # (expired on the way: as a late release)
+            log.debug("ending acquisition %d once sent: %s", slot.aid, exc)
+            return
+        except Exception:  # noqa: BLE001 - a bug must not take the node down
+            log.exception("ending acquisition %d once sent failed", slot.aid)
+            return
+        if self.on_result is not None:
+            release = p.Release(aid=slot.aid, drop=bool(drop), xfer_s=now - slot.taken_at,
+                                xfer_bytes=slot.nbytes)
+            try:
+                self.on_result(release, {"released": freed})
+            except Exception:  # noqa: BLE001 - metrics must not fail a request
+                log.exception("on_result hook failed for a release once sent")
 
     def _await_sent(self, frames: list[bytes]) -> None:
         """Before a release of an acquisition whose reply was sent from the arena
@@ -916,6 +957,7 @@ class Server:
                 "block_tokens": self.config.store.block_tokens,
                 "max_message_bytes": self.max_bytes, "te_probe": self._te_probe(),
                 "inline_max": self._inline_max, "inline_parts": True,
+                "release_sent": True,
                 "acquire_deadline": True, "wait_s": True, "now": time.time()}
 
     def _te_probe(self) -> list[int] | None:
@@ -1037,7 +1079,7 @@ class _Slot:
     a copy took ``Server._inline`` of a 2 MiB reply from 0.55 to 0.07 ms (the copy's
     source, written by a TE transfer, was in no cache)."""
 
-    __slots__ = ("data", "aid", "parts", "handed", "tracker", "taken_at", "nbytes")
+    __slots__ = ("data", "aid", "parts", "handed", "tracker", "taken_at", "nbytes", "ends")
 
     # Handed this long and never given to ZeroMQ: taken by a reply that failed on a
     # path that did not say so (a bug); its hold goes.
@@ -1051,6 +1093,9 @@ class _Slot:
         self.tracker: zmq.MessageTracker | Sent | None = None
         self.taken_at = 0.0
         self.nbytes = 0  # the reply's bytes
+        # Set (to its drop): the server ends the lease once the bytes are all out
+        # (``Acquire.release_sent``); None: the reader releases it.
+        self.ends: bool | None = None
 
     @property
     def held(self) -> bool:

@@ -62,9 +62,8 @@ COUNTER_KEYS = frozenset({
     "stagings", "checksum_failures", "commit_checksum_failures", "collisions", "commits",
     "aborts", "dropped", "reservations_expired", "rooms_expired", "leases_expired", "requests",
     "errors", "storage_errors", "staging_shortfalls", "staging_spent", "transfer_checksum_failures",
-    "writebacks", "busy", "local_requests", "stream_requests", "late_writes", "late_reads",
-    "inline_replies",
-    "inline_bytes", "inline_views",
+    "unchecked_checksum_failures", "writebacks", "busy", "local_requests", "stream_requests",
+    "late_writes", "late_reads", "inline_replies", "inline_bytes", "inline_views",
 })
 # Names this module's own metrics use; a stats key of the same name is skipped so
 # one exposition never carries two families of one name.

@@ -7,7 +7,9 @@ and ``release``, see docs/protocol.md) and ``TransferMetrics`` turns those into:
 
 * ``kvstore_transfer_duration_seconds{direction}``: the client's data move (TE, or
   memcpy through the shared arena for a same-node client), ``write`` for inserts,
-  ``read`` for selects;
+  ``read`` for selects (for a lease the server ends itself once its reply's bytes
+  are out over the stream door, ``Acquire.release_sent``, no release comes: the
+  server's own send, from the reply made to the last byte in its kernel);
 * ``kvstore_transfer_bytes_total{direction}``: the bytes those moves carried;
 * ``kvstore_end_to_end_duration_seconds{kind}``: from the server answering
   ``reserve`` to it receiving the matching ``commit`` (``kind="insert"``), and from

@@ -96,7 +96,8 @@ _COUNTED = ("misses", "bytes_in", "bytes_out", "evictions", "demotions", "stagin
             "checksum_failures", "commit_checksum_failures", "collisions", "commits",
             "aborts", "dropped", "reservations_expired", "rooms_expired", "leases_expired",
             "storage_errors", "late_writes", "late_reads",
-            "staging_shortfalls", "staging_spent", "transfer_checksum_failures", "writebacks")
+            "staging_shortfalls", "staging_spent", "transfer_checksum_failures",
+            "unchecked_checksum_failures", "writebacks")
 
 
 class Store:
@@ -304,6 +305,10 @@ class Store:
                 corrupt: Sequence[int] = ()) -> int:
         """End a lease; with ``drop`` spend one pending consumer (``Reads.release``)."""
         return self._reads.release(acquisition_id, drop, corrupt)
+
+    def end_sent(self, acquisition_id: int, drop: bool) -> int:
+        """End a lease whose reply's bytes are all sent (``Reads.end_sent``)."""
+        return self._reads.end_sent(acquisition_id, drop)
 
     # ------------------------------------------------------------ admin
     def pin(self, keys: Sequence[bytes]) -> int:

@@ -94,6 +94,10 @@ class Holds:
         self.sends: dict[int, list[bytes]] = {}
         self.next_reap = float("inf")
         self._expired: collections.OrderedDict[int, None] = collections.OrderedDict()
+        # Leases the server ended itself once their reply's bytes were out (their
+        # keys), so a reader's later release or report on one is understood.
+        self._ended_sent: collections.OrderedDict[int, tuple[bytes, ...]] = \
+            collections.OrderedDict()
 
     def hold(self, keys: Sequence[bytes]) -> None:
         count(self.leased, keys)
@@ -236,6 +240,16 @@ class Holds:
         self._expired[ident] = None
         while len(self._expired) > _EXPIRED_MEMORY:
             self._expired.popitem(last=False)
+
+    def remember_ended_sent(self, aid: int, keys: Sequence[bytes]) -> None:
+        self._ended_sent[aid] = tuple(keys)
+        while len(self._ended_sent) > _EXPIRED_MEMORY:
+            self._ended_sent.popitem(last=False)
+
+    def ended_sent(self, aid: int) -> tuple[bytes, ...] | None:
+        """The keys of lease ``aid``, if the server ended it on sending its bytes
+        (``Reads.end_sent``) not long ago; else None."""
+        return self._ended_sent.get(aid)
 
     def _gone(self, what: str, ident: int) -> Exception:
         if ident in self._expired:

@@ -349,36 +349,69 @@ class Reads(Operations):
         with self.lock:
             if acquisition_id == 0:
                 return 0  # the empty acquisition of a full miss
+            ended = self.holds.ended_sent(acquisition_id)
+            if ended is not None:  # (nothing left to end: only a report to hear)
+                return self._drop_bad(self._bad_at_rest(ended, corrupt))
             lease = self.holds.open_lease(acquisition_id)
-            bad = self._bad_at_rest(lease, corrupt)
+            bad = self._bad_at_rest(lease.keys, corrupt)
             freed = self.end_lease(lease, drop)  # raises with nothing changed
             self.holds.close_lease(acquisition_id)
-            records, leased = self.catalog.records, self.holds.leased
-            free = []
-            for key in (k for k in bad if k in records):
-                if leased.get(key):  # others hold it: never served again, gone when free
-                    self.catalog.condemn(records[key], reported=True)
-                else:
-                    free.append(key)
-            self.catalog.apply(drop=free)
-            return freed + len(free)
+            return freed + self._drop_bad(bad)
 
-    def _bad_at_rest(self, lease: Lease, corrupt: Sequence[int]) -> list[bytes]:
+    def _drop_bad(self, bad: list[bytes]) -> int:
+        """Drop the entries found bad at rest (those another lease or a reply still
+        holds: condemned, gone once free); how many went now. Under the lock."""
+        if not bad:
+            return 0
+        records, leased = self.catalog.records, self.holds.leased
+        free = []
+        for key in (k for k in bad if k in records):
+            if leased.get(key):  # others hold it: never served again, gone when free
+                self.catalog.condemn(records[key], reported=True)
+            else:
+                free.append(key)
+        self.catalog.apply(drop=free)
+        return len(free)
+
+    def end_sent(self, acquisition_id: int, drop: bool) -> int:
+        """The server handed every byte of the acquisition's reply to its socket and
+        ends the lease itself (``Acquire.release_sent``), as ``release(drop)`` would;
+        how many entries went. Remembered (``Holds.ended_sent``), so the reader's
+        release after a failed read ends nothing twice and its report of corrupt
+        entries is still counted."""
+        with self.lock:
+            keys = self.holds.open_lease(acquisition_id).keys
+            freed = self.release(acquisition_id, drop)
+            self.holds.remember_ended_sent(acquisition_id, keys)
+            return freed
+
+    def _bad_at_rest(self, keys: Sequence[bytes], corrupt: Sequence[int]) -> list[bytes]:
+        """The keys of a lease (``keys``, in order) bad at rest, when its reader
+        reported the entries at ``corrupt`` bad on arrival; each counted: bad at rest
+        (``checksum_failures``), fine at rest (``transfer_checksum_failures``), or no
+        longer stored (``unchecked_checksum_failures``: a drop_select's, whose lease
+        the server ended on sending it, ``end_sent``, so it went with the drop)."""
         positions = sorted(set(corrupt))
-        if any(not 0 <= i < len(lease.keys) for i in positions):
-            raise InvalidRequestError(f"corrupt: positions must be below {len(lease.keys)}")
+        if any(not 0 <= i < len(keys) for i in positions):
+            raise InvalidRequestError(f"corrupt: positions must be below {len(keys)}")
         if not positions:
             return []
         # A reader stops at its first bad entry; a stray writer rarely hits just
         # one. So every entry of the lease is checked (memory speed), not only those.
         bad = []
-        for key in dict.fromkeys(lease.keys):
+        for key in dict.fromkeys(keys):
             rec = self.catalog.records.get(key)
             if rec is not None and checksum(self.io.read_bytes(rec)) != rec.checksum:
                 bad.append(rec.key)
         self.counts["checksum_failures"] += len(bad)
-        reported = {lease.keys[i] for i in positions}
-        self.counts["transfer_checksum_failures"] += len(reported - set(bad))
+        reported = {keys[i] for i in positions}
+        gone = {k for k in reported if k not in self.catalog.records}
+        self.counts["unchecked_checksum_failures"] += len(gone)
+        self.counts["transfer_checksum_failures"] += len(reported - gone - set(bad))
+        if gone:
+            log.error("%d entries reported corrupt by a reader were dropped when the "
+                      "server sent them: not checked at rest (first %s)", len(gone),
+                      next(iter(gone)).hex())
         if bad:
             log.error("%d entries reported corrupt by a reader are bad at rest: dropped "
                       "(first %s)", len(bad), bad[0].hex())

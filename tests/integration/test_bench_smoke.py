@@ -158,8 +158,10 @@ def test_timeline_stamps_the_consumer_and_the_server_of_every_get(tmp_path, monk
     # the reply in parts of 512 KiB over the ZeroMQ port
     assert (res["gets"], res["left out"], res["parts"]) == (3, 0, 1 if door else 4)
     phases = res["phases ms"]
-    assert list(phases) == [name for name, _, _ in (*timeline.PHASES, *timeline.INSIDE,
-                                                    timeline.TOTAL)]
+    # (no release over the stream door: the server ends the lease once it has sent)
+    assert list(phases) == [name for name, start, _ in (*timeline.PHASES, *timeline.INSIDE,
+                                                        timeline.TOTAL)
+                            if not (door and start == "C:ows0")]
     assert all(median >= 0 and mean >= 0 for median, mean in phases.values()), res
     # every get cut into consecutive phases: their means add up to the mean get
     assert sum(phases[name][1] for name, _, _ in timeline.PHASES) == \

@@ -7,6 +7,7 @@ land straight in their destination, each entry verified as soon as it is in. Whe
 the door cannot be used the client goes on over the ROUTER, as before it.
 """
 
+import dataclasses
 import logging
 import re
 import socket
@@ -18,6 +19,7 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+import zmq
 
 import kvstore.client.client as client_module
 from kvstore.core import protocol as p
@@ -91,14 +93,30 @@ def test_bad_bytes_at_rest_are_a_miss_and_the_door_stays_in_step(server_factory,
     consumer.hello()
     channel = consumer._rpc._local
     assert channel is not None and channel.stream
-    before = producer.stats()["checksum_failures"]
+    before = producer.stats()
+    # A get: the server ends its lease once the bytes are out; the reader's report
+    # has the entries checked at rest, where the bad one is found and dropped.
     with pytest.raises(ChecksumError) as err:
-        consumer.drop_select(prompt(64, 3))
+        consumer.get(prompt(64, 3))
     assert err.value.position == 1
     stats = producer.stats()
-    assert stats["checksum_failures"] == before + 1 and stats["leases"] == 0
+    assert stats["checksum_failures"] == before["checksum_failures"] + 1
+    assert stats["leases"] == 0 and stats["transfer_checksum_failures"] == \
+        before["transfer_checksum_failures"]
     assert {e["key"] for e in producer.ls()} == {keys[0], *keys[2:]}
-    # Every byte of that reply was read: the next reply on the same connection is whole.
+    # A drop_select's entries go with the drop once sent: a bad one the reader
+    # reports can no longer be checked, and is counted as such.
+    producer.evict(everything=True)
+    producer.insert(prompt(64, 5), make_kv(64, 5))
+    damage_at_rest(producer, producer.keys_for(prompt(64, 5))[1:2])
+    with pytest.raises(ChecksumError) as err:
+        consumer.drop_select(prompt(64, 5))
+    assert err.value.position == 1
+    stats = producer.stats()
+    assert stats["unchecked_checksum_failures"] == before["unchecked_checksum_failures"] + 1
+    assert stats["checksum_failures"] == before["checksum_failures"] + 1
+    assert stats["leases"] == 0 and stats["entries"] == 0
+    # Every byte of those replies was read: the next reply on the same connection is whole.
     producer.insert(prompt(40, 4), make_kv(40, 4))
     got = consumer.drop_select(prompt(40, 4))
     assert np.array_equal(got.kv.numpy(), make_kv(40, 4))
@@ -195,7 +213,12 @@ def _reply(sock: socket.socket) -> dict | None:
     if len(head) < HEADER.size:
         return None
     (n,) = HEADER.unpack(head)
-    return msgpack.unpackb(sock.recv(n, socket.MSG_WAITALL))
+    body = bytearray()
+    while len(body) < n:  # (a socket with a timeout takes what is there per recv)
+        chunk = sock.recv(n - len(body))
+        assert chunk, "the connection closed inside a frame"
+        body += chunk
+    return msgpack.unpackb(body)
 
 
 def _reply_with_bytes(sock: socket.socket, kv: np.ndarray) -> dict:
@@ -215,7 +238,7 @@ def test_a_peer_that_never_reads_its_bytes_holds_up_nobody(server_factory, clien
     """The serving thread never waits for a peer to read: what the socket does not
     take waits in the connection's backlog (its entries held in place, not its
     lease); others are served meanwhile; a peer that goes frees it all."""
-    srv = server_factory(dram="32MiB", nvme="0")
+    srv = server_factory(dram="128MiB", nvme="0")
     producer = client_factory(srv)
     consumer = reader(client_factory, srv)
     port = consumer.hello()["stream_port"]
@@ -237,20 +260,150 @@ def test_a_peer_that_never_reads_its_bytes_holds_up_nobody(server_factory, clien
     sleeper.sendall(HEADER.pack(len(frame := p.encode_request(
         2, p.Release(aid=head["aid"], drop=False)))) + frame)
     assert _reply(sleeper)["id"] == 2
-    # Asked again and gone before reading: the connection is dropped, its hold freed,
-    # the entries stay for the next reader once the lease ends.
-    sleeper.sendall(HEADER.pack(len(frame := p.encode_request(3, req))) + frame)
+    # A drop_select of a larger prompt, whose lease the server is to end once its bytes
+    # are out (8 MiB: more than the kernel's buffers take, 4 MiB to send here), gone
+    # before reading: the connection is dropped, its hold freed, nothing dropped (the
+    # bytes never all went), the entries stay for the next reader once the lease ends.
+    big = make_kv(65536, 9)
+    producer.insert(prompt(65536, 9), big)
+    pr = producer._prompt(prompt(65536, 9))
+    taking = p.Acquire(keys=tuple(pr.keys), tokens=tuple(pr.tokens), claim=True,
+                       inline=64 << 20, release_sent=True)
+    sleeper.sendall(HEADER.pack(len(frame := p.encode_request(3, taking))) + frame)
     head = _reply(sleeper)  # (its bytes, behind it, never read)
-    assert head is not None and head["id"] == 3 and head["inline"] == kv.size, head
+    assert head is not None and head["id"] == 3 and head["inline"] == big.size, head
+    assert head["release_sent"] is True
     sleeper.close()
     wait_for(lambda: producer.stats()["stream_connections"] == 1, 30, "the connection to go")
     deadline = time.monotonic() + 30
     while True:
-        got = consumer.drop_select(prompt(8192, 8))
+        got = consumer.drop_select(prompt(65536, 9))
         if got.matched_tokens or time.monotonic() > deadline:
             break
         time.sleep(0.2)  # (leased to the sleeper until its read lease ends)
+    assert got.matched_tokens == 65536 and np.array_equal(got.kv.numpy(), big)
+    got = consumer.drop_select(prompt(8192, 8))
     assert got.matched_tokens == 8192 and np.array_equal(got.kv.numpy(), kv)
+
+
+def test_a_lease_the_server_ends_once_sent_needs_no_release(server_factory, client_factory):
+    """``Acquire.release_sent``: over the door the server ends the lease once the last
+    byte is in its kernel (a drop_select's entries go then); the client sends nothing
+    after a good read; a release that comes anyway ends nothing, and what it reports
+    corrupt is counted; over the ROUTER the field changes nothing."""
+    srv = server_factory(dram="16MiB", nvme="0")
+    producer = client_factory(srv)
+    consumer = reader(client_factory, srv)
+    port = consumer.hello()["stream_port"]
+    assert consumer.hello()["release_sent"] is True
+    for seed, take in ((30, True), (31, False)):
+        producer.insert(prompt(300, seed), make_kv(300, seed))
+        before = producer.stats()  # (the producer's own requests go over the Unix socket)
+        got = (consumer.drop_select if take else consumer.get)(prompt(300, seed))
+        assert got.matched_tokens == 300 and np.array_equal(got.kv.numpy(), make_kv(300, seed))
+        stats = producer.stats()
+        assert stats["stream_requests"] == before["stream_requests"] + 1  # the acquire alone
+        assert stats["leases"] == 0 and stats["inline_replies"] == before["inline_replies"] + 1
+        assert stats["entries"] == (0 if take else before["entries"])
+    # ``client.release_sent = false``: the reader releases after its checks, as before.
+    releasing = client_factory(srv, same_node=False, config=ClientConfig(
+        inline_max_bytes=ClientConfig().inline_max_bytes, release_sent=False))
+    producer.insert(prompt(300, 36), make_kv(300, 36))
+    releasing.hello()
+    before = releasing.stats()
+    assert releasing._rpc.stream
+    got = releasing.drop_select(prompt(300, 36))
+    assert np.array_equal(got.kv.numpy(), make_kv(300, 36))
+    stats = releasing.stats()  # (after its one-way release, on the same connection)
+    # the acquire, the release and this stats call
+    assert stats["stream_requests"] == before["stream_requests"] + 3
+    assert stats["entries"] == before["entries"] - 75 and stats["leases"] == 0
+    # A raw reader: the reply says so; its release afterwards ends nothing.
+    kv = make_kv(64, 32)
+    held = producer.stats()["entries"]  # (the get's)
+    producer.insert(prompt(64, 32), kv)
+    pr = producer._prompt(prompt(64, 32))
+    req = p.Acquire(keys=tuple(pr.keys), tokens=tuple(pr.tokens), claim=True,
+                    inline=8 << 20, release_sent=True)
+    sock = _raw(port)
+    try:
+        sock.sendall(HEADER.pack(len(frame := p.encode_request(1, req))) + frame)
+        head = _reply_with_bytes(sock, kv)
+        assert head["release_sent"] is True and len(head["entries"]) == len(pr.keys)
+        stats = producer.stats()
+        assert stats["entries"] == held and stats["leases"] == 0
+        for rid, release in ((2, p.Release(aid=head["aid"], drop=True)),
+                             (3, p.Release(aid=head["aid"], drop=False, corrupt=(0, 2)))):
+            sock.sendall(HEADER.pack(len(frame := p.encode_request(rid, release))) + frame)
+            answer = _reply(sock)
+            assert answer is not None and answer["ok"] and answer["released"] == 0, answer
+        # Positions past the lease's entries are refused, as for any release.
+        bad = p.Release(aid=head["aid"], drop=False, corrupt=(len(pr.keys),))
+        sock.sendall(HEADER.pack(len(frame := p.encode_request(4, bad))) + frame)
+        answer = _reply(sock)
+        assert answer is not None and answer["code"] == "invalid", answer
+    finally:
+        sock.close()
+    after = producer.stats()
+    assert after["unchecked_checksum_failures"] == stats["unchecked_checksum_failures"] + 2
+    assert after["checksum_failures"] == stats["checksum_failures"]
+    # Over the ROUTER the bytes come in the reply, and the lease stays the reader's.
+    producer.insert(prompt(64, 33), make_kv(64, 33))
+    pr = producer._prompt(prompt(64, 33))
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(srv.address)
+    try:
+        dealer.send(p.encode_request(1, dataclasses.replace(
+            req, keys=tuple(pr.keys), tokens=tuple(pr.tokens))))
+        assert dealer.poll(10_000)
+        frames = dealer.recv_multipart()
+        head = msgpack.unpackb(frames[0])
+        assert len(frames) == 2 and head["inline"] == len(frames[1]) > 0
+        assert "release_sent" not in head and producer.stats()["leases"] == 1
+        dealer.send(p.encode_request(2, p.Release(aid=head["aid"], drop=True)))
+        assert dealer.poll(10_000)
+        assert msgpack.unpackb(dealer.recv())["released"] == len(pr.keys)
+    finally:
+        dealer.close(0)
+    assert producer.stats()["entries"] == held
+
+
+# A server from before ``release_sent``: it refuses the field, its hello says nothing.
+_BEFORE_RELEASE_SENT = ("import runpy, sys\n"
+                        "from kvstore.core import protocol\n"
+                        "from kvstore.server import loop\n"
+                        "del protocol.Acquire.CHECKS['release_sent']\n"
+                        "hello = loop.Server.hello\n"
+                        "def older(self):\n"
+                        "    info = hello(self)\n"
+                        "    del info['release_sent']\n"
+                        "    return info\n"
+                        "loop.Server.hello = older\n"
+                        "sys.argv[0] = 'kvstore-server'\n"
+                        "runpy.run_module('kvstore.server', run_name='__main__')\n")
+
+
+def test_a_server_from_before_release_sent_is_asked_again_and_released(server_factory,
+                                                                      client_factory):
+    """A client that kept a newer server's hello while an older build took its address
+    is refused once (``release_sent`` unknown), asks the same acquire again without
+    it and releases as before; after its next hello it no longer asks."""
+    srv = server_factory(dram="16MiB", nvme="0")
+    consumer = reader(client_factory, srv)
+    assert consumer.hello()["release_sent"] is True
+    srv.stop()
+    srv.argv[1:3] = ["-c", _BEFORE_RELEASE_SENT]
+    srv.start()
+    producer = client_factory(srv)
+    for seed in (34, 35):
+        producer.insert(prompt(300, seed), make_kv(300, seed))
+        got = consumer.drop_select(prompt(300, seed))
+        assert np.array_equal(got.kv.numpy(), make_kv(300, seed))
+        stats = consumer.stats()  # (after its one-way release, on the same connection)
+        assert stats["entries"] == 0 and stats["leases"] == 0
+    assert consumer._release_sent(1 << 20) is None and consumer._rpc.stream
+    assert producer.stats()["errors"] == 1  # the one refused acquire
 
 
 def test_bad_frames_on_the_door_get_errors_and_change_nothing(server_factory, client_factory):

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from kvstore.core.errors import ChecksumError, InvalidRequestError
+from kvstore.core.errors import ChecksumError, InvalidRequestError, KVStoreError
 from kvstore.store.types import CommitResult
 from tests.unit.conftest import key, put, toks, where
 
@@ -197,4 +197,36 @@ def test_a_reported_entry_a_reply_still_sends_goes_when_the_send_is_over(make_st
     assert store.end_send(acq.id) == 1
     assert sorted(where(store)) == [1, 3]
     assert store.stats()["checksum_failures"] == 1
+    store.check_integrity()
+
+
+def test_a_report_on_a_lease_ended_once_sent_is_checked_where_it_can_be(make_store):
+    """``end_sent``: the server ended the lease once its reply's bytes were out. A
+    get's entries stay, so a report on one is checked at rest (the bad one goes);
+    a drop_select's went with the drop, so a report is counted as unchecked. Either
+    lease is over: a release ends nothing more, and a bad position is refused."""
+    store = make_store(dram=8)
+    put(store, [1, 2, 3])
+    rec = next(r for r in store.entries() if r.key == key(2))
+    store.place.tiers["dram"].view(store.place.io.extent(rec))[0] ^= 0xFF
+    keys, tokens = [key(1), key(2), key(3)], [toks(1), toks(2), toks(3)]
+    got = store.acquire(keys, tokens)
+    assert store.end_sent(got.id, drop=False) == 0
+    assert store.stats()["leases"] == 0 and sorted(where(store)) == [1, 2, 3]
+    with pytest.raises(InvalidRequestError):
+        store.release(got.id, drop=False, corrupt=[3])
+    assert store.release(got.id, drop=False, corrupt=[1]) == 1  # bad at rest: dropped
+    assert sorted(where(store)) == [1, 3]
+    put(store, [4, 5])
+    taken = store.acquire([key(4), key(5)], [toks(4), toks(5)], claim=True)
+    store.hold_send(taken.id)
+    store.end_send(taken.id)
+    assert store.end_sent(taken.id, drop=True) == 2
+    assert sorted(where(store)) == [1, 3]
+    assert store.release(taken.id, drop=True, corrupt=[0]) == 0
+    stats = store.stats()
+    assert stats["checksum_failures"] == 1 and stats["unchecked_checksum_failures"] == 1
+    assert stats["transfer_checksum_failures"] == 0
+    with pytest.raises(KVStoreError):  # (no open lease of that id any more)
+        store.end_sent(taken.id, drop=True)
     store.check_integrity()

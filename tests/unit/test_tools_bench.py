@@ -352,7 +352,7 @@ def test_the_timeline_splits_a_get_into_its_phases_across_processes(tmp_path):
             "reply (and first part): sent, in transit": 0.4,
             "the bytes after it, until the last is in": 0.7,
             "after the last byte: the last copy and checks": 0.1,
-            "release (one-way) and the result": 0.1,
+            "the release (one-way; none over the door) and the result": 0.1,
             "client: keys (hashing the tokens)": 0.05,
             "server: reply and bytes handed to the socket": 0.09,
             "drop_select": 1.8}
