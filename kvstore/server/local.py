@@ -86,7 +86,8 @@ def is_local(envelope: bytes) -> bool:
 class Sent:
     """Whether the bytes ``LocalDoor.send`` took as ``data`` are out of its hands:
     all handed to the kernel, or the connection closed (``done``), and which of the
-    two (``whole``: every byte went to the kernel, the reply frame before them too).
+    two (``whole``: every byte went to the kernel, the reply frame before them too,
+    and the peer had not closed its side by then).
     It has ``zmq.MessageTracker``'s ``done`` and ``wait``; nothing but the serving
     thread moves a door's bytes, so ``wait`` cannot make them go and returns at once."""
 
@@ -427,9 +428,22 @@ def _consume(conn: _Conn, nbytes: int) -> None:
             nbytes = 0
     while conn.sent and conn.sent[0][0] <= conn.done:
         sent = conn.sent.popleft()[1]
-        sent.done = sent.whole = True
+        sent.done = True
+        # A peer that closed (FIN, nothing left unread) still takes writes: its
+        # socket sits in CLOSE_WAIT. Whole only if it has not said it is gone.
+        sent.whole = _peer_open(conn.sock)
     while conn.views and conn.views[0][1] <= conn.done:
         conn.views.popleft()
+
+
+def _peer_open(sock: socket.socket) -> bool:
+    """Whether the peer has not closed its side (no EOF waiting): a peek, no read."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+    except (BlockingIOError, InterruptedError):
+        return True  # nothing to read: open
+    except OSError:
+        return False
 
 
 def _viewing(conn: _Conn) -> int:

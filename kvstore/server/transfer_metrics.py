@@ -15,7 +15,8 @@ and ``release``, see docs/protocol.md) and ``TransferMetrics`` turns those into:
   ``reserve`` to it receiving the matching ``commit`` (``kind="insert"``), and from
   ``acquire`` to ``release`` (``kind="drop_select"``; a plain ``get`` too): what
   the server sees of one whole operation, the client's transfer and checksums
-  included, the client's hashing before the first message not.
+  included, the client's hashing before the first message not (for a lease ended
+  once sent: to the last byte in the server's socket).
 
 ``on_result`` is called by the server after each successful op: by its request
 thread, and for an acquire that staged NVMe entries by its staging thread; the
@@ -46,7 +47,9 @@ class TransferMetrics:
         self._xfer = Histogram(
             f"{PREFIX}_transfer_duration_seconds",
             "Client-measured data move of one insert (write) or select (read), reported "
-            "with commit / release", ["direction"], buckets=BUCKETS, registry=registry)
+            "with commit / release (a read whose lease the server ended once sent over "
+            "the stream door: the server's send)", ["direction"], buckets=BUCKETS,
+            registry=registry)
         self._xfer_bytes = Counter(
             f"{PREFIX}_transfer_bytes", "Bytes clients reported moving, by direction",
             ["direction"], registry=registry)

@@ -15,6 +15,7 @@ from kvstore.store.index import Record
 from tiers.base import Extent
 
 _T = TypeVar("_T")
+_ENDED_KEYS = 1 << 16  # keys of leases ended once sent remembered, at most (~4 MiB)
 _EXPIRED_MEMORY = 4096  # ids of reaped reservations/leases remembered for a clear error
 
 
@@ -94,10 +95,13 @@ class Holds:
         self.sends: dict[int, list[bytes]] = {}
         self.next_reap = float("inf")
         self._expired: collections.OrderedDict[int, None] = collections.OrderedDict()
-        # Leases the server ended itself once their reply's bytes were out (their
-        # keys), so a reader's later release or report on one is understood.
-        self._ended_sent: collections.OrderedDict[int, tuple[bytes, ...]] = \
-            collections.OrderedDict()
+        # Leases the server ended itself once their reply's bytes were out, so a
+        # reader's later release or report on one is understood: a get's keys (its
+        # entries stay, to be checked), a drop_select's count (they went), and until
+        # when the lease would have run (``remember_ended_sent``).
+        self._ended_sent: collections.OrderedDict[
+            int, tuple[tuple[bytes, ...] | int, float]] = collections.OrderedDict()
+        self._ended_keys = 0  # keys held in ``_ended_sent``
 
     def hold(self, keys: Sequence[bytes]) -> None:
         count(self.leased, keys)
@@ -241,15 +245,30 @@ class Holds:
         while len(self._expired) > _EXPIRED_MEMORY:
             self._expired.popitem(last=False)
 
-    def remember_ended_sent(self, aid: int, keys: Sequence[bytes]) -> None:
-        self._ended_sent[aid] = tuple(keys)
-        while len(self._ended_sent) > _EXPIRED_MEMORY:
-            self._ended_sent.popitem(last=False)
+    def remember_ended_sent(self, aid: int, keys: tuple[bytes, ...] | int,
+                            expires_at: float, now: float) -> None:
+        """Lease ``aid``, ended on sending its bytes: ``keys`` (a count, where its
+        entries went with a drop), kept until ``expires_at`` (its reader's release
+        comes within the lease), the last ``_EXPIRED_MEMORY`` and at most
+        ``_ENDED_KEYS`` keys of them: a busy server's good reads, every one of which
+        is remembered, hold a bounded few MiB."""
+        ended = self._ended_sent
+        ended[aid] = (keys, expires_at)
+        self._ended_keys += len(keys) if isinstance(keys, tuple) else 0
+        while ended:
+            first, until = next(iter(ended.values()))
+            if until > now and len(ended) <= _EXPIRED_MEMORY \
+                    and self._ended_keys <= _ENDED_KEYS:
+                break
+            ended.popitem(last=False)
+            self._ended_keys -= len(first) if isinstance(first, tuple) else 0
 
-    def ended_sent(self, aid: int) -> tuple[bytes, ...] | None:
-        """The keys of lease ``aid``, if the server ended it on sending its bytes
-        (``Reads.end_sent``) not long ago; else None."""
-        return self._ended_sent.get(aid)
+    def ended_sent(self, aid: int) -> tuple[bytes, ...] | int | None:
+        """Lease ``aid``'s keys (a count, for a drop_select's), if the server ended
+        it on sending its bytes (``Reads.end_sent``) and its lease would still run;
+        else None."""
+        found = self._ended_sent.get(aid)
+        return None if found is None else found[0]
 
     def _gone(self, what: str, ident: int) -> Exception:
         if ident in self._expired:

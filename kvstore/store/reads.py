@@ -350,7 +350,9 @@ class Reads(Operations):
             if acquisition_id == 0:
                 return 0  # the empty acquisition of a full miss
             ended = self.holds.ended_sent(acquisition_id)
-            if ended is not None:  # (nothing left to end: only a report to hear)
+            if isinstance(ended, int):  # a drop_select's, gone: only a report to hear
+                return self._reported_gone(acquisition_id, ended, corrupt)
+            if ended is not None:  # a get's: its entries stay, to be checked
                 return self._drop_bad(self._bad_at_rest(ended, corrupt))
             lease = self.holds.open_lease(acquisition_id)
             bad = self._bad_at_rest(lease.keys, corrupt)
@@ -380,17 +382,32 @@ class Reads(Operations):
         release after a failed read ends nothing twice and its report of corrupt
         entries is still counted."""
         with self.lock:
-            keys = self.holds.open_lease(acquisition_id).keys
+            lease = self.holds.open_lease(acquisition_id)
             freed = self.release(acquisition_id, drop)
-            self.holds.remember_ended_sent(acquisition_id, keys)
+            taken = drop and lease.take  # (its entries went: a count will do)
+            self.holds.remember_ended_sent(
+                acquisition_id, len(lease.keys) if taken else tuple(lease.keys),
+                lease.expires_at, time.time())
             return freed
+
+    def _reported_gone(self, aid: int, entries: int, corrupt: Sequence[int]) -> int:
+        """A report on a drop_select's lease ended once sent: its entries went with
+        the drop, so the ones reported bad are counted unchecked; nothing else."""
+        positions = set(corrupt)
+        if any(not 0 <= i < entries for i in positions):
+            raise InvalidRequestError(f"corrupt: positions must be below {entries}")
+        if positions:
+            self.counts["unchecked_checksum_failures"] += len(positions)
+            log.error("the reader of acquisition %d reports %d entries corrupt that went "
+                      "when the server sent them: not checked at rest", aid, len(positions))
+        return 0
 
     def _bad_at_rest(self, keys: Sequence[bytes], corrupt: Sequence[int]) -> list[bytes]:
         """The keys of a lease (``keys``, in order) bad at rest, when its reader
         reported the entries at ``corrupt`` bad on arrival; each counted: bad at rest
         (``checksum_failures``), fine at rest (``transfer_checksum_failures``), or no
-        longer stored (``unchecked_checksum_failures``: a drop_select's, whose lease
-        the server ended on sending it, ``end_sent``, so it went with the drop)."""
+        longer stored (``unchecked_checksum_failures``: gone since, e.g. evicted
+        after a lease the server ended on sending it, ``end_sent``)."""
         positions = sorted(set(corrupt))
         if any(not 0 <= i < len(keys) for i in positions):
             raise InvalidRequestError(f"corrupt: positions must be below {len(keys)}")
@@ -409,9 +426,8 @@ class Reads(Operations):
         self.counts["unchecked_checksum_failures"] += len(gone)
         self.counts["transfer_checksum_failures"] += len(reported - gone - set(bad))
         if gone:
-            log.error("%d entries reported corrupt by a reader were dropped when the "
-                      "server sent them: not checked at rest (first %s)", len(gone),
-                      next(iter(gone)).hex())
+            log.error("%d entries reported corrupt by a reader are no longer stored: not "
+                      "checked at rest (first %s)", len(gone), next(iter(gone)).hex())
         if bad:
             log.error("%d entries reported corrupt by a reader are bad at rest: dropped "
                       "(first %s)", len(bad), bad[0].hex())

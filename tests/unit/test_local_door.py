@@ -131,3 +131,27 @@ def test_a_request_the_door_could_not_send_asks_the_router_for_what_it_carries()
     small = p.Acquire(keys=keys, tokens=tokens, inline=1 << 20)
     assert _for_router(small) is small
     assert _for_router(p.Health()) == p.Health()
+
+
+def test_bytes_to_a_peer_that_has_closed_are_never_whole():
+    """A peer that closed its side (FIN, nothing unread) still takes writes (its
+    socket is in CLOSE_WAIT): the bytes go to the kernel, ``done``, but not
+    ``whole``, so a server that ends a lease once its bytes are out
+    (``Acquire.release_sent``) leaves it open. To a peer still there: whole."""
+    door = LocalDoor(None, 1 << 20, stream=("127.0.0.1", 0))
+    peers = [socket.create_connection(("127.0.0.1", door.stream_port), timeout=10)
+             for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 10
+        while len(door._conns) < 2:
+            assert time.monotonic() < deadline, "the door did not accept"
+            list(door.read(listener_ready=True))
+        peers[0].close()
+        time.sleep(0.1)  # (its FIN in)
+        data = np.arange(64 << 10, dtype=np.uint8)
+        sent = [door.send(LOCAL_TAG + str(cid).encode(), p.encode_ok(1, {"inline": data.size}),
+                          memoryview(data)) for cid in sorted(door._conns)]
+        assert [(s.done, s.whole) for s in sent] == [(True, False), (True, True)]
+    finally:
+        peers[1].close()
+        door.close()

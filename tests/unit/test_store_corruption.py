@@ -230,3 +230,22 @@ def test_a_report_on_a_lease_ended_once_sent_is_checked_where_it_can_be(make_sto
     with pytest.raises(KVStoreError):  # (no open lease of that id any more)
         store.end_sent(taken.id, drop=True)
     store.check_integrity()
+
+
+def test_leases_ended_once_sent_are_remembered_within_bounds():
+    """What the store keeps of leases it ended once sent (``Holds.ended_sent``): a
+    get's keys, a drop_select's count, each until its lease would have run out, and
+    never more than ``_ENDED_KEYS`` keys however many good reads go by."""
+    from kvstore.store import holds as holds_module
+
+    h = holds_module.Holds({})
+    keys = tuple(bytes([i % 256]) * 16 for i in range(2048))  # a 32k-token prompt's
+    for aid in range(1, 101):
+        h.remember_ended_sent(aid, keys, expires_at=1000.0, now=10.0)
+    assert h._ended_keys <= holds_module._ENDED_KEYS
+    assert h.ended_sent(100) == keys and h.ended_sent(1) is None  # the oldest went
+    h.remember_ended_sent(101, 33, expires_at=1000.0, now=10.0)  # a drop_select's
+    assert h.ended_sent(101) == 33
+    h.remember_ended_sent(102, 5, expires_at=2000.0, now=1500.0)  # the others ran out
+    assert [h.ended_sent(a) for a in (100, 101, 102)] == [None, None, 5]
+    assert h._ended_keys == 0
