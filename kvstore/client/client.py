@@ -837,17 +837,13 @@ class KVStoreClient:
         log.info("the server at %s refuses the acquire's %s (an older build): asking "
                  "without", self.server, " and ".join(refused))
         self._hello = None
+        left_out = set(refused)
         # (inline_part and release_sent need inline: a server that refuses inline or
         # inline_part reads over TE.)
-        if set(refused) - {"deadline", "wait_s", "release_sent"}:
-            req = dataclasses.replace(req, inline=None, inline_part=None, release_sent=None)
-        if "release_sent" in refused:
-            req = dataclasses.replace(req, release_sent=None)
-        if "deadline" in refused:
-            req = dataclasses.replace(req, deadline=None)
-        if "wait_s" in refused:
-            req = dataclasses.replace(req, wait_s=None)
-        return self._call(req, _left(deadline))
+        if left_out - {"deadline", "wait_s", "release_sent"}:
+            left_out |= {"inline", "inline_part", "release_sent"}
+        unset: dict[str, Any] = dict.fromkeys(left_out)  # (each field's "left out": None)
+        return self._call(dataclasses.replace(req, **unset), _left(deadline))
 
     def _inline(self, skip: int) -> int | None:
         """What an acquire asks to get in its reply (``Acquire.inline``): this client's

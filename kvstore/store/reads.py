@@ -393,9 +393,7 @@ class Reads(Operations):
     def _reported_gone(self, aid: int, entries: int, corrupt: Sequence[int]) -> int:
         """A report on a drop_select's lease ended once sent: its entries went with
         the drop, so the ones reported bad are counted unchecked; nothing else."""
-        positions = set(corrupt)
-        if any(not 0 <= i < entries for i in positions):
-            raise InvalidRequestError(f"corrupt: positions must be below {entries}")
+        positions = _positions(corrupt, entries)
         if positions:
             self.counts["unchecked_checksum_failures"] += len(positions)
             log.error("the reader of acquisition %d reports %d entries corrupt that went "
@@ -408,9 +406,7 @@ class Reads(Operations):
         (``checksum_failures``), fine at rest (``transfer_checksum_failures``), or no
         longer stored (``unchecked_checksum_failures``: gone since, e.g. evicted
         after a lease the server ended on sending it, ``end_sent``)."""
-        positions = sorted(set(corrupt))
-        if any(not 0 <= i < len(keys) for i in positions):
-            raise InvalidRequestError(f"corrupt: positions must be below {len(keys)}")
+        positions = _positions(corrupt, len(keys))
         if not positions:
             return []
         # A reader stops at its first bad entry; a stray writer rarely hits just
@@ -540,3 +536,10 @@ class Reads(Operations):
                                        rec.checksum, rec.ntokens, rec.meta)))
         return out
 
+
+def _positions(corrupt: Sequence[int], entries: int) -> set[int]:
+    """The positions a reader reported corrupt, each one of a lease of ``entries``."""
+    positions = set(corrupt)
+    if any(not 0 <= i < entries for i in positions):
+        raise InvalidRequestError(f"corrupt: positions must be below {entries}")
+    return positions
