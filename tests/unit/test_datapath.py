@@ -488,7 +488,9 @@ def _send_in_pieces(sock: socket.socket, data: bytes, pieces: list[int],
     then closes ``sock`` if asked."""
     def run() -> None:
         at = 0
-        for n in pieces:
+        # (No empty piece: with nothing left to send, the reader is done at once and
+        # closes ``sock`` under a late ``sendall`` of nothing, which fails.)
+        for n in filter(None, pieces):
             sock.sendall(data[at:at + n])
             at += n
             time.sleep(0.01)
