@@ -7,6 +7,9 @@ STAMP := .venv/.kvstore-installed
 # (kvstore/client/_ntcopy.c): without xxhash.h it only streams, without gcc it is not built.
 SYS_PACKAGES := libibverbs1 librdmacm1 etcd-server iproute2 gcc libxxhash-dev
 PYTEST_ARGS ?=
+# Two workers (pytest-xdist); tests/engine runs as one unit on one of them, each other
+# test module as a unit (tests/conftest.py says why). PYTEST_WORKERS= runs serially.
+PYTEST_WORKERS ?= -n 2 --dist loadscope
 # make bench BENCH_ARGS="--quick --only dram,nvme" (python -m tools.bench --help); results go to
 # bench-results/, the committed plots in docs/img only with BENCH_ARGS="--plots docs/img"
 BENCH_ARGS ?=
@@ -67,7 +70,7 @@ $(STAMP): pyproject.toml $(wildcard kvstore/client/*.c kvstore/client/*.h)
 # Types first (kvstore/ and tiers/, pyproject's [tool.mypy]): a type error fails the tests.
 test: setup
 	$(PY) -m mypy
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 run: setup
 	$(PY) -m tools.demo

@@ -1,5 +1,5 @@
 """Shared test set-up: quiet TE logging, no Hypothesis deadline, GPU tests skipped
-without CUDA."""
+without CUDA, and how ``make test`` shares the tests out between its pytest-xdist workers."""
 
 import os
 
@@ -25,7 +25,44 @@ def _has_cuda() -> bool:
         return False
 
 
+# ``make test`` runs the suite in two pytest-xdist workers (``-n 2 --dist loadscope``):
+# most tests wait on servers, sockets and timeouts, and a serial run left the 2 cores
+# idle over half its time. Each test module is one unit of work (its module-scoped
+# servers start once, on one worker), and all of tests/engine, where every test that
+# runs real vLLM engines lives, is one unit: its session fixtures (the node cluster,
+# the plain engines' tokens) are made once, its engines never compete with another
+# worker's for the cores, and its checks that no vLLM file is left in /dev/shm see no
+# other engine's. Units go out in collection order, so tests/engine starts first.
+# (xdist's own ``loadgroup`` would do it with marks, but with pytest 9 it groups
+# nothing: it renames the items' ``_nodeid``, which pytest no longer reads.)
+ENGINE_DIR = "tests/engine/"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class EngineTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return ENGINE_DIR if module.startswith(ENGINE_DIR) else module
+
+    config.option.loadscopereorder = False  # (by size, tests/engine would start late)
+    return EngineTogether(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
+    stray = [item.nodeid for item in items if item.get_closest_marker("engine") is not None
+             and not item.nodeid.startswith(ENGINE_DIR)]
+    if stray:
+        raise pytest.UsageError(f"tests that run vLLM engines (marked engine) belong in "
+                                f"{ENGINE_DIR}, which runs as one unit: {stray}")
+    _skip_gpu_tests(items)
+
+
+def _skip_gpu_tests(items):
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -65,7 +65,7 @@ class EngineConfig(NamedTuple):
 # multi-process layout, where the connector's metadata and the requests'
 # kv_transfer_params cross processes as deployed, is what the HTTP tests run
 # (tests/engine/test_pd_http.py, the `make run` test, and the OpenAI server of
-# tests/integration/test_vllm_v1_observability.py), and the TP = 2 test puts each
+# tests/engine/test_openai_server_events.py), and the TP = 2 test puts each
 # rank's worker in a process of its own; an offline config in that layout cost ~55 s
 # of the suite (its four engines took 95 s to start, against ~40 s) and covered
 # nothing those do not. Each architecture and each dtype runs; Qwen2 in bf16 (their
