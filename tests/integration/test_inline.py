@@ -336,14 +336,19 @@ def test_replies_from_the_arena_reuse_their_slots(server_factory, client_factory
     assert producer.health(deep=True)["status"] == "ok"
 
 
+# Sends its requests spaced out: while a reply sent from the arena is on its way, the
+# server sends the next ones over TE (``INLINE_HOLD_SHARE``), so requests that came
+# all at once could leave one or two replies from the arena in all, which the
+# kernel's socket buffers (4 MiB and more here) may take whole, holding nothing.
 _STOPPED_PEER = """
-import os, signal, sys, zmq
+import os, signal, sys, time, zmq
 sock = zmq.Context().socket(zmq.DEALER)
 sock.setsockopt(zmq.RCVHWM, 1)
 sock.setsockopt(zmq.RCVBUF, 64 << 10)
 sock.connect(sys.argv[1])
 for i in range(int(sys.argv[3])):
     sock.send(bytes.fromhex(sys.argv[2]))
+    time.sleep(float(sys.argv[4]))
 print("sent", flush=True)
 sys.stdin.readline()  # the test has seen the replies held
 os.kill(os.getpid(), signal.SIGSTOP)  # its libzmq stops too: no heartbeat answered
@@ -372,7 +377,7 @@ def test_a_stopped_peer_is_let_go_and_its_replies_with_it(server_factory, client
     producer.insert(prompt(n, 9), make_kv(n, 9, PAGED))
     req = dataclasses.replace(_acquire(producer, prompt(n, 9), inline=cap), lease_s=0.2)
     peer = subprocess.Popen([sys.executable, "-c", _STOPPED_PEER, srv.address,
-                             p.encode_request(1, req).hex(), "20"],
+                             p.encode_request(1, req).hex(), "40", "0.05"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert peer.stdout.readline().strip() == "sent"
@@ -381,6 +386,10 @@ def test_a_stopped_peer_is_let_go_and_its_replies_with_it(server_factory, client
             assert time.monotonic() < deadline, "no reply was sent from the arena"
             time.sleep(0.05)
         time.sleep(0.5)  # the leases (0.2 s) ran out: only the replies hold the entries
+        held = producer.stats()["leased_entries"]
+        assert held == n // PAGED.block_tokens, (
+            f"{held} entries held after {inline_views(producer)} replies from the arena: "
+            "none still on its way (the kernel's buffers took them whole)")
         assert producer.evict(everything=True)["count"] == 0
         peer.stdin.write("\n")
         peer.stdin.flush()
