@@ -32,7 +32,9 @@ def _has_cuda() -> bool:
 # runs real vLLM engines lives, is one unit: its session fixtures (the node cluster,
 # the plain engines' tokens) are made once, its engines never compete with another
 # worker's for the cores, and its checks that no vLLM file is left in /dev/shm see no
-# other engine's. Units go out in collection order, so tests/engine starts first.
+# other test's (the tests that make such files on purpose live there too). Units go
+# out in collection order (xdist 3.8's ``loadscopereorder`` off), so tests/engine
+# starts first. A test marked ``engine`` outside tests/engine fails at its setup.
 # (xdist's own ``loadgroup`` would do it with marks, but with pytest 9 it groups
 # nothing: it renames the items' ``_nodeid``, which pytest no longer reads.)
 ENGINE_DIR = "tests/engine/"
@@ -53,13 +55,24 @@ def pytest_xdist_make_scheduler(config, log):
     return EngineTogether(config, log)
 
 
+_STRAY = pytest.StashKey[bool]()
+
+
 def pytest_collection_modifyitems(config, items):
-    stray = [item.nodeid for item in items if item.get_closest_marker("engine") is not None
-             and not item.nodeid.startswith(ENGINE_DIR)]
-    if stray:
-        raise pytest.UsageError(f"tests that run vLLM engines (marked engine) belong in "
-                                f"{ENGINE_DIR}, which runs as one unit: {stray}")
+    for item in items:
+        if item.get_closest_marker("engine") is not None \
+                and not item.nodeid.startswith(ENGINE_DIR):
+            item.stash[_STRAY] = True
     _skip_gpu_tests(items)
+
+
+def pytest_runtest_setup(item):
+    # (Failed here, not refused at collection: an error a worker raises while it
+    # collects reaches xdist's controller as "no active workers", without its words.)
+    if item.stash.get(_STRAY, False):
+        pytest.fail(f"{item.nodeid} runs vLLM engines (marked engine): it belongs in "
+                    f"{ENGINE_DIR}, which runs as one unit, never beside another worker's "
+                    "tests", pytrace=False)
 
 
 def _skip_gpu_tests(items):
