@@ -274,13 +274,13 @@ def test_node_list_outlives_an_etcd_outage():
         reg._stop.set()  # no keepalives against a stalled or stopped etcd
         reg._thread.join()
         # A stalled etcd (accepts, never answers): the watcher's fetch waits out its
-        # 3 s timeout, the caller does not. Far below 3 s even on busy shared cores.
+        # 3 s timeout, the caller does not. Below 3 s even on busy shared cores.
         os.kill(proc.proc.pid, signal.SIGSTOP)
         try:
             time.sleep(0.3)  # the watcher is inside a fetch by now
             start = time.monotonic()
             assert set(watched.nodes()) == {"node6"}
-            assert time.monotonic() - start < 1.0
+            assert time.monotonic() - start < 2.0
         finally:
             os.kill(proc.proc.pid, signal.SIGCONT)
     # etcd is gone: both keep serving the last listing instead of failing requests.

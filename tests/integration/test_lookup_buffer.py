@@ -221,7 +221,7 @@ def test_select_any_is_an_immediate_miss_with_one_warning(clean_server, caplog):
     with caplog.at_level("WARNING", logger="kvstore.connector.lookup_buffer"):
         assert consumer.drop_select(None, None) == [None] * 5
         assert consumer.drop_select(None, torch.ones(10, dtype=torch.bool)) == [None] * 5
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 4.0  # (not select_timeout_s, 5 s, even once)
     assert consumer.select_any_calls == 2
     assert sum("select any" in r.getMessage() for r in caplog.records) == 1
     assert _entries(server) == stored  # nothing was taken
