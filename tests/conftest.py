@@ -55,27 +55,16 @@ def pytest_xdist_make_scheduler(config, log):
     return EngineTogether(config, log)
 
 
-_STRAY = pytest.StashKey[bool]()
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.get_closest_marker("engine") is not None \
-                and not item.nodeid.startswith(ENGINE_DIR):
-            item.stash[_STRAY] = True
-    _skip_gpu_tests(items)
-
-
 def pytest_runtest_setup(item):
     # (Failed here, not refused at collection: an error a worker raises while it
     # collects reaches xdist's controller as "no active workers", without its words.)
-    if item.stash.get(_STRAY, False):
+    if item.get_closest_marker("engine") is not None and not item.nodeid.startswith(ENGINE_DIR):
         pytest.fail(f"{item.nodeid} runs vLLM engines (marked engine): it belongs in "
                     f"{ENGINE_DIR}, which runs as one unit, never beside another worker's "
                     "tests", pytrace=False)
 
 
-def _skip_gpu_tests(items):
+def pytest_collection_modifyitems(config, items):
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
