@@ -275,22 +275,27 @@ def test_an_unsent_reply_holds_its_entries_but_not_its_lease(server_factory, cli
     srv = server_factory(dram=str(cap + (cap >> 1)), nvme="0",
                          block_tokens=PAGED.block_tokens,
                          env={"KVSTORE_SERVER_INLINE_MAX_BYTES": str(cap)},
-                         extra=("--busy-after", "60"))  # (20 asks at once: as above)
+                         extra=("--busy-after", "60"))  # (40 asks queued: as above)
     producer = client_factory(srv, layout=PAGED)
     assert PAGED.nbytes(n) == cap
     producer.insert(prompt(n, 7), make_kv(n, 7, PAGED))
     short = dataclasses.replace(_acquire(producer, prompt(n, 7), inline=cap), lease_s=0.2)
-    asks = 20  # the first claims the prompt's consumer, as a drop_select does
+    asks = 40  # the first claims the prompt's consumer, as a drop_select does
     expired = producer.stats()["leases_expired"]
     ctx, sock = _stuck_peer(srv.address)
     try:
-        for i in range(asks):
+        for i in range(asks):  # spaced out, as _STOPPED_PEER's (below) and for its reason
             sock.send(p.encode_request(i + 1, dataclasses.replace(short, claim=i == 0)))
+            time.sleep(0.05)
         # Every ask was served and its lease has run out (not a fixed sleep: a loaded
-        # machine may serve the 20 late; a lease-free moment before any was served
+        # machine may serve them late; a lease-free moment before any was served
         # would prove nothing).
         wait_for(lambda: (s := producer.stats())["leases"] == 0
                  and s["leases_expired"] - expired >= asks, 10, "the leases to run out")
+        held = producer.stats()["leased_entries"]
+        assert held == n // PAGED.block_tokens, (
+            f"{held} entries held after {inline_views(producer)} replies from the arena: "
+            "none still on its way (the kernel's buffers took them whole)")
         # Its claim went back: another consumer takes the prompt, exactly.
         consumer = reader(client_factory, srv, cap=cap, layout=PAGED)
         res = consumer.drop_select(prompt(n, 7))
