@@ -55,8 +55,13 @@ _DEADLINE_SLACK_S = 1.0
 # round trip took at most twice this: the error is at most half the round trip, and it
 # must stay well inside the slack above.
 _CLOCK_ERROR_S = 0.25
-# The most a lookup's or acquire's ``wait_s`` leaves for the way back of a ``busy``.
-_WAIT_MARGIN_S = 0.1
+# A lookup's or acquire's ``wait_s`` leaves this share of the time left for the way
+# back of a ``busy`` (1/N), at most _WAIT_MARGIN_S. A tenth (at most 0.1 s) left the
+# connector's 0.25 s lookup 25 ms, less than a loaded host's way back: with two CPU
+# hogs on 2 cores, busy replies sent 60 - 120 ms before 0.2 - 0.3 s lookups' deadlines
+# had not reached them (in a third to a half of the tries, with either margin).
+_WAIT_MARGIN_SHARE = 4
+_WAIT_MARGIN_S = 0.25
 _WAIT_FLOOR_S = 0.001  # the least wait_s sent (the protocol takes (0, MAX_LEASE_S])
 
 
@@ -350,7 +355,7 @@ class KVStoreClient:
 
     def _wait_s(self, left: float) -> float | None:
         """A lookup's or acquire's ``wait_s``: how long this call still waits
-        (``left``), less a margin for the reply's way back (a tenth, at most
+        (``left``), less a margin for the reply's way back (a quarter, at most
         ``_WAIT_MARGIN_S``), so that a server stalled behind slow work answers
         ``busy`` while this call still listens. None where the server does not take
         it (its hello's ``wait_s``; without a hello, as a lookup-only client may be,
@@ -361,7 +366,7 @@ class KVStoreClient:
         left = max(0.0, left)
         # Within what the server takes: a call with no time left still says a little
         # (it then hears busy or times out: a miss), one of hours says the most.
-        return min(p.MAX_LEASE_S, max(_WAIT_FLOOR_S, left - min(left / 10, _WAIT_MARGIN_S)))
+        return min(p.MAX_LEASE_S, max(_WAIT_FLOOR_S, left - min(left / _WAIT_MARGIN_SHARE, _WAIT_MARGIN_S)))
 
     def keys_for(self, tokens: Sequence[int] | np.ndarray,
                  scope: bytes | str = b"") -> list[bytes]:
