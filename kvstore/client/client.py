@@ -366,7 +366,8 @@ class KVStoreClient:
         left = max(0.0, left)
         # Within what the server takes: a call with no time left still says a little
         # (it then hears busy or times out: a miss), one of hours says the most.
-        return min(p.MAX_LEASE_S, max(_WAIT_FLOOR_S, left - min(left / _WAIT_MARGIN_SHARE, _WAIT_MARGIN_S)))
+        margin = min(left / _WAIT_MARGIN_SHARE, _WAIT_MARGIN_S)
+        return min(p.MAX_LEASE_S, max(_WAIT_FLOOR_S, left - margin))
 
     def keys_for(self, tokens: Sequence[int] | np.ndarray,
                  scope: bytes | str = b"") -> list[bytes]:

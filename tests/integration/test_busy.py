@@ -161,7 +161,7 @@ def test_a_lookup_or_drop_select_behind_slow_work_is_busy_within_its_own_timeout
     # A second's timeout: what is tested is that wait_s brings busy before it, not how
     # near the deadline that can come. On a loaded host (two CPU hogs on 2 cores, or
     # two pytest workers) a busy reply sent 0.1 s before a 0.2 - 0.3 s call's deadline
-    # was not there by it, in 1 of 3 tries. The verify is made to outlast it: each
+    # was not there by it, in a third to a half of the tries. The verify outlasts it: each
     # stored key checked over and over (the server reads and checksums each time).
     timeout = 1.0
     keys = [k for pid in range(224) for k in admin.keys_for(_tokens(pid))]  # (all stored)
