@@ -215,6 +215,15 @@ def _stuck_peer(address: str) -> tuple[zmq.Context, zmq.Socket]:
     return ctx, sock
 
 
+def _assert_replies_hold(producer, n: int) -> None:
+    """With every lease run out, the ``n``-token prompt's entries are still held: a
+    reply sent from the arena is on its way (said in words when none is)."""
+    held = producer.stats()["leased_entries"]
+    assert held == n // PAGED.block_tokens, (
+        f"{held} entries held after {inline_views(producer)} replies from the arena: "
+        "none still on its way (the kernel's buffers took them whole)")
+
+
 def test_replies_a_peer_leaves_unread_are_bounded(server_factory, client_factory):
     """A peer that asks and never reads cannot make the server hold more than
     INLINE_BACKLOG replies' worth of bytes: past that, replies name TE addresses."""
@@ -292,10 +301,7 @@ def test_an_unsent_reply_holds_its_entries_but_not_its_lease(server_factory, cli
         # would prove nothing).
         wait_for(lambda: (s := producer.stats())["leases"] == 0
                  and s["leases_expired"] - expired >= asks, 10, "the leases to run out")
-        held = producer.stats()["leased_entries"]
-        assert held == n // PAGED.block_tokens, (
-            f"{held} entries held after {inline_views(producer)} replies from the arena: "
-            "none still on its way (the kernel's buffers took them whole)")
+        _assert_replies_hold(producer, n)
         # Its claim went back: another consumer takes the prompt, exactly.
         consumer = reader(client_factory, srv, cap=cap, layout=PAGED)
         res = consumer.drop_select(prompt(n, 7))
@@ -396,10 +402,7 @@ def test_a_stopped_peer_is_let_go_and_its_replies_with_it(server_factory, client
             assert time.monotonic() < deadline, "no reply was sent from the arena"
             time.sleep(0.05)
         time.sleep(0.5)  # the leases (0.2 s) ran out: only the replies hold the entries
-        held = producer.stats()["leased_entries"]
-        assert held == n // PAGED.block_tokens, (
-            f"{held} entries held after {inline_views(producer)} replies from the arena: "
-            "none still on its way (the kernel's buffers took them whole)")
+        _assert_replies_hold(producer, n)
         assert producer.evict(everything=True)["count"] == 0
         peer.stdin.write("\n")
         peer.stdin.flush()
