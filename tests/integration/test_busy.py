@@ -83,6 +83,9 @@ def _behind_a_verify(admin, client) -> tuple[float, bool, threading.Thread,
     raise AssertionError("no stats was answered busy behind any of 5 verifies")
 
 
+_BATCHES = (96, 32, 32, 32, 32)  # _slow_work_ready's prompts of 8 MiB, as needed
+
+
 def _slow_work_ready(server_factory, client_factory, busy_after: str):
     """A server whose NVMe tier holds enough that an admin verify of it is slow work
     on the serving thread (over 0.3 s); (server, admin client, seconds a verify
@@ -94,7 +97,7 @@ def _slow_work_ready(server_factory, client_factory, busy_after: str):
                               "KVSTORE_POLICY_BACKGROUND_WRITEBACK": "false"})
     admin = client_factory(srv, layout=BIG, timeout_s=120.0)
     held = 0
-    for more in (96, 32, 32, 32, 32):  # prompts of 8 MiB each
+    for more in _BATCHES:
         for pid in range(held, held + more):
             res = _patient(admin.insert, _tokens(pid), _kv(pid))
             assert res.new_blocks == 4, (pid, res)
@@ -164,7 +167,7 @@ def test_a_lookup_or_drop_select_behind_slow_work_is_busy_within_its_own_timeout
     # was not there by it, in a third to a half of the tries. The verify outlasts it: each
     # stored key checked over and over (the server reads and checksums each time).
     timeout = 1.0
-    keys = [k for pid in range(224) for k in admin.keys_for(_tokens(pid))]  # (all stored)
+    keys = [k for pid in range(sum(_BATCHES)) for k in admin.keys_for(_tokens(pid))]
     slow = p.Verify(keys=tuple(keys * math.ceil(3 * timeout / alone)))  # ~3 s of work
     other = client_factory(srv, layout=BIG, timeout_s=30.0)  # over the ZeroMQ port
     neighbour = client_factory(srv, layout=BIG, timeout_s=30.0)
