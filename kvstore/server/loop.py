@@ -88,6 +88,12 @@ WATCH_S = 0.02
 # stops waiting within this many periods is answered busy now (one period was too
 # few: a lookup waiting 0.27 s timed out behind a verify in 1 of 3 to 4 tries here).
 WATCH_LATE = 3
+# ... or within twice the longest recent time from one look's end to the next's (its
+# sleep, its wait for a CPU and for the GIL, the look itself), a peak that halves
+# every WATCH_MEMORY_S. With 4 CPU hogs on 2 cores, looks came up to 0.5 s apart while
+# the serving thread checksummed, and lookups with 0.75 s of wait_s timed out behind
+# it in 4 of 6 tries with WATCH_LATE periods alone; in none of 6 with this.
+WATCH_MEMORY_S = 2.0
 # The ops whose requests may say how long their caller waits (``protocol._WAIT``).
 WAIT_OPS = frozenset({p.Hello.OP, p.Lookup.OP, p.Acquire.OP})
 _EWMA = 0.2  # weight of the latest request in the recent service time
@@ -166,6 +172,7 @@ class Server:
         self._working_on: list[bytes] | None = None
         self._busy_noted = (0.0, 0)  # when ``_busy`` last logged, and busy answers since
         self._service_s = 0.0  # recent time per request (EWMA)
+        self._watch_gap = WATCH_S  # recent peak time between the watchdog's looks
         self._busy_after = config.server.busy_after_s
         # Acquires waiting on NVMe: (envelope, request id, request, staging, arrival).
         self._staging: collections.deque[tuple[list[bytes], int, p.Acquire, Staging, float]] \
@@ -412,17 +419,28 @@ class Server:
         work that long, take the socket for a moment: queue what arrived, answer
         ``busy`` what could not start within ``busy_after_s`` (so within about two
         ``WATCH_S`` of its arrival), pass on staged replies. It never wakes the
-        serving thread, and costs nothing per request."""
+        serving thread, and costs nothing per request. It times itself: how late its
+        looks come is how early it must answer a caller about to stop waiting."""
+        last = time.monotonic()
         while not self._stop:
             time.sleep(WATCH_S)
             since = self._working_since
-            if since is None or time.monotonic() - since < WATCH_S:
-                continue
-            with self._sock_lock:
-                if self._working_since is not None:
-                    self._forward(staged)
-                    self._drain()
-                    self._expire_queued()
+            if since is not None and time.monotonic() - since >= WATCH_S:
+                with self._sock_lock:
+                    if self._working_since is not None:
+                        self._forward(staged)
+                        self._drain()
+                        self._expire_queued()
+            now = time.monotonic()
+            self._watch_gap = watch_gap(self._watch_gap, now - last)
+            last = now
+
+    @property
+    def watch_ahead_s(self) -> float:
+        """How long before its caller stops waiting a queued request is answered
+        ``busy``: ``WATCH_LATE`` periods, or twice the recent peak time between the
+        watchdog's looks where that is longer (a loaded host)."""
+        return max(WATCH_LATE * WATCH_S, 2 * self._watch_gap)
 
     def _poller(self, staged: zmq.Socket) -> zmq.Poller:
         """What the serving thread waits on: the ROUTER, staged replies, and the
@@ -540,6 +558,7 @@ class Server:
         if not self._queue:
             return
         now = time.monotonic()
+        ahead = self.watch_ahead_s
         kept: list[tuple[list[bytes], float]] = []
         late: list[tuple[list[bytes], float, str]] = []
         for item in self._queue:
@@ -549,7 +568,7 @@ class Server:
             elif now - arrived > self._busy_after:
                 late.append((frames, arrived, ""))
             elif (due := self._due(frames, arrived)) is not None \
-                    and now + WATCH_LATE * WATCH_S >= due:
+                    and now + ahead >= due:
                 # Its caller stops waiting before this watchdog looks again, or
                 # before the look after, should that one come late (a woken thread
                 # waits for the GIL, on a busy host for its CPU too).
@@ -644,8 +663,9 @@ class Server:
         at = "has only now reached it" if reached else "is idle" if working is None else \
             f"is on a {op} for {now - working:.1f} s"
         log.warning("answered busy (%s; %d more since the last note): the serving thread "
-                    "%s, %d requests queued, %.1f ms per request lately", why, since,
-                    at, len(self._queue), self._service_s * 1000)
+                    "%s, %d requests queued, %.1f ms per request lately, the watchdog's "
+                    "looks up to %.0f ms apart", why, since, at, len(self._queue),
+                    self._service_s * 1000, self._watch_gap * 1000)
 
     def _respond(self, frames: list[bytes], arrived: float,
                  later: Later | None = None) -> list[bytes] | None:
@@ -1140,6 +1160,12 @@ def _check_authorized_keys(directory: str) -> None:
     if not keys:
         raise ConfigError(f"{what} holds no client public keys (NAME.key): no client could "
                           f"connect; copy each client's NAME.key from `kvstore keys` into it")
+
+
+def watch_gap(peak: float, gap: float) -> float:
+    """The watchdog's recent peak time between looks after one of ``gap`` seconds:
+    the larger of ``gap`` and ``peak`` decayed by half every ``WATCH_MEMORY_S``."""
+    return max(gap, peak * 0.5 ** (gap / WATCH_MEMORY_S))
 
 
 def _reap_interval(config: KVStoreConfig) -> float:
