@@ -88,11 +88,12 @@ WATCH_S = 0.02
 # stops waiting within this many periods is answered busy now (one period was too
 # few: a lookup waiting 0.27 s timed out behind a verify in 1 of 3 to 4 tries here).
 WATCH_LATE = 3
-# ... or within twice the longest recent time from one look's end to the next's (its
-# sleep, its wait for a CPU and for the GIL, the look itself), a peak that halves
-# every WATCH_MEMORY_S. With 4 CPU hogs on 2 cores, looks came up to 0.5 s apart while
-# the serving thread checksummed, and lookups with 0.75 s of wait_s timed out behind
-# it in 4 of 6 tries with WATCH_LATE periods alone; in none of 6 with this.
+# ... or within twice the longest recent time from one look to the next (its sleep,
+# its wait for a CPU and for the GIL, the look itself; not its wait for the socket
+# while the serving thread polls, idle), a peak that halves every WATCH_MEMORY_S.
+# With 4 CPU hogs on 2 cores, looks came up to 0.5 s apart while the serving thread
+# checksummed, and lookups with 0.75 s of wait_s timed out behind it in 4 of 6 tries
+# with WATCH_LATE periods alone; in none of 6 with this.
 WATCH_MEMORY_S = 2.0
 # The ops whose requests may say how long their caller waits (``protocol._WAIT``).
 WAIT_OPS = frozenset({p.Hello.OP, p.Lookup.OP, p.Acquire.OP})
@@ -421,19 +422,21 @@ class Server:
         ``WATCH_S`` of its arrival), pass on staged replies. It never wakes the
         serving thread, and costs nothing per request. It times itself: how late its
         looks come is how early it must answer a caller about to stop waiting."""
-        last = time.monotonic()
         while not self._stop:
+            asleep = time.monotonic()
             time.sleep(WATCH_S)
+            woke = time.monotonic()
+            gap = woke - asleep  # its sleep, and its wait for a CPU and for the GIL
             since = self._working_since
-            if since is not None and time.monotonic() - since >= WATCH_S:
-                with self._sock_lock:
+            if since is not None and woke - since >= WATCH_S:
+                with self._sock_lock:  # (not counted: the serving thread may be polling)
                     if self._working_since is not None:
+                        began = time.monotonic()
                         self._forward(staged)
                         self._drain()
                         self._expire_queued()
-            now = time.monotonic()
-            self._watch_gap = watch_gap(self._watch_gap, now - last)
-            last = now
+                        gap += time.monotonic() - began
+            self._watch_gap = watch_gap(self._watch_gap, gap)
 
     @property
     def watch_ahead_s(self) -> float:
