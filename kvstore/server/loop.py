@@ -88,12 +88,13 @@ WATCH_S = 0.02
 # stops waiting within this many periods is answered busy now (one period was too
 # few: a lookup waiting 0.27 s timed out behind a verify in 1 of 3 to 4 tries here).
 WATCH_LATE = 3
-# ... or within twice the longest recent time from one look to the next (its sleep,
-# its wait for a CPU and for the GIL, the look itself; not its wait for the socket
-# while the serving thread polls, idle), a peak that halves every WATCH_MEMORY_S.
-# With 4 CPU hogs on 2 cores, looks came up to 0.5 s apart while the serving thread
-# checksummed, and lookups with 0.75 s of wait_s timed out behind it in 4 of 6 tries
-# with WATCH_LATE periods alone; in none of 6 with this.
+# ... or within twice the longest recent time from one wake of the watchdog to the
+# next (its sleep, its wait for a CPU and for the GIL, its look if it looked; not its
+# wait for the socket while the serving thread polls, idle), a peak that halves every
+# WATCH_MEMORY_S. With 4 CPU hogs on 2 cores, looks came up to 0.5 s apart while the
+# serving thread checksummed, and lookups with 0.75 s of wait_s timed out behind it
+# in 4 of 6 tries with WATCH_LATE periods alone, in none of 6 with this
+# (tests/integration/test_busy.py).
 WATCH_MEMORY_S = 2.0
 # The ops whose requests may say how long their caller waits (``protocol._WAIT``).
 WAIT_OPS = frozenset({p.Hello.OP, p.Lookup.OP, p.Acquire.OP})
@@ -173,7 +174,8 @@ class Server:
         self._working_on: list[bytes] | None = None
         self._busy_noted = (0.0, 0)  # when ``_busy`` last logged, and busy answers since
         self._service_s = 0.0  # recent time per request (EWMA)
-        self._watch_gap = WATCH_S  # recent peak time between the watchdog's looks
+        # Recent peak time between the watchdog's wakes (``watch_gap``; it alone writes it).
+        self._watch_gap = WATCH_S
         self._busy_after = config.server.busy_after_s
         # Acquires waiting on NVMe: (envelope, request id, request, staging, arrival).
         self._staging: collections.deque[tuple[list[bytes], int, p.Acquire, Staging, float]] \
@@ -434,16 +436,16 @@ class Server:
                         began = time.monotonic()
                         self._forward(staged)
                         self._drain()
-                        self._expire_queued()
+                        self._expire_queued(self.watch_ahead_s(gap))
                         gap += time.monotonic() - began
             self._watch_gap = watch_gap(self._watch_gap, gap)
 
-    @property
-    def watch_ahead_s(self) -> float:
+    def watch_ahead_s(self, late: float = 0.0) -> float:
         """How long before its caller stops waiting a queued request is answered
         ``busy``: ``WATCH_LATE`` periods, or twice the recent peak time between the
-        watchdog's looks where that is longer (a loaded host)."""
-        return max(WATCH_LATE * WATCH_S, 2 * self._watch_gap)
+        watchdog's wakes where that is longer (a loaded host), or twice ``late`` (how
+        long the wake now looking took: the first late one of a stall)."""
+        return max(WATCH_LATE * WATCH_S, 2 * max(self._watch_gap, late))
 
     def _poller(self, staged: zmq.Socket) -> zmq.Poller:
         """What the serving thread waits on: the ROUTER, staged replies, and the
@@ -551,17 +553,17 @@ class Server:
             rest.append(frames)
         return first + rest
 
-    def _expire_queued(self) -> None:
+    def _expire_queued(self, ahead: float) -> None:
         """Answer ``busy`` now the queued requests that have waited past
         ``busy_after_s`` behind the work in flight (one admitted while that work was
-        young), or whose callers stop waiting before the next look (``wait_s``),
-        rather than when the work ends: slow work may outlast their
+        young), or whose callers stop waiting within ``ahead`` seconds, before the
+        next look or the one after (``wait_s``; ``watch_ahead_s``), rather than
+        when the work ends: slow work may outlast their
         clients' timeouts. Holds the socket (``_sock_lock``); decodes the queued
         requests, which only a stall of ``WATCH_S`` or more brings about."""
         if not self._queue:
             return
         now = time.monotonic()
-        ahead = self.watch_ahead_s
         kept: list[tuple[list[bytes], float]] = []
         late: list[tuple[list[bytes], float, str]] = []
         for item in self._queue:
