@@ -440,7 +440,7 @@ class Server:
                         gap += time.monotonic() - began
             self._watch_gap = watch_gap(self._watch_gap, gap)
 
-    def watch_ahead_s(self, late: float = 0.0) -> float:
+    def watch_ahead_s(self, late: float) -> float:
         """How long before its caller stops waiting a queued request is answered
         ``busy``: ``WATCH_LATE`` periods, or twice the recent peak time between the
         watchdog's wakes where that is longer (a loaded host), or twice ``late`` (how
@@ -669,7 +669,7 @@ class Server:
             f"is on a {op} for {now - working:.1f} s"
         log.warning("answered busy (%s; %d more since the last note): the serving thread "
                     "%s, %d requests queued, %.1f ms per request lately, the watchdog's "
-                    "looks up to %.0f ms apart", why, since, at, len(self._queue),
+                    "wakes up to %.0f ms apart", why, since, at, len(self._queue),
                     self._service_s * 1000, self._watch_gap * 1000)
 
     def _respond(self, frames: list[bytes], arrived: float,
@@ -1168,7 +1168,7 @@ def _check_authorized_keys(directory: str) -> None:
 
 
 def watch_gap(peak: float, gap: float) -> float:
-    """The watchdog's recent peak time between looks after one of ``gap`` seconds:
+    """The watchdog's recent peak time between wakes after one of ``gap`` seconds:
     the larger of ``gap`` and ``peak`` decayed by half every ``WATCH_MEMORY_S``."""
     return max(gap, peak * 0.5 ** (gap / WATCH_MEMORY_S))
 

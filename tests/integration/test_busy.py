@@ -166,7 +166,7 @@ def test_a_lookup_or_drop_select_behind_slow_work_is_busy_within_its_own_timeout
     # two pytest workers) a busy reply sent 0.1 s before a 0.2 - 0.3 s call's deadline
     # was not there by it, in a third to a half of the tries. (With 1 s, CI failed once
     # more: the server's watchdog looked late; it now answers earlier by how late its
-    # looks come, ``Server.watch_ahead_s``.) The verify outlasts it: each
+    # wakes come, ``Server.watch_ahead_s``.) The verify outlasts it: each
     # stored key checked over and over (the server reads and checksums each time).
     timeout = 1.0
     keys = [k for pid in range(sum(_BATCHES)) for k in admin.keys_for(_tokens(pid))]
