@@ -242,6 +242,100 @@ done:
     return result;
 }
 
+/* scatter_run: a prompt's entries, back to back in one source (a same-node insert's
+ * flat KV), laid out in dst from `start`, each at the next multiple of `page` after the
+ * last (a writer's room: Writes.retain's rule), copied and hashed as scatter does. One
+ * call and no per-entry Python objects in: what a small insert spent building and
+ * checking a view and a placement per entry (docs/benchmarks.md, "A small insert's
+ * entries in one call"). Returns (offsets from start, sums). */
+static PyObject *ntcopy_scatter_run(PyObject *self, PyObject *args)
+{
+    Py_buffer dst, src;
+    PyObject *sizes_obj, *offs = NULL, *sums_obj = NULL, *result = NULL;
+    Py_ssize_t start, page, n, *sizes = NULL, *at = NULL;
+    uint64_t *sums = NULL;
+    int stream;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "w*ny*nOp:scatter_run", &dst, &start, &src, &page,
+                          &sizes_obj, &stream))
+        return NULL;
+    if ((n = PyObject_Length(sizes_obj)) < 0 ||
+        (sizes = sizes_of(sizes_obj, n, "scatter_run: sizes")) == NULL)
+        goto done;
+    if (start < 0 || page < 1) {
+        PyErr_Format(PyExc_ValueError, "scatter_run: start %zd and page %zd must be >= 0 "
+                     "and >= 1", start, page);
+        goto done;
+    }
+    at = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(n ? n : 1));
+    sums = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
+    if (at == NULL || sums == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* Every entry is placed and checked before the first byte is copied. */
+    Py_ssize_t pos = start, taken = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (sizes[i] > src.len - taken) {
+            PyErr_Format(PyExc_ValueError, "scatter_run: entries of more than the source's "
+                         "%zd bytes", src.len);
+            goto done;
+        }
+        if (pos > dst.len || sizes[i] > dst.len - pos) {
+            PyErr_Format(PyExc_ValueError, "scatter_run: entry %zd (%zd bytes at %zd) is "
+                         "outside the destination's %zd bytes", i, sizes[i], pos, dst.len);
+            goto done;
+        }
+        at[i] = pos;
+        taken += sizes[i];
+        Py_ssize_t rounded = sizes[i] % page ? sizes[i] + (page - sizes[i] % page) : sizes[i];
+        if (rounded > dst.len - pos) {  /* (the last one: its padding leaves dst) */
+            pos = dst.len + 1;
+            continue;
+        }
+        pos += rounded;
+    }
+    if (taken != src.len) {
+        PyErr_Format(PyExc_ValueError, "scatter_run: entries of %zd bytes, a source of %zd",
+                     taken, src.len);
+        goto done;
+    }
+    if (overlap(src.buf, src.len, dst.buf, dst.len)) {
+        PyErr_SetString(PyExc_ValueError, "scatter_run: the source overlaps the destination");
+        goto done;
+    }
+    copy_hashed_fn copy = copy_hashed;
+    Py_BEGIN_ALLOW_THREADS
+    const char *from = (const char *)src.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        sums[i] = copy((char *)dst.buf + at[i], from, (size_t)sizes[i], stream, 0);
+        from += sizes[i];
+    }
+    if (stream)
+        stream_done();
+    Py_END_ALLOW_THREADS
+    if ((offs = PyList_New(n)) == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromSsize_t(at[i] - start);
+        if (v == NULL)
+            goto done;
+        PyList_SET_ITEM(offs, i, v);
+    }
+    if ((sums_obj = sums_list(sums, n)) == NULL)
+        goto done;
+    result = PyTuple_Pack(2, offs, sums_obj);
+done:
+    Py_XDECREF(offs);
+    Py_XDECREF(sums_obj);
+    PyMem_Free(sums);
+    PyMem_Free(at);
+    PyMem_Free(sizes);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return result;
+}
+
 static PyObject *ntcopy_gather(PyObject *self, PyObject *args)
 {
     Py_buffer dst, src;
@@ -658,6 +752,13 @@ static PyMethodDef ntcopy_methods[] = {
      "srcs (of its size) copied to its offset in the writable dst (non-temporal stores if "
      "stream); the xxh3_64 of each source, taken chunk by chunk as it is copied. Nothing "
      "is copied unless every entry fits dst and no source overlaps it. Without the GIL."},
+    {"scatter_run", ntcopy_scatter_run, METH_VARARGS,
+     "scatter_run(dst, start, src, page, sizes, stream) -> (offsets, sums): the entries "
+     "of sizes, back to back in the contiguous src, copied into the writable dst from "
+     "start on, each at the next multiple of page after the one before (non-temporal "
+     "stores if stream); their offsets from start and the xxh3_64 of each, taken chunk "
+     "by chunk as it is copied. Nothing is copied unless the sizes add up to src, every "
+     "entry fits dst and src does not overlap it. Without the GIL."},
     {"gather", ntcopy_gather, METH_VARARGS,
      "gather(dst, dst_offsets, src, src_offsets, sizes) -> list[int]: each entry's "
      "bytes copied from src to dst (which must not overlap); the xxh3_64 of what landed "

@@ -418,21 +418,21 @@ class KVStoreClient:
         # token_nbytes once: layout.entry_sizes costs a torch call per block.
         token_nbytes = self._token_nbytes
         sizes = [token_nbytes * n for n in prompt.counts]
-        if skip:
-            if isinstance(kv, (list, tuple)):
-                raise InvalidRequestError("skip_blocks needs kv as flat entry bytes")
-            data = self._entry_bytes(kv, prompt.ntokens - sum(prompt.counts[:skip]))
-            buffers: list[np.ndarray | None] = [None] * skip + _split(data, sizes[skip:])
-        else:
-            data = self._entry_bytes(kv, prompt.ntokens)
-            buffers = list(_split(data, sizes))
+        if skip and isinstance(kv, (list, tuple)):
+            raise InvalidRequestError("skip_blocks needs kv as flat entry bytes")
+        # The entries' bytes, back to back: for sizes[skip:] (the skipped blocks carry none).
+        data: np.ndarray | None = self._entry_bytes(
+            kv, prompt.ntokens - sum(prompt.counts[:skip]) if skip else prompt.ntokens)
+        buffers: list[np.ndarray | None] = []  # per entry, made only where needed
         keys, toks = list(prompt.keys), list(prompt.tokens)
         metas: list[bytes | None] = [None] * len(sizes)
         if hidden is not None:
             hbuf, hmeta = _hidden_bytes(hidden)
             keys.append(hidden_key(prompt.keys[-1]))
             toks.append(prompt.tokens[-1])  # the store wants tokens; the last block's
-            buffers.append(hbuf)
+            assert data is not None
+            buffers = _per_entry(data, sizes, skip) + [hbuf]
+            data = None  # (not one run any more)
             metas.append(hmeta)
             sizes = [*sizes, hbuf.size]
         first = 0 if count_skipped else skip
@@ -444,12 +444,15 @@ class KVStoreClient:
         room = self._take_room(sizes[skip:])
         if room is not None:
             try:
-                return self._put(room, prompt, keys, toks, sizes, buffers, meta, skip, first,
-                                 pin, want)
+                return self._put(room, prompt, keys, toks, sizes, buffers, data, meta, skip,
+                                 first, pin, want)
             except (LeaseExpiredError, NotFoundError) as exc:
                 # The room was reclaimed, or a skipped block is gone: the reserve
                 # below stores the insert, or says which block is missing.
                 log.debug("insert into room %s failed (%s): reserving instead", room.id, exc)
+        if not buffers:
+            assert data is not None
+            buffers = _per_entry(data, sizes, skip)
         res, rid, placements = self._reserve(keys, sizes, toks, skip,
                                              tuple(metas) if hidden is not None else None,
                                              count_skipped)
@@ -494,19 +497,31 @@ class KVStoreClient:
     # process that granted the room, so a restarted server is never written into
     # (kvstore/store/writes.py, "rooms").
     def _put(self, room: _Room, prompt: _Prompt, keys: list[bytes], toks: list[bytes],
-             sizes: list[int], buffers: list[np.ndarray | None], meta: tuple | None,
-             skip: int, first: int, pin: bool, want: int) -> InsertResult:
-        """Insert ``keys[first:]`` (those before ``skip`` carry no bytes; ``buffers``
-        from ``skip`` on are the rest's) through ``room``: copy every entry into it
-        back to back, page by page, then one ``Put``. Raises ``LeaseExpiredError`` /
-        ``NotFoundError`` when the server no longer holds the room or lacks a
-        skipped block (``insert`` then reserves)."""
-        offsets, placements = _room_layout(room, sizes[skip:])
+             sizes: list[int], buffers: list[np.ndarray | None], data: np.ndarray | None,
+             meta: tuple | None, skip: int, first: int, pin: bool, want: int
+             ) -> InsertResult:
+        """Insert ``keys[first:]`` (those before ``skip`` carry no bytes) through
+        ``room``: copy every entry into it back to back, page by page, then one
+        ``Put``. The bytes: ``data``, the entries from ``skip`` on back to back, or
+        (None) ``buffers``, one per entry from ``skip`` on (``buffers`` may be empty
+        while ``data`` is given). Raises ``LeaseExpiredError`` / ``NotFoundError``
+        when the server no longer holds the room or lacks a skipped block (``insert``
+        then reserves)."""
         try:
             seg = room.segment  # (not this moment's: _Room.segment)
             start = time.perf_counter()
-            sums = self._data.write(seg, [b for b in buffers[skip:] if b is not None],
-                                    placements)
+            # One call (a thread's share each) for the whole run where it can.
+            run = None if data is None or room.tier != "dram" else \
+                self._data.write_run(seg, data, sizes[skip:], room.offset, room.page)
+            if run is not None:
+                offsets, sums = run
+            else:
+                if not buffers:
+                    assert data is not None
+                    buffers = _per_entry(data, sizes, skip)
+                offsets, placements = _room_layout(room, sizes[skip:])
+                sums = self._data.write(seg, [b for b in buffers[skip:] if b is not None],
+                                        placements)
             moved = time.perf_counter() - start
         except BaseException:
             self._abort(room.id)
@@ -1063,6 +1078,12 @@ def _check_shared_engine(engine: TeEngine, protocol: str | None, devices: str | 
 def _need(sizes: list[int], page: int = 4096) -> int:
     """Bytes a room must hold for entries of ``sizes`` laid out page by page."""
     return sum(-(-n // page) * page for n in sizes)
+
+
+def _per_entry(data: np.ndarray, sizes: list[int], skip: int) -> list[np.ndarray | None]:
+    """An insert's buffers, one per entry: none for the ``skip`` first (no bytes), then
+    views of ``data``, the rest's bytes back to back."""
+    return [None] * skip + _split(data, sizes[skip:])
 
 
 def _split(data: np.ndarray, sizes: list[int]) -> list[np.ndarray]:

@@ -35,7 +35,7 @@ import numpy as np
 
 from kvstore.client.checks import LandedChecks, first_bad, use_background
 from kvstore.client.rpc import Incoming
-from kvstore.client.shm import copy_in, copy_out
+from kvstore.client.shm import copy_in, copy_out, copy_run
 from kvstore.core.config import MIN_TE_PIECE_BYTES, TE_WAITS
 from kvstore.core.errors import ChecksumError, ConfigError, InvalidRequestError
 from kvstore.core.hashing import checksum
@@ -323,6 +323,19 @@ class DataPath:
                         self._te_write(seg.name, [remote[i] for i in group],
                                        hash_sources(group))
         return sums
+
+    def write_run(self, seg: Segment, data: np.ndarray, sizes: list[int], start: int,
+                  page: int) -> tuple[list[int], list[int]] | None:
+        """A same-node writer's room: the entries of ``sizes``, back to back in
+        ``data``, copied into the arena from offset ``start`` on, each page-aligned
+        after the one before (``shm.copy_run``); their offsets from ``start`` and
+        their checksums. None, nothing copied, where the segment is not mapped here
+        or the one-call copy is not built: ``write`` then."""
+        shm = seg.shm
+        if shm is None or data.nbytes != sum(sizes):
+            return None
+        self.warm(shm)
+        return copy_run(shm, start, data, page, sizes, stream=self.stream)
 
     def read(self, seg: Segment, entries: list[list], into: Any = None,
              verify: bool = False) -> np.ndarray:

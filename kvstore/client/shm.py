@@ -172,6 +172,10 @@ STREAM: Callable[[Any, Any], None] | None = getattr(_NATIVE, "copy", None)
 # verified ``copy_out`` use them where they exist; Python's loops otherwise.
 SCATTER: Callable[..., list[int]] | None = getattr(_NATIVE, "scatter", None)
 GATHER: Callable[..., list[int]] | None = getattr(_NATIVE, "gather", None)
+# A prompt's entries, back to back in one buffer, laid out page by page from a place
+# in the arena and copied and hashed in one call (``copy_run``; None: not built).
+SCATTER_RUN: Callable[..., tuple[list[int], list[int]]] | None = \
+    getattr(_NATIVE, "scatter_run", None)
 # Many entries of one buffer hashed in one call, the GIL released (kvstore.client.checks).
 HASHES: Callable[..., list[int]] | None = getattr(_NATIVE, "hashes", None)
 # A stream door reply received and its entries hashed as they land, in one call, the
@@ -238,6 +242,43 @@ def copy_in(shm: np.ndarray, bufs: list[np.ndarray], placements: list[list],
     groups = _groups([pl[_NBYTES] for pl in placements], threads or COPY_THREADS,
                      scatter is not None)
     return [s for part in _in_parallel(work, groups) for s in part]
+
+
+def copy_run(shm: np.ndarray, start: int, data: np.ndarray, page: int, sizes: list[int],
+             threads: int | None = None, stream: bool = True
+             ) -> tuple[list[int], list[int]] | None:
+    """The entries of ``sizes``, back to back in ``data``, copied into ``shm`` from
+    ``start`` on, each at the next multiple of ``page`` after the one before (a
+    writer's room, ``_room_layout`` in the client); returns their offsets from
+    ``start`` and their checksums. ``copy_in``'s work without a view and a placement
+    per entry: one ``SCATTER_RUN`` per thread's share (``threads`` as for
+    ``copy_in``). None, nothing copied, where the extension does not have it (or
+    ``python_loops`` is on): the caller then uses ``copy_in``."""
+    run = SCATTER_RUN
+    if run is None or SCATTER is None:
+        return None
+    groups = _groups(sizes, threads or COPY_THREADS, True)
+    if len(groups) == 1:
+        return run(shm, start, data, page, sizes, stream)
+    # Each share's first byte in ``data`` and its first entry's place in the room.
+    src_at, dst_at, src, dst, k = [], [], 0, 0, 0
+    for lo, hi in groups:
+        for n in sizes[k:lo]:
+            src += n
+            dst += -(-n // page) * page
+        k = lo
+        src_at.append(src)
+        dst_at.append(dst)
+    shares = {lo: (a, d) for (lo, _), a, d in zip(groups, src_at, dst_at)}
+
+    def work(lo: int, hi: int) -> tuple[list[int], list[int]]:
+        a, d = shares[lo]
+        part = sizes[lo:hi]
+        offs, sums = run(shm, start + d, data[a:a + sum(part)], page, part, stream)
+        return [d + o for o in offs], sums
+
+    done = _in_parallel(work, groups)
+    return [o for offs, _ in done for o in offs], [s for _, sums in done for s in sums]
 
 
 def copy_out(shm: np.ndarray, out: np.ndarray, items: list[tuple[int, list]],

@@ -1,6 +1,6 @@
 """tools/bench/parts.py runs on both data paths and reports every part; levers and prefault
-time every variant; put_split times every part of every case, writeback_idle every
-case (no speeds asserted)."""
+time every variant; put_split times every part of every case, room_run both copies in
+both cases, writeback_idle every case (no speeds asserted)."""
 
 import pytest
 
@@ -52,6 +52,23 @@ def test_bench_put_split_times_every_part_of_both_cases():
         for rep in range(2):
             keys, copy, put, insert = (parts[p][rep] for p in ("keys", "copy", "put", "insert"))
             assert min(keys, copy, put) > 0 and keys + copy + put <= insert
+
+
+def test_bench_room_run_times_both_copies_in_both_cases():
+    from tools.bench.room_run import CASES, VARIANTS
+    from tools.bench.room_run import run as room_run
+
+    from kvstore.client import shm
+
+    if shm.SCATTER_RUN is None:
+        pytest.skip("kvstore.client._ntcopy built without xxhash.h")
+    one_call = shm.SCATTER_RUN
+    result = room_run("small", 64, reps=2, idle_s=0.001)  # raises if an insert fell short
+    assert shm.SCATTER_RUN is one_call  # given back, whatever the rounds did
+    assert list(result) == list(CASES)
+    for times in result.values():
+        assert list(times) == list(VARIANTS)
+        assert all(len(ms) == 2 and min(ms) > 0 for ms in times.values())
 
 
 def test_bench_writeback_idle_times_lookups_in_every_case():

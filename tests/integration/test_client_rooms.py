@@ -66,6 +66,51 @@ def test_the_second_insert_is_one_put_and_stores_the_same_bytes(server_factory, 
     assert reader.stats()["tiers"]["dram"]["used"] == 0
 
 
+@pytest.mark.parametrize("one_call", [True, False])
+def test_a_prompts_flat_bytes_go_into_its_room_in_one_copy_call(server_factory,
+                                                                client_factory, monkeypatch,
+                                                                one_call):
+    """A writer's insert of flat KV bytes (whole, or after blocks it skips) is one
+    ``copy_run`` call into its room, and stores what an entry-by-entry copy stores:
+    every prompt read back byte for byte, with the extension's one-call copy and
+    without it (``SCATTER_RUN`` missing: the entry-by-entry ``copy_in``)."""
+    from kvstore.client import shm
+
+    if one_call and shm.SCATTER_RUN is None:
+        pytest.skip("kvstore.client._ntcopy built without xxhash.h")
+    if not one_call:
+        monkeypatch.setattr(shm, "SCATTER_RUN", None)
+    runs: list[int] = []
+    copy_run = shm.copy_run
+
+    def counted(*args, **kw):
+        got = copy_run(*args, **kw)
+        runs.append(got is not None)
+        return got
+
+    monkeypatch.setattr("kvstore.client.datapath.copy_run", counted)
+    srv = server_factory(dram="8MiB", nvme="0")
+    writer = client_factory(srv, same_node=True)
+    reader = client_factory(srv, same_node=False)
+    writer.insert(_tokens(1), make_kv(TOKENS, seed=1))  # reserve + commit: its room
+    ops = record_ops(writer)
+    for pid in (2, 3):
+        assert writer.insert(_tokens(pid), make_kv(TOKENS, seed=pid)).new_blocks == 5
+    head = 2 * LAYOUT.block_tokens
+    writer.insert(_tokens(4, head), make_kv(TOKENS, seed=4)[:LAYOUT.nbytes(head)])
+    res = writer.insert(_tokens(4), make_kv(TOKENS, seed=4)[LAYOUT.nbytes(head):],
+                        skip_blocks=2)
+    assert (res.new_blocks, res.existing_blocks) == (3, 2)
+    assert ops == ["put"] * 4, ops
+    assert runs == [one_call] * 4
+    for pid in (1, 2, 3, 4):
+        _read_back(reader, pid)
+    got = reader.drop_select(_tokens(4, head))
+    assert got.matched_tokens == head
+    assert np.array_equal(got.kv.numpy(), make_kv(TOKENS, seed=4)[:LAYOUT.nbytes(head)])
+    assert reader.stats()["entries"] == 0
+
+
 def test_a_writer_over_te_asks_for_no_room(server_factory, client_factory):
     srv = server_factory(dram="8MiB", nvme="0")
     writer = client_factory(srv, same_node=False)

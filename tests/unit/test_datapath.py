@@ -346,7 +346,7 @@ def test_the_copy_and_hash_loops_are_built_here():
     themselves), and where GCC built it for an x86-64 CPU with AVX2 it runs the AVX2
     loop (the baseline one hashes at half the speed)."""
     assert None not in (shm_mod.SCATTER, shm_mod.GATHER, shm_mod.RECV_HASHED,
-                        getattr(shm_mod._NATIVE, "prompt_keys", None)), \
+                        shm_mod.SCATTER_RUN, getattr(shm_mod._NATIVE, "prompt_keys", None)), \
         "kvstore.client._ntcopy was built without xxhash.h (0.8 or later)"
     isa = shm_mod._NATIVE.HASH_ISA
     assert isa in ("baseline", "avx2")
@@ -478,6 +478,91 @@ def test_a_refused_copy_lets_go_of_every_buffer():
             del buf[-1:]
     assert scatter(dst, [0, 64], [64, 64], [a, b], False) == [checksum(a), checksum(b)]
     assert bytes(dst[:128]) == bytes(a + b)
+
+
+@given(sizes=st.lists(st.one_of(st.integers(0, 20 << 10), st.sampled_from(
+           [1, 2047, 2048, 4095, 4096, 4097, 16385, 3 * PIECE_BYTES // 2])),
+           min_size=1, max_size=9),
+       page=st.sampled_from([1, 512, 4096, 8192]),
+       lead=st.integers(0, 3),
+       threads=st.sampled_from([1, 2]))
+@settings(max_examples=60, deadline=None)
+@needs_loops
+def test_a_rooms_run_lands_and_hashes_like_its_entries_copied_one_by_one(
+        sizes, page, lead, threads):
+    """``copy_run`` (one call for a prompt's flat bytes, on one thread or split between
+    two) puts each entry where ``_room_layout`` places it and nothing beside, with the
+    checksums and offsets an entry-by-entry ``copy_in`` gives, on each build of the
+    loop, streamed or not."""
+    from kvstore.client.client import _Room, _room_layout, _split
+
+    rng = np.random.default_rng(sum(sizes) + page)
+    data = rng.integers(0, 256, sum(sizes), dtype=np.uint8)
+    start = lead * page
+    room = _Room(1, "dram", start, 1 << 30, None, page, 0.0, 0.0, None)
+    offsets, placements = _room_layout(room, sizes)
+    end = start + sum(-(-n // page) * page for n in sizes)
+    want = np.full(end + 64, 0xA5, np.uint8)
+    with shm_mod.python_loops():
+        want_sums = copy_in(want, _split(data, sizes), placements)
+    assert want_sums == [checksum(b) for b in _split(data, sizes)]
+    native = shm_mod._NATIVE
+    was, least = native.use_isa("baseline"), shm_mod.PARALLEL_MIN_BYTES
+    shm_mod.PARALLEL_MIN_BYTES = 1 if threads == 2 else 1 << 40  # split, or never
+    try:
+        for isa in native_isas():
+            native.use_isa(isa)
+            for stream in (True, False):
+                arena = np.full(end + 64, 0xA5, np.uint8)
+                got = shm_mod.copy_run(arena, start, data, page, sizes, threads, stream)
+                assert got == (offsets, want_sums), (isa, stream)
+                assert np.array_equal(arena, want), (isa, stream)
+    finally:
+        native.use_isa(was)
+        shm_mod.PARALLEL_MIN_BYTES = least
+
+
+@needs_loops
+def test_a_rooms_run_refuses_bad_input_and_changes_nothing():
+    run = shm_mod.SCATTER_RUN
+    arena = np.zeros(1 << 16, np.uint8)
+    src = np.full(8192, 7, np.uint8)
+    with pytest.raises(ValueError, match="entries of more than the source's 8192"):
+        run(arena, 0, src, 4096, [4096, 4097], True)
+    with pytest.raises(ValueError, match="entries of 4096 bytes, a source of 8192"):
+        run(arena, 0, src, 4096, [4096], True)
+    # The second entry would end past the arena: refused before the first is copied.
+    with pytest.raises(ValueError, match="entry 1 .* outside the destination's 65536"):
+        run(arena, (1 << 16) - 8192, src, 8192, [4096, 4096], True)
+    with pytest.raises(ValueError, match="entry 0 .* outside"):
+        run(arena, 1 << 16, src, 4096, [8192], True)
+    with pytest.raises(ValueError, match="must be >= 0 and >= 1"):
+        run(arena, -4096, src, 4096, [8192], True)
+    with pytest.raises(ValueError, match="must be >= 0 and >= 1"):
+        run(arena, 0, src, 0, [8192], True)
+    with pytest.raises(ValueError, match="negative"):
+        run(arena, 0, src, 4096, [8193, -1], True)
+    with pytest.raises(OverflowError):
+        run(arena, 0, src, 4096, [1 << 70], True)
+    with pytest.raises(TypeError):
+        run(arena, 0, src, 4096, ["8192"], True)
+    with pytest.raises((BufferError, ValueError, TypeError)):  # not contiguous
+        run(arena, 0, np.zeros(16384, np.uint8)[::2], 4096, [8192], True)
+    with pytest.raises((TypeError, BufferError)):  # read-only destination
+        run(bytes(1 << 16), 0, src, 4096, [8192], True)
+    with pytest.raises(ValueError, match="the source overlaps the destination"):
+        run(arena, 0, arena[32768:32768 + 8192], 4096, [8192], True)
+    assert not arena.any()
+    dst, raw = bytearray(1 << 13), bytearray(b"x" * 8192)
+    for bad in ([4096, 4097], [1 << 13], [4096, "x"]):  # each lets go of both buffers
+        with pytest.raises((ValueError, TypeError)):
+            run(dst, 4096, raw, 4096, bad, True)
+        for buf in (dst, raw):
+            buf.extend(b"z")
+            del buf[-1:]
+    assert run(arena, 0, src[:0], 4096, [], True) == ([], [])
+    assert run(arena, 0, src, 4096, [0, 8192, 0], False) == \
+        ([0, 0, 8192], [checksum(b""), checksum(src), checksum(b"")])
 
 
 # ------------------------------------------- a door reply hashed as it arrives

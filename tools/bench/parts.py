@@ -91,6 +91,7 @@ def run(layout_name: str, ntokens: int, path: str, reps: int) -> dict[str, dict[
                                else ClientConfig())
         sink: dict[str, float] = defaultdict(float)
         time_calls(client._data, "write", "move", sink)
+        time_calls(client._data, "write_run", "move", sink)  # (a room's flat bytes)
         time_calls(client._data, "read", "move", sink)
         time_calls(client._data, "take_inline", "move", sink)
         # Inline bytes in parts are copied inside the acquire's call, as they arrive:

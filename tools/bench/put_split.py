@@ -60,6 +60,7 @@ def run(layout_name: str, ntokens: int, reps: int, idle_s: float
             time_calls(writer, "_prompt", "keys", split)
             time_calls(writer, "_call", "put", split)
             time_calls(writer._data, "write", "copy", split)
+            time_calls(writer._data, "write_run", "copy", split)  # (a room's flat bytes)
             kv = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
             sweep = np.ones(SWEEP, np.uint8)
             serial = 0

@@ -1,0 +1,111 @@
+"""A same-node insert into its room with the one-call copy and without it, side by side.
+
+    python -m tools.bench.room_run [--layout small] [--tokens 512,2048] [--reps 200]
+                                   [--idle-ms 30]
+
+One kvstore-server on loopback and one same-node writer. Each round inserts a fresh
+prompt twice, the order turned round every round: once as shipped (the prompt's flat
+KV laid out in the writer's room and copied and hashed by one ``scatter_run`` call
+per copying thread, ``shm.copy_run``) and once with ``shm.SCATTER_RUN`` set to None
+(a view and a placement per entry, then ``scatter``: the path before). ``warm``
+inserts back to back; ``idle`` ones each after ``--idle-ms`` asleep and a pass over
+64 MiB, as the transfer benchmark's interleaved put finds the processes. Every
+prompt is evicted after its insert, so the arena never fills. Prints the median ms
+of each variant and case, and the median of the per-round ratios (before / one
+call: above 1, the one call is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tests.integration.conftest import ServerFactory
+from tools.bench.cluster_worker import LAYOUTS
+
+MiB = 1 << 20
+VARIANTS = ("one call", "per entry")
+CASES = ("warm", "idle")
+SWEEP = 64 * MiB  # more than this machine's last-level cache
+
+
+def run(layout_name: str, ntokens: int, reps: int, idle_s: float
+        ) -> dict[str, dict[str, list[float]]]:
+    """{case: {variant: [ms of each round]}}."""
+    from kvstore.client import shm
+    from kvstore.client.client import KVStoreClient
+
+    if shm.SCATTER_RUN is None:
+        raise RuntimeError("kvstore.client._ntcopy was built without scatter_run "
+                           "(no xxhash.h): nothing to compare")
+    layout = LAYOUTS[layout_name]
+    nbytes = layout.nbytes(ntokens)
+    base = Path(tempfile.mkdtemp(prefix="bench-room-run-"))
+    servers = ServerFactory(base)
+    times: dict[str, dict[str, list[float]]] = {c: {v: [] for v in VARIANTS} for c in CASES}
+    one_call = shm.SCATTER_RUN
+    try:
+        srv = servers(dram=str(max(64 * MiB, 8 * nbytes)), nvme="0",
+                      block_tokens=layout.block_tokens, reservation_lease=60, read_lease=60)
+        with KVStoreClient(srv.address, layout=layout, timeout_s=60) as writer:
+            kv = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+            sweep = np.ones(SWEEP, np.uint8)
+            serial = 0
+            for rnd in range(reps + 3):  # the first 3: warm-up, not counted
+                for case in CASES if rnd % 2 else CASES[::-1]:
+                    for variant in VARIANTS if (rnd // 2) % 2 else VARIANTS[::-1]:
+                        serial += 1
+                        shm.SCATTER_RUN = one_call if variant == "one call" else None
+                        tokens = (np.arange(ntokens) + serial * ntokens) % 50_000
+                        if case == "idle":
+                            time.sleep(idle_s)
+                            sweep.sum()
+                        kv[:8] = serial % 256  # the producer's new KV for each prompt
+                        start = time.perf_counter()
+                        res = writer.insert(tokens, kv=kv)
+                        took = time.perf_counter() - start
+                        keys = writer.keys_for(tokens)
+                        if res.new_blocks != len(keys):
+                            raise RuntimeError(f"prompt {serial} was not stored whole: {res}")
+                        writer.evict(keys=keys)
+                        if rnd >= 3:
+                            times[case][variant].append(took * 1e3)
+    finally:
+        shm.SCATTER_RUN = one_call
+        servers.stop_all()
+        shutil.rmtree(base, ignore_errors=True)
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layout", choices=sorted(LAYOUTS), default="small")
+    ap.add_argument("--tokens", default="512,2048", help="prompt lengths, comma-separated")
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--idle-ms", type=float, default=30.0)
+    args = ap.parse_args(argv)
+    print(f"{args.layout} layout, same-node insert into its room, median ms of {args.reps} "
+          f"rounds; idle: {args.idle_ms:g} ms asleep and {SWEEP // MiB} MiB through the "
+          f"caches before each")
+    print(f"  {'tokens':>6} {'MiB':>6} {'case':>5} " + " ".join(f"{v:>10}" for v in VARIANTS)
+          + f" {'per entry / one call':>21}")
+    for ntokens in (int(n) for n in args.tokens.split(",")):
+        res = run(args.layout, ntokens, args.reps, args.idle_ms / 1000)
+        nbytes = LAYOUTS[args.layout].nbytes(ntokens)
+        for case in CASES:
+            ms = {v: statistics.median(res[case][v]) for v in VARIANTS}
+            ratio = statistics.median(b / a for a, b in zip(res[case]["one call"],
+                                                            res[case]["per entry"]))
+            print(f"  {ntokens:6d} {nbytes / MiB:6.1f} {case:>5} "
+                  + " ".join(f"{ms[v]:10.3f}" for v in VARIANTS) + f" {ratio:21.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
