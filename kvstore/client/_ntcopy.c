@@ -243,11 +243,12 @@ done:
 }
 
 /* scatter_run: a prompt's entries, back to back in one source (a same-node insert's
- * flat KV), laid out in dst from `start`, each at the next multiple of `page` after the
- * last (a writer's room: Writes.retain's rule), copied and hashed as scatter does. One
- * call and no per-entry Python objects in: what a small insert spent building and
- * checking a view and a placement per entry (docs/benchmarks.md, "A small insert's
- * entries in one call"). Returns (offsets from start, sums). */
+ * flat KV), laid out in dst from `start`, each `page`-rounded size after the one before
+ * (the client's layout of a writer's room, _room_layout in client.py), copied and
+ * hashed as scatter does. One call and no per-entry Python objects in: what a small
+ * insert spent building and checking a view and a placement per entry
+ * (docs/benchmarks.md, "A small insert's entries in one call"). Returns (offsets from
+ * start, sums). */
 static PyObject *ntcopy_scatter_run(PyObject *self, PyObject *args)
 {
     Py_buffer dst, src;
@@ -273,27 +274,31 @@ static PyObject *ntcopy_scatter_run(PyObject *self, PyObject *args)
         PyErr_NoMemory();
         goto done;
     }
-    /* Every entry is placed and checked before the first byte is copied. */
+    /* Every entry is placed and checked before the first byte is copied. `pos` may
+     * pass dst's end only by the last entry's padding (then nothing follows it). */
     Py_ssize_t pos = start, taken = 0;
+    int past = start > dst.len;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (sizes[i] > src.len - taken) {
             PyErr_Format(PyExc_ValueError, "scatter_run: entries of more than the source's "
                          "%zd bytes", src.len);
             goto done;
         }
-        if (pos > dst.len || sizes[i] > dst.len - pos) {
+        if (past || sizes[i] > dst.len - pos) {
             PyErr_Format(PyExc_ValueError, "scatter_run: entry %zd (%zd bytes at %zd) is "
                          "outside the destination's %zd bytes", i, sizes[i], pos, dst.len);
             goto done;
         }
         at[i] = pos;
         taken += sizes[i];
-        Py_ssize_t rounded = sizes[i] % page ? sizes[i] + (page - sizes[i] % page) : sizes[i];
-        if (rounded > dst.len - pos) {  /* (the last one: its padding leaves dst) */
-            pos = dst.len + 1;
+        Py_ssize_t pad = sizes[i] % page ? page - sizes[i] % page : 0;
+        if (pad > dst.len - pos - sizes[i]) {  /* (no overflow: sizes[i] <= dst.len - pos) */
+            past = 1;  /* the padding leaves dst: an entry after this one is refused */
+            pos += sizes[i];
+            pos = pos > PY_SSIZE_T_MAX - pad ? PY_SSIZE_T_MAX : pos + pad;
             continue;
         }
-        pos += rounded;
+        pos += sizes[i] + pad;
     }
     if (taken != src.len) {
         PyErr_Format(PyExc_ValueError, "scatter_run: entries of %zd bytes, a source of %zd",
@@ -755,8 +760,8 @@ static PyMethodDef ntcopy_methods[] = {
     {"scatter_run", ntcopy_scatter_run, METH_VARARGS,
      "scatter_run(dst, start, src, page, sizes, stream) -> (offsets, sums): the entries "
      "of sizes, back to back in the contiguous src, copied into the writable dst from "
-     "start on, each at the next multiple of page after the one before (non-temporal "
-     "stores if stream); their offsets from start and the xxh3_64 of each, taken chunk "
+     "start on, each its size rounded up to a multiple of page after the one before "
+     "(non-temporal stores if stream); their offsets from start and the xxh3_64 of each, taken chunk "
      "by chunk as it is copied. Nothing is copied unless the sizes add up to src, every "
      "entry fits dst and src does not overlap it. Without the GIL."},
     {"gather", ntcopy_gather, METH_VARARGS,

@@ -512,7 +512,8 @@ class KVStoreClient:
             start = time.perf_counter()
             # One call (a thread's share each) for the whole run where it can.
             run = None if data is None or room.tier != "dram" else \
-                self._data.write_run(seg, data, sizes[skip:], room.offset, room.page)
+                self._data.write_run(seg, data, sizes[skip:], room.offset, room.nbytes,
+                                     room.page)
             if run is not None:
                 offsets, sums = run
             else:

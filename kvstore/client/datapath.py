@@ -325,17 +325,24 @@ class DataPath:
         return sums
 
     def write_run(self, seg: Segment, data: np.ndarray, sizes: list[int], start: int,
-                  page: int) -> tuple[list[int], list[int]] | None:
-        """A same-node writer's room: the entries of ``sizes``, back to back in
-        ``data``, copied into the arena from offset ``start`` on, each page-aligned
-        after the one before (``shm.copy_run``); their offsets from ``start`` and
-        their checksums. None, nothing copied, where the segment is not mapped here
-        or the one-call copy is not built: ``write`` then."""
+                  nbytes: int, page: int) -> tuple[list[int], list[int]] | None:
+        """A same-node writer's room, ``nbytes`` of the arena from offset ``start``:
+        the entries of ``sizes``, back to back in ``data`` (flat uint8), copied into
+        it, each page-aligned after the one before (``shm.copy_run``, which refuses
+        entries that leave the room); their offsets from ``start`` and their
+        checksums. None, nothing copied, where the segment is not mapped here or the
+        one-call copy is not built: ``write`` then."""
         shm = seg.shm
-        if shm is None or data.nbytes != sum(sizes):
+        if shm is None:
             return None
+        if data.nbytes != sum(sizes):
+            raise InvalidRequestError(f"{data.nbytes} bytes of KV for entries of "
+                                      f"{sum(sizes)}")
+        if not 0 <= start <= start + nbytes <= shm.size:
+            raise InvalidRequestError(f"a room of {nbytes} bytes at {start} is outside the "
+                                      f"{shm.size}-byte arena")
         self.warm(shm)
-        return copy_run(shm, start, data, page, sizes, stream=self.stream)
+        return copy_run(shm[start:start + nbytes], 0, data, page, sizes, stream=self.stream)
 
     def read(self, seg: Segment, entries: list[list], into: Any = None,
              verify: bool = False) -> np.ndarray:

@@ -247,16 +247,20 @@ def copy_in(shm: np.ndarray, bufs: list[np.ndarray], placements: list[list],
 def copy_run(shm: np.ndarray, start: int, data: np.ndarray, page: int, sizes: list[int],
              threads: int | None = None, stream: bool = True
              ) -> tuple[list[int], list[int]] | None:
-    """The entries of ``sizes``, back to back in ``data``, copied into ``shm`` from
-    ``start`` on, each at the next multiple of ``page`` after the one before (a
-    writer's room, ``_room_layout`` in the client); returns their offsets from
-    ``start`` and their checksums. ``copy_in``'s work without a view and a placement
+    """The entries of ``sizes``, back to back in ``data`` (1-D uint8, exactly their
+    bytes, else ``ValueError``), copied into ``shm`` from ``start`` on, each its size
+    rounded up to a multiple of ``page`` after the one before (a writer's room,
+    ``_room_layout`` in the client); returns their offsets from ``start`` and their
+    checksums. Every entry must fit ``shm`` (``ValueError``, nothing copied). ``copy_in``'s work without a view and a placement
     per entry: one ``SCATTER_RUN`` per thread's share (``threads`` as for
     ``copy_in``). None, nothing copied, where the extension does not have it (or
     ``python_loops`` is on): the caller then uses ``copy_in``."""
     run = SCATTER_RUN
     if run is None or SCATTER is None:
         return None
+    if data.ndim != 1 or data.dtype != np.uint8 or data.nbytes != sum(sizes):
+        raise ValueError(f"copy_run: entries of {sum(sizes)} bytes from a {data.dtype} "
+                         f"array of shape {data.shape}: needs their bytes as one uint8 run")
     groups = _groups(sizes, threads or COPY_THREADS, True)
     if len(groups) == 1:
         return run(shm, start, data, page, sizes, stream)

@@ -63,7 +63,8 @@ def test_bench_room_run_times_both_copies_in_both_cases():
     if shm.SCATTER_RUN is None:
         pytest.skip("kvstore.client._ntcopy built without xxhash.h")
     one_call = shm.SCATTER_RUN
-    result = room_run("small", 64, reps=2, idle_s=0.001)  # raises if an insert fell short
+    # Raises if an insert fell short, or was not one put through the copy it names.
+    result = room_run("small", 64, reps=2, idle_s=0.001)
     assert shm.SCATTER_RUN is one_call  # given back, whatever the rounds did
     assert list(result) == list(CASES)
     for times in result.values():

@@ -550,8 +550,24 @@ def test_a_rooms_run_refuses_bad_input_and_changes_nothing():
         run(arena, 0, np.zeros(16384, np.uint8)[::2], 4096, [8192], True)
     with pytest.raises((TypeError, BufferError)):  # read-only destination
         run(bytes(1 << 16), 0, src, 4096, [8192], True)
+    arena[32768:32768 + 8192] = 9  # a source inside the destination
     with pytest.raises(ValueError, match="the source overlaps the destination"):
         run(arena, 0, arena[32768:32768 + 8192], 4096, [8192], True)
+    assert not arena[:32768].any() and (arena[32768:32768 + 8192] == 9).all()
+    arena[32768:32768 + 8192] = 0
+    # An entry after one whose padding leaves the destination: refused at its would-be
+    # offset, before anything is copied.
+    with pytest.raises(ValueError, match=r"entry 1 \(0 bytes at 69632\) is outside"):
+        run(arena, (1 << 16) - 4096, src[:4096], 8192, [4096, 0], True)
+    with pytest.raises(ValueError, match=r"entry 2 \(4096 bytes at 65536\) is outside"):
+        run(arena, (1 << 16) - 8192, src, 8192, [4096, 0, 4096], True)
+    assert not arena.any()
+    with pytest.raises(ValueError, match="needs their bytes as one uint8 run"):
+        shm_mod.copy_run(arena, 0, src.view(np.uint16), 4096, [8192])
+    with pytest.raises(ValueError, match="needs their bytes as one uint8 run"):
+        shm_mod.copy_run(arena, 0, src, 4096, [4096])  # bytes left over
+    with pytest.raises(ValueError, match="needs their bytes as one uint8 run"):
+        shm_mod.copy_run(arena, 0, src.reshape(2, 4096), 4096, [8192])
     assert not arena.any()
     dst, raw = bytearray(1 << 13), bytearray(b"x" * 8192)
     for bad in ([4096, 4097], [1 << 13], [4096, "x"]):  # each lets go of both buffers
@@ -563,6 +579,34 @@ def test_a_rooms_run_refuses_bad_input_and_changes_nothing():
     assert run(arena, 0, src[:0], 4096, [], True) == ([], [])
     assert run(arena, 0, src, 4096, [0, 8192, 0], False) == \
         ([0, 0, 8192], [checksum(b""), checksum(src), checksum(b"")])
+
+
+@needs_loops
+def test_a_rooms_run_never_writes_outside_its_room():
+    """``write_run`` copies into the room's own bytes of the arena: entries that would
+    leave the room (a client that laid them out wrong), a room outside the arena, or
+    KV of another size than the entries are refused, and nothing is written."""
+    from kvstore.client.datapath import DataPath, Segment
+    from kvstore.core.errors import InvalidRequestError
+
+    arena = np.zeros(8 * 4096, np.uint8)
+    path = DataPath("127.0.0.1", 1 << 20, same_node=True)
+    seg = Segment("unused:0", arena)
+    data = np.full(3 * 4096, 5, np.uint8)
+    with pytest.raises(ValueError, match="entry 2 .* outside the destination's 8192"):
+        path.write_run(seg, data, [4096] * 3, 4096, 2 * 4096, 4096)  # a room of 2 pages
+    with pytest.raises(InvalidRequestError, match="outside the 32768-byte arena"):
+        path.write_run(seg, data, [4096] * 3, 6 * 4096, 3 * 4096, 4096)
+    with pytest.raises(InvalidRequestError, match="12288 bytes of KV for entries of 8192"):
+        path.write_run(seg, data, [4096] * 2, 0, 3 * 4096, 4096)
+    assert not arena.any()
+    assert path.write_run(seg, data, [4096, 100, 4096 * 2 - 100], 4096, 4 * 4096, 4096) == (
+        [0, 4096, 8192], [checksum(data[:4096]), checksum(data[4096:4196]),
+                          checksum(data[4196:])])
+    want = np.zeros_like(arena)  # each entry at the page after the one before; no padding
+    want[4096:8192], want[8192:8292], want[12288:12288 + 8092] = 5, 5, 5  # written
+    assert np.array_equal(arena, want)
+    path.close()
 
 
 # ------------------------------------------- a door reply hashed as it arrives

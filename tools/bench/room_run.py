@@ -3,16 +3,19 @@
     python -m tools.bench.room_run [--layout small] [--tokens 512,2048] [--reps 200]
                                    [--idle-ms 30]
 
-One kvstore-server on loopback and one same-node writer. Each round inserts a fresh
-prompt twice, the order turned round every round: once as shipped (the prompt's flat
-KV laid out in the writer's room and copied and hashed by one ``scatter_run`` call
-per copying thread, ``shm.copy_run``) and once with ``shm.SCATTER_RUN`` set to None
-(a view and a placement per entry, then ``scatter``: the path before). ``warm``
-inserts back to back; ``idle`` ones each after ``--idle-ms`` asleep and a pass over
-64 MiB, as the transfer benchmark's interleaved put finds the processes. Every
-prompt is evicted after its insert, so the arena never fills. Prints the median ms
-of each variant and case, and the median of the per-round ratios (before / one
-call: above 1, the one call is faster).
+One kvstore-server on loopback and one same-node writer. Each round makes four
+inserts, a fresh prompt each: both cases (``warm``: right after the last insert;
+``idle``: after ``--idle-ms`` asleep and a pass over 64 MiB, as the transfer
+benchmark's interleaved put finds the processes), each with both copies: as shipped
+(the prompt's flat KV laid out in the writer's room and copied and hashed by one
+``scatter_run`` call per copying thread, ``shm.copy_run``) and with
+``shm.SCATTER_RUN`` set to None (a view and a placement per entry, then
+``scatter``: the path before). The cases' order turns round every round, the
+copies' every other round. Every insert must be one ``put`` into the writer's room,
+through the copy it names (else ``RuntimeError``: the two would time the same
+path). Every prompt is evicted after its insert, so the arena never fills. Prints
+the median ms of each copy and case, and the median of the per-round ratios (per
+entry / one call: above 1, the one call is faster).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -38,7 +42,7 @@ SWEEP = 64 * MiB  # more than this machine's last-level cache
 def run(layout_name: str, ntokens: int, reps: int, idle_s: float
         ) -> dict[str, dict[str, list[float]]]:
     """{case: {variant: [ms of each round]}}."""
-    from kvstore.client import shm
+    from kvstore.client import datapath, shm
     from kvstore.client.client import KVStoreClient
 
     if shm.SCATTER_RUN is None:
@@ -49,11 +53,27 @@ def run(layout_name: str, ntokens: int, reps: int, idle_s: float
     base = Path(tempfile.mkdtemp(prefix="bench-room-run-"))
     servers = ServerFactory(base)
     times: dict[str, dict[str, list[float]]] = {c: {v: [] for v in VARIANTS} for c in CASES}
-    one_call = shm.SCATTER_RUN
+    one_call, copy_run = shm.SCATTER_RUN, datapath.copy_run
+    ran: list[bool] = []  # each copy_run of an insert: whether it copied (not None)
+    ops: list[str] = []  # each request of an insert
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        got = copy_run(*args, **kwargs)
+        ran.append(got is not None)
+        return got
+
+    datapath.copy_run = counted
     try:
         srv = servers(dram=str(max(64 * MiB, 8 * nbytes)), nvme="0",
                       block_tokens=layout.block_tokens, reservation_lease=60, read_lease=60)
         with KVStoreClient(srv.address, layout=layout, timeout_s=60) as writer:
+            call = writer._call
+
+            def recorded(req: Any, *args: Any, **kwargs: Any) -> Any:
+                ops.append(req.OP)
+                return call(req, *args, **kwargs)
+
+            writer._call = recorded  # type: ignore[method-assign]
             kv = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
             sweep = np.ones(SWEEP, np.uint8)
             serial = 0
@@ -67,17 +87,24 @@ def run(layout_name: str, ntokens: int, reps: int, idle_s: float
                             time.sleep(idle_s)
                             sweep.sum()
                         kv[:8] = serial % 256  # the producer's new KV for each prompt
+                        ran.clear()
+                        ops.clear()
                         start = time.perf_counter()
                         res = writer.insert(tokens, kv=kv)
                         took = time.perf_counter() - start
+                        how = (list(ops), list(ran))
                         keys = writer.keys_for(tokens)
                         if res.new_blocks != len(keys):
                             raise RuntimeError(f"prompt {serial} was not stored whole: {res}")
+                        if rnd >= 3 and how != (["put"], [variant == "one call"]):
+                            raise RuntimeError(f"prompt {serial} ({variant}) was not one put "
+                                               f"through that copy: requests {how[0]}, "
+                                               f"copy_run copied {how[1]}")
                         writer.evict(keys=keys)
                         if rnd >= 3:
                             times[case][variant].append(took * 1e3)
     finally:
-        shm.SCATTER_RUN = one_call
+        shm.SCATTER_RUN, datapath.copy_run = one_call, copy_run
         servers.stop_all()
         shutil.rmtree(base, ignore_errors=True)
     return times
