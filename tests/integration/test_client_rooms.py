@@ -89,7 +89,8 @@ def test_a_prompts_flat_bytes_go_into_its_room_in_one_copy_call(server_factory,
         return got
 
     monkeypatch.setattr("kvstore.client.datapath.copy_run", counted)
-    srv = server_factory(dram="8MiB", nvme="0")
+    # Rooms that outlast a stall of a loaded machine (each insert must be a put).
+    srv = server_factory(dram="8MiB", nvme="0", reservation_lease=30.0)
     writer = client_factory(srv, same_node=True)
     reader = client_factory(srv, same_node=False)
     writer.insert(_tokens(1), make_kv(TOKENS, seed=1))  # reserve + commit: its room
