@@ -423,7 +423,7 @@ class KVStoreClient:
         # The entries' bytes, back to back: for sizes[skip:] (the skipped blocks carry none).
         data: np.ndarray | None = self._entry_bytes(
             kv, prompt.ntokens - sum(prompt.counts[:skip]) if skip else prompt.ntokens)
-        buffers: list[np.ndarray | None] = []  # per entry, made only where needed
+        buffers: list[np.ndarray | None] | None = None  # per entry, made where needed
         keys, toks = list(prompt.keys), list(prompt.tokens)
         metas: list[bytes | None] = [None] * len(sizes)
         if hidden is not None:
@@ -450,7 +450,7 @@ class KVStoreClient:
                 # The room was reclaimed, or a skipped block is gone: the reserve
                 # below stores the insert, or says which block is missing.
                 log.debug("insert into room %s failed (%s): reserving instead", room.id, exc)
-        if not buffers:
+        if buffers is None:
             assert data is not None
             buffers = _per_entry(data, sizes, skip)
         res, rid, placements = self._reserve(keys, sizes, toks, skip,
@@ -497,14 +497,15 @@ class KVStoreClient:
     # process that granted the room, so a restarted server is never written into
     # (kvstore/store/writes.py, "rooms").
     def _put(self, room: _Room, prompt: _Prompt, keys: list[bytes], toks: list[bytes],
-             sizes: list[int], buffers: list[np.ndarray | None], data: np.ndarray | None,
+             sizes: list[int], buffers: list[np.ndarray | None] | None,
+             data: np.ndarray | None,
              meta: tuple | None, skip: int, first: int, pin: bool, want: int
              ) -> InsertResult:
         """Insert ``keys[first:]`` (those before ``skip`` carry no bytes) through
         ``room``: copy every entry into it back to back, page by page, then one
         ``Put``. The bytes: ``data``, the entries from ``skip`` on back to back, or
-        (None) ``buffers``, one per entry from ``skip`` on (``buffers`` may be empty
-        while ``data`` is given). Raises ``LeaseExpiredError`` / ``NotFoundError``
+        (``data`` None) ``buffers``, one per entry from ``skip`` on (None while
+        ``data`` is given: made here if the one-call copy cannot be used). Raises ``LeaseExpiredError`` / ``NotFoundError``
         when the server no longer holds the room or lacks a skipped block (``insert``
         then reserves)."""
         try:
@@ -517,7 +518,7 @@ class KVStoreClient:
             if run is not None:
                 offsets, sums = run
             else:
-                if not buffers:
+                if buffers is None:
                     assert data is not None
                     buffers = _per_entry(data, sizes, skip)
                 offsets, placements = _room_layout(room, sizes[skip:])

@@ -113,13 +113,14 @@ def _groups(sizes: Sequence[int], threads: int, native: bool = False
     return bounds
 
 
-def _in_parallel(work: Callable[[int, int], object], groups: list[tuple[int, int]]) -> list:
-    """``work(lo, hi)`` for every group: the first on this thread, the rest on the pool;
+def _in_parallel(work: Callable[..., object], groups: Sequence[tuple[int, ...]]) -> list:
+    """``work(*group)`` for every group (``(lo, hi)``, and what else the work takes):
+    the first on this thread, the rest on the pool;
     their results in group order. The first error raised is raised here, after every
     group has finished (none is left writing into the caller's memory)."""
     if len(groups) == 1:
         return [work(*groups[0])]
-    futures = [_executor().submit(work, lo, hi) for lo, hi in groups[1:]]
+    futures = [_executor().submit(work, *group) for group in groups[1:]]
     first_error: BaseException | None = None
     try:
         results = [work(*groups[0])]
@@ -251,9 +252,9 @@ def copy_run(shm: np.ndarray, start: int, data: np.ndarray, page: int, sizes: li
     bytes, else ``ValueError``), copied into ``shm`` from ``start`` on, each its size
     rounded up to a multiple of ``page`` after the one before (a writer's room,
     ``_room_layout`` in the client); returns their offsets from ``start`` and their
-    checksums. Every entry must fit ``shm`` (``ValueError``, nothing copied). ``copy_in``'s work without a view and a placement
-    per entry: one ``SCATTER_RUN`` per thread's share (``threads`` as for
-    ``copy_in``). None, nothing copied, where the extension does not have it (or
+    checksums. Every entry must fit ``shm`` (``ValueError``, nothing copied).
+    ``copy_in``'s work without a view and a placement per entry: one ``SCATTER_RUN``
+    per thread's share (``threads`` as for ``copy_in``). None, nothing copied, where the extension does not have it (or
     ``python_loops`` is on): the caller then uses ``copy_in``."""
     run = SCATTER_RUN
     if run is None or SCATTER is None:
@@ -264,24 +265,20 @@ def copy_run(shm: np.ndarray, start: int, data: np.ndarray, page: int, sizes: li
     groups = _groups(sizes, threads or COPY_THREADS, True)
     if len(groups) == 1:
         return run(shm, start, data, page, sizes, stream)
-    # Each share's first byte in ``data`` and its first entry's place in the room.
-    src_at, dst_at, src, dst, k = [], [], 0, 0, 0
+    # Each share: its entries, its first byte in ``data``, its first entry's place.
+    shares, src, dst = [], 0, 0
     for lo, hi in groups:
-        for n in sizes[k:lo]:
+        shares.append((lo, hi, src, dst))
+        for n in sizes[lo:hi]:
             src += n
             dst += -(-n // page) * page
-        k = lo
-        src_at.append(src)
-        dst_at.append(dst)
-    shares = {lo: (a, d) for (lo, _), a, d in zip(groups, src_at, dst_at)}
 
-    def work(lo: int, hi: int) -> tuple[list[int], list[int]]:
-        a, d = shares[lo]
+    def work(lo: int, hi: int, a: int, d: int) -> tuple[list[int], list[int]]:
         part = sizes[lo:hi]
         offs, sums = run(shm, start + d, data[a:a + sum(part)], page, part, stream)
         return [d + o for o in offs], sums
 
-    done = _in_parallel(work, groups)
+    done = _in_parallel(work, shares)
     return [o for offs, _ in done for o in offs], [s for _, sums in done for s in sums]
 
 
