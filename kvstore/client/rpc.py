@@ -244,6 +244,10 @@ class Channel(Requests):
         self._ctx = _Context()
         self._sock: _Socket | None = None  # None once closed
         self._handshake_error: Exception | None = None
+        # The connection is down (its last event a drop, not a new handshake). A call
+        # that sees this after its send has lost its request with the pipe (ZeroMQ
+        # drops what a dead pipe holds): no reply can come, so waiting on is a hang.
+        self._dropped = False
         self._open()
 
     def _open(self) -> None:
@@ -261,6 +265,7 @@ class Channel(Requests):
             sock.curve_serverkey = self.curve.server_public
         monitor = sock.get_monitor_socket(_EVENTS)
         self._handshake_error = None
+        self._dropped = False
         try:
             sock.connect(self.address)
         except zmq.ZMQError as exc:
@@ -385,6 +390,14 @@ class Channel(Requests):
             if dealer.poll(min(_SLICE_MS, max(1, int(left * 1000))), event):
                 return
             self._drain_monitor(sock.monitor)
+            self._check_handshake()
+            if sent and self._dropped:
+                if dealer.poll(0, event):  # what came before the drop is still read
+                    return
+                raise PeerUnavailableError(
+                    f"{self.address} closed the connection while {op} waited for its "
+                    "reply (the server stopped or restarted); the request may or may not "
+                    "have been carried out")
 
     def _drain_monitor(self, monitor: zmq.Socket) -> None:
         while True:
@@ -393,7 +406,11 @@ class Channel(Requests):
             except zmq.Again:
                 return
             event = msg["event"]
-            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            if event == zmq.EVENT_DISCONNECTED:
+                self._dropped = True
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._dropped = False
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self._handshake_error = AuthError(
                     f"{self.address} refused this client's CURVE key (not authorized)")
             elif event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,

@@ -6,13 +6,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
 import pytest
 
 from kvstore.client.client import KVStoreClient
-from kvstore.core.errors import KVTimeoutError, MissError
+from kvstore.core.errors import KVTimeoutError, MissError, PeerUnavailableError
 from kvstore.core.layout import KVLayout
 from tests.integration.client_worker import digest, prompt_kv, prompt_tokens
 from tests.integration.conftest import LAYOUT, REPO, server_env, wait_for
@@ -191,6 +192,31 @@ def test_stalled_server_times_out_then_recovers(server, client_factory):
     assert client.lookup(prompt_tokens(3, 8)).matched_tokens == 8
     got = client.drop_select(prompt_tokens(3, 8))
     assert np.array_equal(got.kv.numpy(), prompt_kv(3, 8))
+
+
+def test_a_server_that_dies_holding_a_request_is_unavailable_at_once(server_factory,
+                                                                   client_factory):
+    """A request already in the ROUTER's connection when the server dies is lost with
+    the connection: ZeroMQ drops what a dead pipe holds, so no reply can ever come. The
+    caller hears that the server is gone as soon as the connection drops, not a
+    timeout at the end of its whole wait; a restarted server is reached again."""
+    srv = server_factory()
+    client = client_factory(srv, timeout_s=30.0, same_node=False)
+    client.insert(prompt_tokens(4, 8), prompt_kv(4, 8))
+    assert not client._rpc.local  # its requests go over the ROUTER
+    os.kill(srv.pid, signal.SIGSTOP)  # the request goes into a live connection...
+    killer = threading.Timer(0.5, os.kill, (srv.pid, signal.SIGKILL))  # ...that then dies
+    killer.start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(PeerUnavailableError, match="closed the connection while stats"):
+            client.stats()
+        assert time.monotonic() - start < 15.0  # of the 30 s it was allowed
+    finally:
+        killer.join()  # (a SIGKILL ends a stopped process too)
+    srv.proc.wait(10)
+    srv.start()
+    assert client.stats()["entries"] == 0  # the same channel, on the new process
 
 
 @pytest.mark.parametrize("same_node", [True, False])
