@@ -395,9 +395,9 @@ class Channel(Requests):
                 if dealer.poll(0, event):  # what came before the drop is still read
                     return
                 raise PeerUnavailableError(
-                    f"{self.address} closed the connection while {op} waited for its "
-                    "reply (the server stopped or restarted); the request may or may not "
-                    "have been carried out")
+                    f"the connection to {self.address} dropped while {op} waited for its "
+                    "reply (the server stopped or restarted, or a message was over a "
+                    "size limit); the request may or may not have been carried out")
 
     def _drain_monitor(self, monitor: zmq.Socket) -> None:
         while True:
