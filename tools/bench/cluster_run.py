@@ -153,13 +153,13 @@ def one_prompt(systems: dict[str, SystemProcs], samples: Samples, key: tuple, la
 
 
 def reps(opts: BenchOptions, nbytes: int) -> int:
-    """Runs at a point: as many as fit the budget of prompt bytes, within bounds. The
-    upper bound lets a small prompt, whose runs take milliseconds, run often enough
-    that its medians hold still between runs of the benchmark: the spread of a median
-    of 20 runs here was as wide as the targets' margins, and the raw-TE floor, the
-    best of several patterns' medians, gains from each one's noise."""
-    budget = opts.pick(8 * MiB, 1024 * MiB, 2048 * MiB)
-    return int(min(opts.pick(3, 60, 80), max(opts.pick(2, 5, 8), budget // nbytes)))
+    """Runs at a point: as many as fit the budget of prompt bytes, within bounds.
+    Enough that the medians hold still between runs of the benchmark: the median of
+    20 runs of a small prompt, or of 5 of a large one, moved here by as much as the
+    targets' margins, and the raw-TE floor, the best of several patterns' medians,
+    gains from each one's noise."""
+    budget = opts.pick(8 * MiB, 2048 * MiB, 2048 * MiB)
+    return int(min(opts.pick(3, 60, 80), max(opts.pick(2, 8, 8), budget // nbytes)))
 
 
 def ratios(rows: list[Row], keys: tuple[str, ...]) -> list[Row]:
