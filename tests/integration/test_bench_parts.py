@@ -1,6 +1,7 @@
 """tools/bench/parts.py runs on both data paths and reports every part; levers and prefault
 time every variant; put_split times every part of every case, room_run both copies in
-both cases, writeback_idle every case (no speeds asserted)."""
+both cases, writeback_idle every case, wake_place both placements (no speeds
+asserted)."""
 
 import pytest
 
@@ -81,3 +82,19 @@ def test_bench_writeback_idle_times_lookups_in_every_case():
     assert all(0 < r["p50"] <= r["p99"] <= r["max"] for r in result.values())
     assert result["off"]["rounds"] == 0
     assert result["under lock"]["rounds"] > 0 and result["shipped"]["rounds"] > 0
+
+
+def test_bench_wake_place_times_both_placements():
+    import os
+
+    from tools.bench.wake_place import MODES
+    from tools.bench.wake_place import run as wake_place
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs")
+    before = os.sched_getaffinity(0)
+    result = wake_place([1], reps=3, idle_s=0.001)  # every reply read whole, or it raises
+    assert os.sched_getaffinity(0) == before  # the reader's placement given back
+    assert list(result) == [1] and list(result[1]) == list(MODES)
+    for head, whole in result[1].values():
+        assert 0 < head <= whole
