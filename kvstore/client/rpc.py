@@ -6,7 +6,8 @@ After a timeout the socket is rebuilt, so requests queued for a dead server are
 discarded instead of being delivered to its successor minutes later.
 
 A monitor socket watches the connection: a refused CURVE handshake becomes an
-``AuthError`` at once instead of a silent timeout.
+``AuthError`` at once instead of a silent timeout, and a connection that drops while
+a call waits for its reply a ``PeerUnavailableError`` (its request was lost with it).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -244,10 +245,10 @@ class Channel(Requests):
         self._ctx = _Context()
         self._sock: _Socket | None = None  # None once closed
         self._handshake_error: Exception | None = None
-        # The connection is down (its last event a drop, not a new handshake). A call
-        # that sees this after its send has lost its request with the pipe (ZeroMQ
-        # drops what a dead pipe holds): no reply can come, so waiting on is a hang.
-        self._dropped = False
+        # The connection dropped since this call's send: its request went down with
+        # the pipe (ZeroMQ drops what a dead pipe holds), so no reply can come and
+        # waiting on would be a hang. (Set by the monitor's drain; cleared at a send.)
+        self._drop_seen = False
         self._open()
 
     def _open(self) -> None:
@@ -265,7 +266,7 @@ class Channel(Requests):
             sock.curve_serverkey = self.curve.server_public
         monitor = sock.get_monitor_socket(_EVENTS)
         self._handshake_error = None
-        self._dropped = False
+        self._drop_seen = False
         try:
             sock.connect(self.address)
         except zmq.ZMQError as exc:
@@ -289,6 +290,10 @@ class Channel(Requests):
             if sock is None:
                 raise PeerUnavailableError("client is closed")
             deadline = time.monotonic() + timeout
+            # Events from before this send are not its own (a drop, and the reconnect
+            # after it, between two calls): read them now, not as this call waits.
+            if cast(int, sock.monitor.get(zmq.EVENTS)) & zmq.POLLIN:
+                self._drain_monitor(sock.monitor)
             try:
                 try:  # the send queue is almost never full: no poll first
                     sock.dealer.send(frame, zmq.NOBLOCK)
@@ -296,6 +301,7 @@ class Channel(Requests):
                     self._wait(sock, zmq.POLLOUT, deadline, req.OP, sent=False,
                                timeout=timeout)
                     sock.dealer.send(frame, zmq.NOBLOCK)
+                self._drop_seen = False
                 if not wait_reply:
                     self._sent_one_way(frame_id, req.OP)
                     return None
@@ -391,7 +397,7 @@ class Channel(Requests):
                 return
             self._drain_monitor(sock.monitor)
             self._check_handshake()
-            if sent and self._dropped:
+            if sent and self._drop_seen:
                 if dealer.poll(0, event):  # what came before the drop is still read
                     return
                 raise PeerUnavailableError(
@@ -407,9 +413,7 @@ class Channel(Requests):
                 return
             event = msg["event"]
             if event == zmq.EVENT_DISCONNECTED:
-                self._dropped = True
-            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._dropped = False
+                self._drop_seen = True  # (a reconnect after it does not bring it back)
             elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self._handshake_error = AuthError(
                     f"{self.address} refused this client's CURVE key (not authorized)")
