@@ -6,8 +6,8 @@ Two processes on loopback, as a stream door reply crosses the transfer benchmark
 two namespaces on this machine (one kernel): the reader sends one byte; the sender,
 asleep in ``poll`` until then, answers with a 5 000-byte header and ``--mib`` MiB in
 one non-blocking ``sendmsg`` (the rest on ``POLLOUT``), as kvstore-server's door
-does; the reader takes the header with one ``recv`` and the rest with
-``MSG_WAITALL``. Each size runs twice: ``free`` (the scheduler places both
+does; the reader takes the first bytes with one ``recv`` (up to 64 KiB: the
+header's arrival) and the rest with ``MSG_WAITALL``. Each size runs twice: ``free`` (the scheduler places both
 processes) and ``apart`` (the sender on the first CPU this process may use, the
 reader on the second). Prints the median ms from the request to the header, and to
 the last byte, of each, after ``--idle-ms`` asleep before every round, as the
@@ -30,8 +30,10 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 MiB = 1 << 20
+REPO = Path(__file__).resolve().parents[2]  # the sender runs as ``-m`` from here
 HEADER = 5000
 MODES = ("free", "apart")
 
@@ -84,7 +86,8 @@ def measure(nbytes: int, mode: str, reps: int, idle_s: float) -> tuple[float, fl
             str(listener.getsockname()[1]), str(nbytes)]
     if mode == "apart":
         argv.append(str(cpus[0]))
-    proc = subprocess.Popen(argv)
+    proc = subprocess.Popen(argv, cwd=REPO)
+    conn = None
     try:
         listener.settimeout(30)
         conn, _ = listener.accept()
@@ -108,9 +111,10 @@ def measure(nbytes: int, mode: str, reps: int, idle_s: float) -> tuple[float, fl
                 got += n
             heads.append(head - start)
             wholes.append(time.perf_counter() - start)
-        conn.close()
     finally:
         os.sched_setaffinity(0, mine)
+        if conn is not None:
+            conn.close()  # the sender's poll sees the close: it ends
         listener.close()
         try:
             proc.wait(30)
@@ -121,7 +125,8 @@ def measure(nbytes: int, mode: str, reps: int, idle_s: float) -> tuple[float, fl
 
 
 def run(sizes_mib: list[float], reps: int, idle_s: float) -> dict[float, dict[str, tuple]]:
-    """{size in MiB: {mode: (header s, whole s)}}, the modes alternating."""
+    """{size in MiB: {mode: (header s, whole s)}}: each size's modes one after the
+    other, each in a sender process of its own."""
     return {mib: {mode: measure(int(mib * MiB), mode, reps, idle_s) for mode in MODES}
             for mib in sizes_mib}
 
