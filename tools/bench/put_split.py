@@ -23,76 +23,56 @@ over warm.
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
-import tempfile
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
 
-from tests.integration.conftest import ServerFactory
 from tools.bench.cluster_worker import LAYOUTS, time_calls
+from tools.bench.same_node import SWEEP, MiB, evict_whole, new_prompt, writer_beside_a_server
 
-MiB = 1 << 20
 CASES = ("warm", "idle", "asleep", "swept")
 PARTS = ("keys", "copy", "put", "other", "insert")
-SWEEP = 64 * MiB  # more than this machine's last-level cache
 
 
 def run(layout_name: str, ntokens: int, reps: int, idle_s: float
         ) -> dict[str, dict[str, list[float]]]:
     """{case: {part: [ms of each rep]}}."""
-    from kvstore.client.client import KVStoreClient
-
     layout = LAYOUTS[layout_name]
     nbytes = layout.nbytes(ntokens)
-    base = Path(tempfile.mkdtemp(prefix="bench-put-split-"))
-    servers = ServerFactory(base)
     times: dict[str, dict[str, list[float]]] = {case: defaultdict(list) for case in CASES}
-    try:
-        # Every prompt evicted after its round: the arena never fills.
-        srv = servers(dram=str(max(64 * MiB, 8 * nbytes)), nvme="0",
-                      block_tokens=layout.block_tokens, reservation_lease=60, read_lease=60)
-        split: dict[str, float] = {}
-        with KVStoreClient(srv.address, layout=layout, timeout_s=60) as writer:
-            time_calls(writer, "_prompt", "keys", split)
-            time_calls(writer, "_call", "put", split)
-            time_calls(writer._data, "write", "copy", split)
-            time_calls(writer._data, "write_run", "copy", split)  # (a room's flat bytes)
-            kv = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
-            sweep = np.ones(SWEEP, np.uint8)
-            serial = 0
-            for rep in range(reps + 5):  # the first 5: warm-up, not counted
-                turn = rep % len(CASES)
-                for case in CASES[turn:] + CASES[:turn]:
-                    serial += 1
-                    tokens = (np.arange(ntokens) + serial * ntokens) % 50_000
-                    if case in ("idle", "asleep"):
-                        time.sleep(idle_s)
-                    if case in ("idle", "swept"):
-                        sweep.sum()
-                    kv[:8] = serial % 256  # the producer's new KV for each prompt
-                    split.clear()
-                    start = time.perf_counter()
-                    res = writer.insert(tokens, kv=kv)
-                    whole = time.perf_counter() - start
-                    took = dict(split)  # (keys_for below goes through _prompt too)
-                    keys = writer.keys_for(tokens)
-                    if res.new_blocks != len(keys):
-                        raise RuntimeError(f"prompt {serial} was not stored whole: {res}")
-                    writer.evict(keys=keys)
-                    if rep < 5:
-                        continue
-                    parts = {"keys": took.get("keys", 0.0), "copy": took.get("copy", 0.0),
-                             "put": took.get("put", 0.0), "insert": whole}
-                    parts["other"] = whole - parts["keys"] - parts["copy"] - parts["put"]
-                    for part, seconds in parts.items():
-                        times[case][part].append(seconds * 1e3)
-    finally:
-        servers.stop_all()
-        shutil.rmtree(base, ignore_errors=True)
+    split: dict[str, float] = {}
+    with writer_beside_a_server(layout, nbytes, "bench-put-split-") as writer:
+        time_calls(writer, "_prompt", "keys", split)
+        time_calls(writer, "_call", "put", split)
+        time_calls(writer._data, "write", "copy", split)
+        time_calls(writer._data, "write_run", "copy", split)  # (a room's flat bytes)
+        kv = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+        sweep = np.ones(SWEEP, np.uint8)
+        serial = 0
+        for rep in range(reps + 5):  # the first 5: warm-up, not counted
+            turn = rep % len(CASES)
+            for case in CASES[turn:] + CASES[:turn]:
+                serial += 1
+                tokens = new_prompt(kv, ntokens, serial)
+                if case in ("idle", "asleep"):
+                    time.sleep(idle_s)
+                if case in ("idle", "swept"):
+                    sweep.sum()
+                split.clear()
+                start = time.perf_counter()
+                res = writer.insert(tokens, kv=kv)
+                whole = time.perf_counter() - start
+                took = dict(split)  # (keys_for below goes through _prompt too)
+                evict_whole(writer, tokens, res, serial)
+                if rep < 5:
+                    continue
+                parts = {"keys": took.get("keys", 0.0), "copy": took.get("copy", 0.0),
+                         "put": took.get("put", 0.0), "insert": whole}
+                parts["other"] = whole - parts["keys"] - parts["copy"] - parts["put"]
+                for part, seconds in parts.items():
+                    times[case][part].append(seconds * 1e3)
     return times
 
 

@@ -21,37 +21,29 @@ entry / one call: above 1, the one call is faster).
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tests.integration.conftest import ServerFactory
 from tools.bench.cluster_worker import LAYOUTS
+from tools.bench.same_node import SWEEP, MiB, evict_whole, new_prompt, writer_beside_a_server
 
-MiB = 1 << 20
 VARIANTS = ("one call", "per entry")
 CASES = ("warm", "idle")
-SWEEP = 64 * MiB  # more than this machine's last-level cache
 
 
 def run(layout_name: str, ntokens: int, reps: int, idle_s: float
         ) -> dict[str, dict[str, list[float]]]:
     """{case: {variant: [ms of each round]}}."""
     from kvstore.client import datapath, shm
-    from kvstore.client.client import KVStoreClient
 
     if shm.SCATTER_RUN is None:
         raise RuntimeError("kvstore.client._ntcopy was built without scatter_run "
                            "(no xxhash.h): nothing to compare")
     layout = LAYOUTS[layout_name]
     nbytes = layout.nbytes(ntokens)
-    base = Path(tempfile.mkdtemp(prefix="bench-room-run-"))
-    servers = ServerFactory(base)
     times: dict[str, dict[str, list[float]]] = {c: {v: [] for v in VARIANTS} for c in CASES}
     one_call, copy_run = shm.SCATTER_RUN, datapath.copy_run
     ran: list[bool] = []  # each copy_run of an insert: whether it copied (not None)
@@ -64,9 +56,7 @@ def run(layout_name: str, ntokens: int, reps: int, idle_s: float
 
     datapath.copy_run = counted
     try:
-        srv = servers(dram=str(max(64 * MiB, 8 * nbytes)), nvme="0",
-                      block_tokens=layout.block_tokens, reservation_lease=60, read_lease=60)
-        with KVStoreClient(srv.address, layout=layout, timeout_s=60) as writer:
+        with writer_beside_a_server(layout, nbytes, "bench-room-run-") as writer:
             call = writer._call
 
             def recorded(req: Any, *args: Any, **kwargs: Any) -> Any:
@@ -82,31 +72,25 @@ def run(layout_name: str, ntokens: int, reps: int, idle_s: float
                     for variant in VARIANTS if (rnd // 2) % 2 else VARIANTS[::-1]:
                         serial += 1
                         shm.SCATTER_RUN = one_call if variant == "one call" else None
-                        tokens = (np.arange(ntokens) + serial * ntokens) % 50_000
+                        tokens = new_prompt(kv, ntokens, serial)
                         if case == "idle":
                             time.sleep(idle_s)
                             sweep.sum()
-                        kv[:8] = serial % 256  # the producer's new KV for each prompt
                         ran.clear()
                         ops.clear()
                         start = time.perf_counter()
                         res = writer.insert(tokens, kv=kv)
                         took = time.perf_counter() - start
                         how = (list(ops), list(ran))
-                        keys = writer.keys_for(tokens)
-                        if res.new_blocks != len(keys):
-                            raise RuntimeError(f"prompt {serial} was not stored whole: {res}")
                         if rnd >= 3 and how != (["put"], [variant == "one call"]):
                             raise RuntimeError(f"prompt {serial} ({variant}) was not one put "
                                                f"through that copy: requests {how[0]}, "
                                                f"copy_run copied {how[1]}")
-                        writer.evict(keys=keys)
+                        evict_whole(writer, tokens, res, serial)
                         if rnd >= 3:
                             times[case][variant].append(took * 1e3)
     finally:
         shm.SCATTER_RUN, datapath.copy_run = one_call, copy_run
-        servers.stop_all()
-        shutil.rmtree(base, ignore_errors=True)
     return times
 
 
