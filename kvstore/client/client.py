@@ -505,9 +505,9 @@ class KVStoreClient:
         ``room``: copy every entry into it back to back, page by page, then one
         ``Put``. The bytes: ``data``, the entries from ``skip`` on back to back, or
         (``data`` None) ``buffers``, one per entry from ``skip`` on (None while
-        ``data`` is given: made here if the one-call copy cannot be used). Raises ``LeaseExpiredError`` / ``NotFoundError``
-        when the server no longer holds the room or lacks a skipped block (``insert``
-        then reserves)."""
+        ``data`` is given: made here if the one-call copy cannot be used). Raises
+        ``LeaseExpiredError`` / ``NotFoundError`` when the server no longer holds the
+        room or lacks a skipped block (``insert`` then reserves)."""
         try:
             seg = room.segment  # (not this moment's: _Room.segment)
             start = time.perf_counter()

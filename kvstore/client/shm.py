@@ -254,8 +254,9 @@ def copy_run(shm: np.ndarray, start: int, data: np.ndarray, page: int, sizes: li
     ``_room_layout`` in the client); returns their offsets from ``start`` and their
     checksums. Every entry must fit ``shm`` (``ValueError``, nothing copied).
     ``copy_in``'s work without a view and a placement per entry: one ``SCATTER_RUN``
-    per thread's share (``threads`` as for ``copy_in``). None, nothing copied, where the extension does not have it (or
-    ``python_loops`` is on): the caller then uses ``copy_in``."""
+    per thread's share (``threads`` as for ``copy_in``). None, nothing copied, where
+    the extension does not have it (or ``python_loops`` is on): the caller then uses
+    ``copy_in``."""
     run = SCATTER_RUN
     if run is None or SCATTER is None:
         return None

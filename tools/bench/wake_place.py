@@ -7,11 +7,11 @@ two namespaces on this machine (one kernel): the reader sends one byte; the send
 asleep in ``poll`` until then, answers with a 5 000-byte header and ``--mib`` MiB in
 one non-blocking ``sendmsg`` (the rest on ``POLLOUT``), as kvstore-server's door
 does; the reader takes the first bytes with one ``recv`` (up to 64 KiB: the
-header's arrival) and the rest with ``MSG_WAITALL``. Each size runs twice: ``free`` (the scheduler places both
-processes) and ``apart`` (the sender on the first CPU this process may use, the
-reader on the second). Prints the median ms from the request to the header, and to
-the last byte, of each, after ``--idle-ms`` asleep before every round, as the
-benchmark's processes idle between gets.
+header's arrival) and the rest with ``MSG_WAITALL``. Each size runs twice: ``free``
+(the scheduler places both processes) and ``apart`` (the sender on the first CPU
+this process may use, the reader on the second). Prints the median ms from the
+request to the header, and to the last byte, of each, after ``--idle-ms`` asleep
+before every round, as the benchmark's processes idle between gets.
 
 A wake-up by a socket's data is a "sync" wake-up: the kernel may run the woken
 reader on the waker's CPU, expecting the waker to sleep soon. A sender in the middle
